@@ -1,0 +1,217 @@
+"""The boundary types that cut the engine (seed: テキスト推論データフロー).
+
+Structs only, no logic: every type here crosses a process boundary as
+msgpack (`array_like`, `omit_defaults`). Scheduler -> runner types carry
+diffs (`CachedRequestData`) so per-step IPC stays small.
+
+    EngineCoreRequest   frontend      -> engine core
+    SchedulerOutput     scheduler     -> executor / runner
+    ModelRunnerOutput   runner        -> scheduler
+    EngineCoreOutputs   engine core   -> frontend
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from paged.multimodal.inputs import MultiModalFeatureSpec
+from paged.scheduler.sampling_params import SamplingParams
+
+# Block ids per KV cache group: one list per group, in group order.
+BlockIdsPerGroup = tuple[list[int], ...]
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished, as reported to the frontend."""
+
+    STOP = 0  # EOS, a stop token id, or a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # aborted by the client or the engine
+    ERROR = 3  # failed inside the engine (e.g. NaN logits, KV load error)
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Per-request instructions for a KV connector (prefill/decode disaggregation).
+
+    `do_remote_decode`: this instance prefills and keeps the blocks for a
+    remote decoder to pull. `do_remote_prefill`: this instance decodes and
+    first loads KV computed elsewhere (`remote_*` say from where).
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_num_tokens: int | None = None
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """A validated, tokenized request as the engine core receives it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    mm_features: list[MultiModalFeatureSpec] | None = None
+    lora_request: str | None = None  # LoRA adapter name; enters every block hash
+    cache_salt: str | None = None  # enters the first block's hash only
+    priority: int = 0  # lower value = scheduled earlier (priority policy)
+    client_index: int = 0  # which frontend client gets the outputs
+    kv_transfer_params: KVTransferParams | None = None
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """A request scheduled for the first time (or again after preemption): all its data."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: BlockIdsPerGroup
+    num_computed_tokens: int
+    mm_features: list[MultiModalFeatureSpec] | None = None
+    lora_request: str | None = None
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Deltas for requests the runner already holds, as parallel lists indexed by position.
+
+    `new_token_ids[i]` is only filled when the runner cannot know the tokens
+    itself (e.g. pipeline parallel or a request resumed from preemption);
+    otherwise the runner appends its own sampled tokens. `new_block_ids[i]` is
+    `None` when no block was added. For a resumed request, `new_block_ids[i]`
+    replaces the runner's block table instead of extending it.
+    """
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    resumed_from_preemption: list[bool] = msgspec.field(default_factory=list)
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    new_block_ids: list[BlockIdsPerGroup | None] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    num_output_tokens: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """What the runner must do this step.
+
+    `num_scheduled_tokens[req_id]` tokens are computed for each scheduled
+    request (prefill chunk or decode, the unified compute model).
+    `scheduled_encoder_inputs[req_id]` lists indices into the request's
+    `mm_features` whose encoder runs this step. Connector metadata is opaque
+    bytes built by a connector's scheduler side and decoded by its worker side.
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    scheduled_encoder_inputs: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    num_common_prefix_blocks: list[int] = msgspec.field(default_factory=list)
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+    free_encoder_mm_hashes: list[str] = msgspec.field(default_factory=list)
+    kv_connector_metadata: bytes | None = None
+    ec_connector_metadata: bytes | None = None
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, frozen=True):
+    """Logprobs for a run of positions, as plain lists.
+
+    Row i belongs to position i. Column 0 is the chosen (sampled or prompt)
+    token, columns 1.. are the top-k alternatives in descending order.
+    `ranks[i]` is the chosen token's rank in the full distribution (1 = best).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """What a worker-side KV connector reports back after a step."""
+
+    finished_sending: list[str] = msgspec.field(default_factory=list)
+    finished_recving: list[str] = msgspec.field(default_factory=list)
+    invalid_block_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """The runner's answer to one `SchedulerOutput`; plain lists, never tensors.
+
+    `sampled_token_ids[i]` belongs to `req_ids[i]`: empty for a partial prefill
+    chunk (nothing sampled), one token for a normal step, several with
+    speculative decoding (accepted drafts plus the bonus token).
+    `logprobs[req_id]` covers the sampled tokens; `prompt_logprobs[req_id]`
+    covers the prompt positions computed this step.
+    `num_nans_in_logits[req_id] > 0` reports NaN logits (the request fails).
+    """
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    sampled_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    num_nans_in_logits: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Prefix-cache lookups since the last report, in tokens."""
+
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """A snapshot of the scheduler, attached to each `EngineCoreOutputs`."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
+    num_preempted_reqs: int = 0  # preemptions since the last report
+    num_scheduled_tokens: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """New results for one request in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    # The stop token id or stop string that finished the request, if any.
+    stop_reason: int | str | None = None
+    # Human-readable detail for ABORT/ERROR finishes (e.g. "prompt too long").
+    finish_detail: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """One batch of outputs for one frontend client."""
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    engine_index: int = 0
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    finished_requests: list[str] | None = None
