@@ -26,7 +26,9 @@ _GREEDY_TEMPERATURE = 1e-5
 DEFAULT_MAX_LOGPROBS = 20
 
 
-class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, kw_only=True):
+class SamplingParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, kw_only=True
+):
     """Sampling and stopping parameters, with vLLM's names and defaults.
 
     `top_k`: 0 or -1 disables it (vLLM accepts both). `max_tokens=None` means
@@ -93,7 +95,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
             f"must be > 0, got {self.repetition_penalty}",
         )
         if self.max_tokens is not None:
-            _require(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+            _require(
+                self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}"
+            )
         _require(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None:
             _require(

@@ -1,0 +1,34 @@
+"""Importing `paged.server` in a fresh interpreter loads only what the package may depend on."""
+
+import json
+import subprocess
+import sys
+
+FORBIDDEN = ["uvicorn"]
+
+
+def _modules_loaded_by(import_stmt: str) -> set[str]:
+    code = f"{import_stmt}; import json, sys; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300
+    ).stdout
+    return set(json.loads(out.strip().splitlines()[-1]))
+
+
+def test_import_loads_no_forbidden_module() -> None:
+    loaded = _modules_loaded_by("import paged.server")
+    assert "paged.server" in loaded
+    offending = sorted(m for m in loaded if any(m == f or m.startswith(f + ".") for f in FORBIDDEN))
+    assert offending == [], f"paged.server loaded {offending}"
+
+
+def test_import_does_not_initialise_cuda() -> None:
+    code = (
+        "import paged.server, sys; "
+        'torch = sys.modules.get("torch"); '
+        "print(bool(torch and torch.cuda.is_initialized()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=300
+    ).stdout
+    assert out.strip().splitlines()[-1] == "False"
