@@ -1,0 +1,53 @@
+"""Attention metadata and the forward context, passed explicitly to the model.
+
+There is no global forward context: the model runner builds one
+`ForwardContext` per step and hands it to `model.forward`, which passes it to
+each attention layer.
+
+Layout of one step's flattened batch of T tokens from R requests:
+
+    query_start_loc  [0, q0, q0+q1, ..., T]   (int32, R+1)
+    seq_lens         [s0, s1, ...]            (int32, R)   tokens in the sequence after this step
+    block_table      [R, M] int32             physical block ids per request
+    slot_mapping     [T] int64                block_id * block_size + offset, -1 = padding (skip)
+
+Request r's q_r new tokens are the last q_r of its s_r tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout, tensors on the model's device (see the module docstring)."""
+
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass needs besides the token ids and positions.
+
+    attn_metadata None (and kv_caches empty) means a profiling or warm-up run
+    without a KV cache: attention is then computed causally over each call's
+    tokens treated as one sequence.
+    kv_caches[i] belongs to the i-th attention layer, in the order of the
+    model's `kv_cache_specs()`.
+    """
+
+    attn_metadata: AttentionMetadata | None
+    kv_caches: list[torch.Tensor] = field(default_factory=list)

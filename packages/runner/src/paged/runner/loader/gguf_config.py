@@ -1,0 +1,126 @@
+"""GGUF metadata -> Hugging Face config.
+
+A GGUF file carries its hyper-parameters as `<arch>.<key>` metadata
+(llama.cpp naming). This module opens the file with the `gguf` package,
+turning every parse failure into one ValueError that names the file, and maps
+the metadata of the supported architectures onto the matching transformers
+config class so that the rest of paged sees one kind of config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+# GGUF `general.architecture` -> (HF architecture name, HF model_type).
+# llama.cpp writes Mistral and SmolLM checkpoints as "llama".
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """Parse a GGUF file; a missing, truncated or foreign file raises a ValueError."""
+    if not path.is_file():
+        raise ValueError(f"model: GGUF file {str(path)!r} does not exist")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises assorted errors on bad files
+        raise ValueError(
+            f"model: {str(path)!r} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+            "the file may be truncated or not GGUF: re-download or re-convert it"
+        ) from exc
+
+
+def field_value(reader: gguf.GGUFReader, key: str) -> Any:
+    """The value of metadata `key` (scalars as Python numbers/strings), or None if absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()
+
+
+def gguf_architecture(reader: gguf.GGUFReader, path: Path) -> str:
+    """The HF architecture name for the file (ValueError naming the supported ones)."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(sorted(GGUF_ARCHITECTURES))
+        raise ValueError(
+            f"model: GGUF file {str(path)!r} has architecture {arch!r}, which paged does not "
+            f"support; supported GGUF architectures: {supported}"
+        )
+    return GGUF_ARCHITECTURES[arch][0]
+
+
+def _require(reader: gguf.GGUFReader, key: str, path: Path) -> Any:
+    value = field_value(reader, key)
+    if value is None:
+        raise ValueError(f"model: GGUF file {str(path)!r} lacks metadata key {key!r}")
+    return value
+
+
+def gguf_to_hf_config(reader: gguf.GGUFReader, path: Path) -> Any:
+    """Build the transformers config (LlamaConfig, Qwen2Config, ...) the file describes."""
+    from transformers import AutoConfig
+
+    hf_arch = gguf_architecture(reader, path)
+    arch = field_value(reader, "general.architecture")
+    model_type = GGUF_ARCHITECTURES[arch][1]
+
+    def req(key: str) -> Any:
+        return _require(reader, f"{arch}.{key}", path)
+
+    def opt(key: str) -> Any:
+        return field_value(reader, f"{arch}.{key}")
+
+    hidden = int(req("embedding_length"))
+    num_heads = int(req("attention.head_count"))
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    vocab_size = opt("vocab_size")
+    if vocab_size is None:
+        if tokens is None:
+            raise ValueError(f"model: GGUF file {str(path)!r} has neither vocab_size nor tokens")
+        vocab_size = len(tokens)
+    head_dim = opt("attention.key_length") or hidden // num_heads
+    rope_parameters: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(opt("rope.freq_base") or 10000.0),
+    }
+    scaling_type = opt("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        if scaling_type != "linear":
+            raise ValueError(
+                f"model: GGUF rope scaling {scaling_type!r} in {str(path)!r} is not supported "
+                "(supported: linear); use the Hugging Face checkpoint instead"
+            )
+        rope_parameters["rope_type"] = "linear"
+        rope_parameters["factor"] = float(req("rope.scaling.factor"))
+    tensor_names = {t.name for t in reader.tensors}
+    kwargs: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "vocab_size": int(vocab_size),
+        "hidden_size": hidden,
+        "intermediate_size": int(req("feed_forward_length")),
+        "num_hidden_layers": int(req("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(opt("attention.head_count_kv") or num_heads),
+        "head_dim": int(head_dim),
+        "max_position_embeddings": int(req("context_length")),
+        "rms_norm_eps": float(req("attention.layer_norm_rms_epsilon")),
+        "rope_parameters": rope_parameters,
+        # llama.cpp omits output.weight when the LM head shares the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field_value(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": field_value(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    if model_type == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    sliding_window = opt("attention.sliding_window")
+    if sliding_window:
+        kwargs["sliding_window"] = int(sliding_window)
+    return AutoConfig.for_model(model_type, **kwargs)

@@ -1,0 +1,50 @@
+"""The model protocol the runner drives.
+
+A model takes one step's flattened tokens (all requests concatenated, no
+padding dimension) with their positions and a `ForwardContext`, and returns
+hidden states; logits are computed separately and only for the rows that are
+sampled, which saves the LM head on prefill tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from paged.runner.attention.metadata import ForwardContext
+    from paged.runner.config import ModelConfig
+
+# Tightened to paged.kvcache.KVCacheSpec once paged.kvcache exports it.
+KVCacheSpecLike = Any
+
+
+class CausalLM(Protocol):
+    """A decoder-only language model.
+
+    forward: input_ids [T] int64, positions [T] int64 -> hidden [T, H] in the
+      model dtype. Writes this step's K/V into ctx.kv_caches (one tensor per
+      attention layer, layout [2, num_blocks, block_size, Hkv, D]) at
+      ctx.attn_metadata.slot_mapping before attending.
+    compute_logits: hidden [N, H] -> logits [N, V] float32 (V = the true vocab
+      size, padding from vocab-parallel sharding removed).
+    kv_cache_specs: layer name -> KV cache spec, in layer order;
+      ctx.kv_caches[i] belongs to the i-th entry.
+    """
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+    def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpecLike]: ...
+
+
+class CausalLMClass(Protocol):
+    """A model class: built from the config for one tensor-parallel rank."""
+
+    def __call__(
+        self, model_config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1
+    ) -> CausalLM: ...
