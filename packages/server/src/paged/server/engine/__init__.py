@@ -1,0 +1,1 @@
+"""paged.server.engine: the engine core, its process loop, and the clients that reach it."""

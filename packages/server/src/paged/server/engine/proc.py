@@ -1,0 +1,288 @@
+"""`EngineCoreProc`: the engine core in its own process, driven by a busy loop.
+
+Three threads share the work so that socket I/O and msgpack overlap with the
+model (numpy, torch and ZMQ release the GIL):
+
+    input thread   DEALER socket -> decode -> input queue
+    main thread    input queue -> EngineCore (add/abort/utility) -> run_step() -> output queue
+    output thread  output queue -> encode -> PUSH socket
+
+Startup: the process connects both sockets, builds the engine core and sends
+one `EngineHandshake` on the input pair, `ok=False` with the error when
+building failed (bad model path, out of memory, ...), so the frontend raises
+one clear `EngineStartupError` instead of waiting forever.
+
+Exit: a SHUTDOWN message, the death of the frontend process (checked while
+idle), or SIGTERM. A crash inside the loop is reported as ENGINE_ERROR before
+the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from paged.scheduler.boundary import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from paged.server.engine.interfaces import EngineCoreFactory, EngineCoreLike
+from paged.server.engine.messages import (
+    EngineCoreOutputType,
+    EngineCoreRequestType,
+    EngineErrorMessage,
+    EngineHandshake,
+    UtilityCall,
+    UtilityResult,
+)
+from paged.server.engine.serial import Frame, MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+# How often idle waits wake up to check that the frontend is still alive.
+_POLL_S = 0.1
+# How long closing sockets may wait to flush queued messages.
+_LINGER_MS = 2000
+
+_Output = tuple[EngineCoreOutputType, object]
+_STOP = object()
+
+
+class _UtilityOutcome(msgspec.Struct, frozen=True):
+    """A utility call's result or error, encoded by the output thread."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreProc:
+    """Runs one `EngineCoreLike` against a DEALER input and a PUSH output socket."""
+
+    def __init__(
+        self, core: EngineCoreLike, input_socket: zmq.Socket[Any], output_socket: zmq.Socket[Any]
+    ):
+        self.core = core
+        self._input_socket = input_socket
+        self._output_socket = output_socket
+        self._input_queue: queue.Queue[tuple[EngineCoreRequestType, object]] = queue.Queue()
+        self._output_queue: queue.Queue[_Output | object] = queue.Queue()
+        self._stop_input = threading.Event()
+        self._shutdown_requested = False
+
+    # ---- lifecycle ---------------------------------------------------------
+    def run(self) -> None:
+        """Run until shutdown; a crash is reported to the frontend and re-raised."""
+        input_thread = threading.Thread(
+            target=self._input_loop, name="EngineCoreInput", daemon=True
+        )
+        output_thread = threading.Thread(
+            target=self._output_loop, name="EngineCoreOutput", daemon=True
+        )
+        input_thread.start()
+        output_thread.start()
+        try:
+            self._busy_loop()
+        except BaseException as exc:
+            logger.exception("engine core loop crashed")
+            message = f"engine core crashed: {type(exc).__name__}: {exc}"
+            error = EngineErrorMessage(message=message, traceback=traceback.format_exc())
+            self._output_queue.put((EngineCoreOutputType.ENGINE_ERROR, error))
+            raise
+        finally:
+            try:
+                self.core.shutdown()
+            finally:
+                self._output_queue.put(_STOP)
+                output_thread.join(timeout=_LINGER_MS / 1000)
+                self._stop_input.set()
+                input_thread.join(timeout=1.0)
+
+    def _busy_loop(self) -> None:
+        while not self._shutdown_requested:
+            self._process_input_queue()
+            if self._shutdown_requested:
+                break
+            for client_index, outputs in self.core.run_step().items():
+                if client_index != 0:
+                    # One frontend per engine here: outputs for other indices
+                    # still go to it rather than being dropped.
+                    logger.debug(
+                        "outputs for client %d sent on the only output socket", client_index
+                    )
+                self._output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))
+
+    def _process_input_queue(self) -> None:
+        """Block while idle (checking the frontend is alive); then drain the queue."""
+        if not self.core.has_work():
+            while True:
+                try:
+                    item = self._input_queue.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if not _parent_alive():
+                        logger.warning("frontend process is gone; engine core exits")
+                        self._shutdown_requested = True
+                        return
+                    continue
+                self._handle(*item)
+                break
+        while not self._shutdown_requested:
+            try:
+                item = self._input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(*item)
+
+    def _handle(self, kind: EngineCoreRequestType, payload: object) -> None:
+        if kind is EngineCoreRequestType.ADD:
+            assert isinstance(payload, EngineCoreRequest)
+            self._add_request(payload)
+        elif kind is EngineCoreRequestType.ABORT:
+            assert isinstance(payload, list)
+            self.core.abort_requests(payload)
+        elif kind is EngineCoreRequestType.UTILITY:
+            assert isinstance(payload, UtilityCall)
+            self._output_queue.put(
+                (EngineCoreOutputType.UTILITY_RESULT, self._run_utility(payload))
+            )
+        elif kind is EngineCoreRequestType.SHUTDOWN:
+            self._shutdown_requested = True
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:
+            # The frontend waits for this request: finish it with the reason.
+            failed = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                finish_detail=str(exc),
+            )
+            outputs = EngineCoreOutputs(outputs=[failed], finished_requests=[request.request_id])
+            self._output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))
+
+    def _run_utility(self, call: UtilityCall) -> _UtilityOutcome:
+        try:
+            result = self.core.call_utility(call.method, call.args)
+        except Exception as exc:
+            return _UtilityOutcome(call.call_id, error=f"{type(exc).__name__}: {exc}")
+        return _UtilityOutcome(call.call_id, result=result)
+
+    # ---- I/O threads -------------------------------------------------------
+    def _input_loop(self) -> None:
+        decoders: dict[EngineCoreRequestType, MsgpackDecoder[Any]] = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityCall),
+        }
+        sock = self._input_socket
+        while not self._stop_input.is_set():
+            if not sock.poll(int(_POLL_S * 1000)):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            try:
+                kind = EngineCoreRequestType(frames[0].bytes)
+                if kind is EngineCoreRequestType.SHUTDOWN:
+                    payload: object = None
+                else:
+                    payload = decoders[kind].decode([f.buffer for f in frames[1:]])
+            except (ValueError, KeyError, msgspec.DecodeError):
+                logger.exception("dropping a malformed message from the frontend")
+                continue
+            self._input_queue.put((kind, payload))
+
+    def _output_loop(self) -> None:
+        encoder = MsgpackEncoder()
+        sock = self._output_socket
+        while True:
+            item = self._output_queue.get()
+            if item is _STOP:
+                return
+            assert isinstance(item, tuple)
+            kind, payload = item
+            frames = _encode_output(encoder, payload)
+            sock.send_multipart([kind.value, *frames], copy=False)
+
+
+def _encode_output(encoder: MsgpackEncoder, payload: object) -> list[Frame]:
+    if isinstance(payload, _UtilityOutcome):
+        # The result travels as raw msgpack; its out-of-band buffers become
+        # the message's trailing frames, so their indices stay valid.
+        result_frames = encoder.encode(payload.result)
+        wrapped = UtilityResult(
+            call_id=payload.call_id, result=msgspec.Raw(result_frames[0]), error=payload.error
+        )
+        return [encoder.encode(wrapped)[0], *result_frames[1:]]
+    return encoder.encode(payload)
+
+
+def _parent_alive() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
+
+
+def _close(sock: zmq.Socket[Any]) -> None:
+    sock.close(linger=_LINGER_MS)
+
+
+def run_engine_core(
+    core_factory: EngineCoreFactory, input_address: str, output_address: str, identity: bytes
+) -> None:
+    """Entry point of the engine process (target of a `spawn` `Process`)."""
+    # Ctrl-C reaches the whole process group; the frontend decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    ctx = zmq.Context()
+    input_socket = ctx.socket(zmq.DEALER)
+    input_socket.setsockopt(zmq.IDENTITY, identity)
+    input_socket.connect(input_address)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.connect(output_address)
+    encoder = MsgpackEncoder()
+    exit_code = 0
+    try:
+        try:
+            core = core_factory()
+        except BaseException as exc:
+            logger.exception("engine core failed to start")
+            failed = EngineHandshake(
+                ok=False,
+                pid=os.getpid(),
+                error_type=type(exc).__name__,
+                error_message=str(exc),
+                traceback=traceback.format_exc(),
+            )
+            input_socket.send_multipart(
+                [EngineCoreRequestType.HANDSHAKE.value, *encoder.encode(failed)]
+            )
+            exit_code = 1
+            return
+        ready = EngineHandshake(ok=True, pid=os.getpid(), info=core.info)
+        input_socket.send_multipart([EngineCoreRequestType.HANDSHAKE.value, *encoder.encode(ready)])
+        try:
+            EngineCoreProc(core, input_socket, output_socket).run()
+        except BaseException:
+            exit_code = 1
+    finally:
+        _close(input_socket)
+        _close(output_socket)
+        ctx.term()
+        if exit_code:
+            sys.exit(exit_code)
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -1,0 +1,164 @@
+"""Shared fixtures for paged.server engine tests.
+
+`FakeCore` is an `EngineCoreLike` with scripted behaviour (no model), used to
+test the process loop and the clients. It lives here, at module level, so
+that the `spawn`ed engine process can unpickle a factory that refers to it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from paged.scheduler.boundary import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+from paged.scheduler.sampling_params import SamplingParams
+from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
+
+
+class FakeCore:
+    """Emits token `prompt[-1] + k` at its k-th step for each request, then finishes.
+
+    `fail_on_init` raises at construction (as a bad model path would);
+    `crash_after_steps` raises inside `run_step` after that many steps;
+    `step_sleep_s` makes each step take that long.
+    """
+
+    def __init__(
+        self,
+        fail_on_init: bool = False,
+        crash_after_steps: int | None = None,
+        step_sleep_s: float = 0.0,
+    ) -> None:
+        if fail_on_init:
+            raise FileNotFoundError("model path '/no/such/model' does not exist")
+        self._crash_after = crash_after_steps
+        self._sleep = step_sleep_s
+        self._requests: dict[str, tuple[EngineCoreRequest, int]] = {}
+        self._aborted: list[str] = []
+        self.num_steps = 0
+        self.added = 0
+        self.aborted = 0
+
+    @property
+    def info(self) -> EngineCoreInfo:
+        return EngineCoreInfo(
+            num_gpu_blocks=7, block_size=16, max_model_len=128, kv_cache_memory_bytes=1 << 20
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if not request.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self._requests[request.request_id] = (request, 0)
+        self.added += 1
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            if self._requests.pop(rid, None) is not None:
+                self.aborted += 1
+
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def run_step(self) -> dict[int, EngineCoreOutputs]:
+        self.num_steps += 1
+        if self._crash_after is not None and self.num_steps > self._crash_after:
+            raise RuntimeError("simulated failure inside a step")
+        if self._sleep:
+            time.sleep(self._sleep)
+        outs: list[EngineCoreOutput] = []
+        for rid, (req, done) in list(self._requests.items()):
+            token = req.prompt_token_ids[-1] + done
+            max_tokens = req.sampling_params.max_tokens or 1
+            finished = done + 1 >= max_tokens
+            reason = FinishReason.LENGTH if finished else None
+            outs.append(EngineCoreOutput(rid, [token], finish_reason=reason))
+            if finished:
+                del self._requests[rid]
+            else:
+                self._requests[rid] = (req, done + 1)
+        if not outs:
+            return {}
+        stats = SchedulerStats(num_running_reqs=len(self._requests))
+        return {0: EngineCoreOutputs(outputs=outs, scheduler_stats=stats, timestamp=time.time())}
+
+    def call_utility(self, method: str, args: Sequence[Any]) -> object:
+        if method not in UTILITY_RESULT_TYPES:
+            raise ValueError(f"unknown utility {method!r}")
+        if method == "get_stats":
+            return EngineCoreStats(
+                num_steps=self.num_steps,
+                num_model_steps=self.num_steps,
+                num_requests_added=self.added,
+                num_requests_aborted=self.aborted,
+                num_gpu_blocks=7,
+            )
+        if method == "get_num_unfinished_requests":
+            return len(self._requests)
+        if method == "get_info":
+            return self.info
+        if method == "is_healthy":
+            return True
+        if method == "reset_prefix_cache":
+            if args and args[0] == "raise":
+                raise RuntimeError("cannot reset while requests run")
+            return True
+        raise AssertionError(method)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 3) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        eos_token_id=None,
+        arrival_time=time.time(),
+    )
+
+
+def array_of(n: int) -> np.ndarray[Any, Any]:
+    return np.arange(n, dtype=np.float32)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ---- fixtures (test modules cannot import conftest under importlib mode) ----
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def fake_core_cls() -> type[FakeCore]:
+    return FakeCore
+
+
+@pytest.fixture
+def request_factory() -> Any:
+    return make_request
+
+
+def exit_before_handshake() -> FakeCore:
+    """A core factory whose process dies without a word (like a segfault at load)."""
+    os._exit(3)
+
+
+@pytest.fixture
+def exit_factory() -> Any:
+    return exit_before_handshake

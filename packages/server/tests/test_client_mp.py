@@ -1,0 +1,151 @@
+"""SyncMPClient against a scripted engine core in a real spawned process."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from paged.scheduler.boundary import EngineCoreOutputs, FinishReason
+from paged.server.engine.client import SyncMPClient
+from paged.server.engine.errors import EngineDeadError, EngineStartupError
+from paged.server.engine.messages import EngineCoreStats
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def collect(client: SyncMPClient, request_ids: set[str]) -> dict[str, list[int]]:
+    """Gather tokens until every id in `request_ids` finished."""
+    tokens: dict[str, list[int]] = {rid: [] for rid in request_ids}
+    pending = set(request_ids)
+    while pending:
+        batch = client.get_output(timeout=20)
+        for out in batch.outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                pending.discard(out.request_id)
+    return tokens
+
+
+def test_requests_utilities_and_clean_shutdown(fake_core_cls: Any, request_factory: Any) -> None:
+    client = SyncMPClient(fake_core_cls)
+    try:
+        assert client.info.num_gpu_blocks == 7 and client.info.block_size == 16
+        client.add_request(request_factory("a", [10], max_tokens=3))
+        client.add_request(request_factory("b", [50, 60], max_tokens=2))
+        assert collect(client, {"a", "b"}) == {"a": [10, 11, 12], "b": [60, 61]}
+        stats = client.call_utility("get_stats")
+        assert isinstance(stats, EngineCoreStats)
+        assert stats.num_requests_added == 2
+        assert client.call_utility("get_num_unfinished_requests") == 0
+        assert client.call_utility("is_healthy") is True
+        with pytest.raises(RuntimeError, match="cannot reset while requests run"):
+            client.call_utility("reset_prefix_cache", "raise")
+        with pytest.raises(ValueError, match="not an engine utility"):
+            client.call_utility("__init__")
+        pid = client._engine.process.pid
+    finally:
+        client.shutdown()
+    assert client._engine.process.exitcode == 0  # left through SHUTDOWN, not a kill
+    assert pid is not None
+    with pytest.raises(EngineDeadError, match="shut down"):
+        client.add_request(request_factory("c", [1]))
+    with pytest.raises(EngineDeadError):
+        client.get_output(timeout=1)
+    client.shutdown()  # idempotent
+
+
+def test_invalid_request_finishes_with_error_output(
+    fake_core_cls: Any, request_factory: Any
+) -> None:
+    client = SyncMPClient(fake_core_cls)
+    try:
+        client.add_request(request_factory("bad", []))
+        batch = client.get_output(timeout=20)
+        (out,) = batch.outputs
+        assert out.request_id == "bad"
+        assert out.finish_reason is FinishReason.ERROR
+        assert out.finish_detail == "prompt_token_ids must not be empty"
+        # The engine keeps serving.
+        client.add_request(request_factory("ok", [5], max_tokens=1))
+        assert collect(client, {"ok"}) == {"ok": [5]}
+    finally:
+        client.shutdown()
+
+
+def test_abort_stops_a_running_request(fake_core_cls: Any, request_factory: Any) -> None:
+    client = SyncMPClient(functools.partial(fake_core_cls, step_sleep_s=0.01))
+    try:
+        client.add_request(request_factory("long", [1], max_tokens=100_000))
+        first = client.get_output(timeout=20)
+        assert first.outputs[0].request_id == "long"
+        client.abort_requests(["long"])
+        client.abort_requests([])  # nothing to send
+        deadline = time.monotonic() + 20
+        while client.call_utility("get_num_unfinished_requests") != 0:
+            assert time.monotonic() < deadline
+        assert client.call_utility("get_stats").num_requests_aborted == 1
+    finally:
+        client.shutdown()
+
+
+def test_startup_error_is_one_clear_exception(fake_core_cls: Any) -> None:
+    start = time.monotonic()
+    with pytest.raises(EngineStartupError) as info:
+        SyncMPClient(functools.partial(fake_core_cls, fail_on_init=True))
+    assert "FileNotFoundError: model path '/no/such/model' does not exist" in str(info.value)
+    assert info.value.engine_traceback is not None
+    assert "conftest.py" in info.value.engine_traceback  # where it broke
+    assert time.monotonic() - start < 30
+
+
+def test_process_exit_before_handshake_is_reported(exit_factory: Any) -> None:
+    with pytest.raises(EngineStartupError, match="exited with code 3 before it was ready"):
+        SyncMPClient(exit_factory)
+
+
+def test_crash_inside_a_step_reaches_the_waiter(fake_core_cls: Any, request_factory: Any) -> None:
+    client = SyncMPClient(functools.partial(fake_core_cls, crash_after_steps=1))
+    try:
+        client.add_request(request_factory("a", [1], max_tokens=10))
+        got: list[EngineCoreOutputs] = [client.get_output(timeout=20)]
+        with pytest.raises(EngineDeadError, match="simulated failure inside a step"):
+            got.append(client.get_output(timeout=20))
+        assert len(got) == 1
+        with pytest.raises(EngineDeadError):
+            client.call_utility("is_healthy")
+    finally:
+        client.shutdown()
+
+
+def test_killed_engine_wakes_blocked_waiters(fake_core_cls: Any, request_factory: Any) -> None:
+    client = SyncMPClient(fake_core_cls)
+    errors: list[BaseException] = []
+
+    def wait_for_output() -> None:
+        try:
+            client.get_output()  # no timeout: only the death notice can end this
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait_for_output)
+    waiter.start()
+    try:
+        pid = client._engine.process.pid
+        assert pid is not None
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        waiter.join(timeout=10)
+        assert not waiter.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)
+        assert "died unexpectedly" in str(errors[0])
+        assert client.dead_error is errors[0]
+        with pytest.raises(EngineDeadError):
+            client.add_request(request_factory("late", [1]))
+    finally:
+        client.shutdown()
