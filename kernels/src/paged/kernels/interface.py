@@ -1,0 +1,103 @@
+"""``KernelBackend``: the op set every backend module provides, with one signature.
+
+``paged.kernels.reference`` and ``paged.kernels.triton_ops`` are *modules* that
+satisfy this Protocol structurally; mypy checks it where ``paged.kernels.ops``
+assigns them to a ``KernelBackend`` variable, so the two cannot drift apart.
+Shapes: T tokens, R requests, Hq/Hkv query/KV heads, D head size, N blocks of
+B tokens, M block-table columns, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from paged.kernels.rope import RopeScaling
+
+
+class KernelBackend(Protocol):
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        key_cache: torch.Tensor,  # [N, B, Hkv, D]
+        value_cache: torch.Tensor,  # [N, B, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    ) -> None: ...
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        key_cache: torch.Tensor,  # [N, B, Hkv, D]
+        value_cache: torch.Tensor,  # [N, B, Hkv, D]
+        block_table: torch.Tensor,  # [R, M] int32
+        query_start_loc: torch.Tensor,  # [R + 1] int32
+        seq_lens: torch.Tensor,  # [R] int32
+        scale: float,
+        *,
+        max_query_len: int,
+        max_seq_len: int,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def compute_cos_sin_cache(
+        self,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: RopeScaling | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor: ...
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,  # [T]
+        query: torch.Tensor,  # [T, Hq * D]
+        key: torch.Tensor,  # [T, Hkv * D]
+        head_size: int,
+        cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
+        is_neox: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma_style: bool = False
+    ) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        gemma_style: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_top_k_top_p(
+        self, logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+    def apply_penalties(
+        self,
+        logits: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        output_counts: torch.Tensor,
+        presence: torch.Tensor,
+        frequency: torch.Tensor,
+        repetition: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+    def copy_blocks(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        src_block_ids: torch.Tensor,
+        dst_block_ids: torch.Tensor,
+    ) -> None: ...

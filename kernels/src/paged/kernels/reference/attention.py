@@ -1,0 +1,116 @@
+"""Reference paged attention over a mixed prefill + decode batch (pure torch).
+
+Readable definition, not fast: one small dense attention per request.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from paged.kernels.validation import check_paged_attention
+
+__all__ = ["gather_request_kv", "paged_attention"]
+
+
+def gather_request_kv(
+    cache: torch.Tensor,  # [N, B, Hkv, D]
+    block_table_row: torch.Tensor,  # [M] int
+    seq_len: int,
+) -> torch.Tensor:
+    """The first ``seq_len`` tokens of one request as a dense ``[seq_len, Hkv, D]`` tensor."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    if num_blocks > block_table_row.shape[0]:
+        raise ValueError(
+            f"seq_len {seq_len} needs {num_blocks} blocks but block_table has "
+            f"{block_table_row.shape[0]} columns"
+        )
+    blocks = block_table_row[:num_blocks].to(torch.int64)
+    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def _attend_one(
+    q: torch.Tensor,  # [q_len, Hq, D]
+    k: torch.Tensor,  # [seq_len, Hkv, D]
+    v: torch.Tensor,  # [seq_len, Hkv, D]
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    # GQA: query head h reads KV head h // group.
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, q_len, seq_len]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    # New tokens are the last q_len of the sequence.
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= q_pos - k_pos < sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [N, B, Hkv, D]
+    value_cache: torch.Tensor,  # [N, B, Hkv, D]
+    block_table: torch.Tensor,  # [R, M] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new queries over its cached keys; ``[T, Hq, D]``.
+
+    Request ``r`` owns query rows ``query_start_loc[r]:query_start_loc[r+1]``; they are the
+    last ``q_len`` of its ``seq_lens[r]`` tokens, whose K/V are already in the cache. Query
+    ``i`` sits at position ``seq_lens[r] - q_len + i`` and sees keys ``0..position`` (only the
+    last ``sliding_window`` of them when set). Scores are ``scale * q.k``, then
+    ``soft_cap * tanh(s / soft_cap)`` when ``soft_cap`` is set. Rows after
+    ``query_start_loc[-1]`` (padding) are zero. Computed in float32, returned in query dtype.
+    """
+    check_paged_attention(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
+        max_query_len, max_seq_len, sliding_window, soft_cap, out,
+    )  # fmt: skip
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if starts[0] != 0 or any(b < a for a, b in itertools.pairwise(starts)):
+        raise ValueError(f"query_start_loc must start at 0 and be non-decreasing, got {starts}")
+    if starts[-1] > query.shape[0]:
+        raise ValueError(f"query_start_loc[-1] = {starts[-1]} exceeds num_tokens {query.shape[0]}")
+    result = torch.zeros_like(query)
+    for r, seq_len in enumerate(lens):
+        q_start, q_end = starts[r], starts[r + 1]
+        q_len = q_end - q_start
+        if q_len > seq_len:
+            raise ValueError(f"request {r}: query length {q_len} > seq_len {seq_len}")
+        if q_len > max_query_len or seq_len > max_seq_len:
+            raise ValueError(
+                f"request {r}: q_len {q_len} / seq_len {seq_len} exceed max_query_len "
+                f"{max_query_len} / max_seq_len {max_seq_len}"
+            )
+        if q_len == 0:
+            continue
+        k = gather_request_kv(key_cache, block_table[r], seq_len)
+        v = gather_request_kv(value_cache, block_table[r], seq_len)
+        attn = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, soft_cap)
+        result[q_start:q_end] = attn.to(query.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
