@@ -1,0 +1,196 @@
+"""AsyncLLM: the asynchronous entry point the API server uses (seed: AsyncLLM).
+
+    generate() -> add_request() -> InputProcessor -> OutputProcessor.add_request
+                                -> engine client add_request_async (ZMQ)
+    output handler task: get_output_async() -> OutputProcessor.process_outputs
+                         -> per-request RequestOutputCollector -> generate() yields
+
+Cancelling or closing a `generate()` generator aborts its request in the
+engine. When the engine dies, every in-flight and later request fails with
+`EngineDeadError` and `errored` turns true (the API's /health then says 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+
+import msgspec
+
+from paged.scheduler import EngineCoreRequest, SamplingParams
+from paged.server.client_protocols import AsyncEngineClient
+from paged.server.collector import RequestOutputCollector
+from paged.server.engine.errors import EngineDeadError
+from paged.server.errors import InvalidRequestError
+from paged.server.input_processor import InputProcessor, PromptType
+from paged.server.metrics import StatLogger
+from paged.server.output_processor import OutputProcessor
+from paged.server.outputs import RequestOutput
+from paged.server.parent import ParentRequest, child_request_id
+from paged.server.stats import IterationStats
+from paged.server.tokenizer import TokenizerLike
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Streams `RequestOutput`s for concurrent requests sharing one engine."""
+
+    def __init__(
+        self,
+        engine_client: AsyncEngineClient,
+        tokenizer: TokenizerLike,
+        *,
+        max_model_len: int,
+        vocab_size: int | None = None,
+        eos_token_id: int | None = None,
+        max_logprobs: int = 20,
+        stat_loggers: Sequence[StatLogger] = (),
+    ) -> None:
+        self.engine_client = engine_client
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.input_processor = InputProcessor(
+            tokenizer,
+            max_model_len=max_model_len,
+            vocab_size=vocab_size,
+            eos_token_id=eos_token_id,
+            max_logprobs=max_logprobs,
+        )
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stat_loggers = list(stat_loggers)
+        self._output_handler: asyncio.Task[None] | None = None
+        self._dead: EngineDeadError | None = None
+
+    # -- health ----------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None
+
+    async def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    # -- requests --------------------------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestOutputCollector:
+        """Validate, register and submit one request; return its output collector."""
+        if self._dead is not None:
+            raise self._dead
+        if request_id in self.output_processor.parent_requests or (
+            request_id in self.output_processor.request_states
+        ):
+            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
+        request, prompt_text = self.input_processor.process_inputs(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        self._ensure_output_handler()
+        queue = RequestOutputCollector(params.output_kind)
+        if request.sampling_params.n == 1:
+            self.output_processor.add_request(request, prompt_text, queue=queue)
+            await self.engine_client.add_request_async(request)
+            return queue
+        parent = ParentRequest(request_id, request.sampling_params)
+        children = []
+        for i in range(parent.n):
+            child = _replace_request(request, child_request_id(i, request_id), parent, i)
+            self.output_processor.add_request(child, prompt_text, parent, i, queue)
+            children.append(child)
+        for child in children:
+            await self.engine_client.add_request_async(child)
+        return queue
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield outputs until the request finishes; closing the generator aborts it."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        queue = await self.add_request(
+            rid, prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        finished = False
+        try:
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            # Cancelled, closed early (client disconnect) or failed: free the
+            # request's engine resources. A no-op once it finished.
+            if not finished:
+                await self.abort(rid)
+
+    async def abort(self, request_id: str | Sequence[str]) -> None:
+        """Abort user requests (by the id given to `generate`); unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        engine_ids = self.output_processor.abort_requests(ids)
+        if engine_ids and self._dead is None:
+            # A dead engine holds nothing any more; the handler reports the death.
+            with contextlib.suppress(EngineDeadError):
+                await self.engine_client.abort_requests_async(engine_ids)
+
+    # -- the output handler ----------------------------------------------------------
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._run_output_handler(), name="paged-output-handler"
+            )
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_client.get_output_async()
+                stats = IterationStats()
+                processed = self.output_processor.process_outputs(
+                    outputs.outputs, outputs.timestamp, stats
+                )
+                if processed.reqs_to_abort:
+                    await self.engine_client.abort_requests_async(processed.reqs_to_abort)
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record(outputs.scheduler_stats, stats)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._fail(e)
+        except Exception as e:  # a bug here must not leave requests hanging
+            logger.exception("the output handler failed")
+            self._fail(EngineDeadError(f"the engine output handler failed: {e!r}"))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        logger.error("engine is dead: %s", error)
+        self._dead = error
+        self.output_processor.propagate_error(error)
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+        self.engine_client.shutdown()
+
+
+def _replace_request(
+    request: EngineCoreRequest, request_id: str, parent: ParentRequest, index: int
+) -> EngineCoreRequest:
+    return msgspec.structs.replace(
+        request, request_id=request_id, sampling_params=parent.child_params(index)
+    )

@@ -1,0 +1,40 @@
+"""The engine-client surface the frontend drives (implemented in `paged.server.engine`).
+
+Structural Protocols, so `AsyncLLM` and `LLM` depend on behaviour, not on a
+transport: the ZMQ clients, the in-process client and test fakes all fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from paged.scheduler import EngineCoreOutputs, EngineCoreRequest
+
+
+class AsyncEngineClient(Protocol):
+    """What `AsyncLLM` needs: non-blocking submit/abort and an output stream.
+
+    `get_output_async()` waits for the next batch of outputs; it raises
+    `EngineDeadError` once the engine is gone (and for every later call).
+    """
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None: ...
+
+    async def abort_requests_async(self, request_ids: Sequence[str]) -> None: ...
+
+    async def get_output_async(self) -> EngineCoreOutputs: ...
+
+    def shutdown(self) -> None: ...
+
+
+class SyncEngineClient(Protocol):
+    """What `LLM` needs: `get_output()` advances the engine and returns what it produced."""
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None: ...
+
+    def get_output(self) -> EngineCoreOutputs: ...
+
+    def shutdown(self) -> None: ...

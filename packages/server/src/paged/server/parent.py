@@ -1,0 +1,60 @@
+"""n > 1: one user request fanned out as n engine requests, gathered back.
+
+Each child is an ordinary engine request `"{index}_{request_id}"` with
+`n=1` (and `seed + index` when seeded, so samples differ yet reproduce).
+The parent merges the children's `CompletionOutput`s by `index`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from paged.scheduler import RequestOutputKind, SamplingParams
+from paged.server.outputs import CompletionOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from paged.server.output_processor import RequestState
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    return f"{index}_{parent_id}"
+
+
+class ParentRequest:
+    """Gathers the `n` children of one user request into `RequestOutput`s."""
+
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.n = params.n
+        self._latest: dict[int, CompletionOutput] = {}
+        self._finished: set[int] = set()
+
+    def child_ids(self) -> list[str]:
+        return [child_request_id(i, self.request_id) for i in range(self.n)]
+
+    def child_params(self, index: int) -> SamplingParams:
+        seed = self.params.seed + index if self.params.seed is not None else None
+        return msgspec.structs.replace(self.params, n=1, seed=seed)
+
+    def all_finished(self) -> bool:
+        return len(self._finished) == self.n
+
+    def add_child_output(
+        self, state: RequestState, completion: CompletionOutput, error: str | None
+    ) -> RequestOutput | None:
+        if completion.finished():
+            self._finished.add(completion.index)
+        kind = self.params.output_kind
+        if kind == RequestOutputKind.DELTA:
+            outputs = [completion]
+        else:
+            self._latest[completion.index] = completion
+            if kind == RequestOutputKind.FINAL_ONLY and not self.all_finished():
+                return None
+            outputs = [self._latest[i] for i in sorted(self._latest)]
+        out = state.make_request_output(completion, self.all_finished(), error)
+        out.outputs = outputs
+        return out
