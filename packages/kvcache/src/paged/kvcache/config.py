@@ -1,0 +1,149 @@
+"""Turning per-layer specs and a byte budget into a `KVCacheConfig`.
+
+Layers with equal specs form one KV cache group (one manager, one block table
+per request). Every group shares one `BlockPool`: block ids are global. Memory
+is laid out as `KVCacheTensor`s, each `num_blocks` pages long:
+
+- one spec for all layers: one tensor per layer, all in one group;
+- several specs with one page size (hybrid): layers of each spec are split into
+  groups of `group_size` layers, and tensor i is shared by the i-th layer of
+  every group (a block id used by one group is not used by another at the same
+  time, so they can share memory);
+- several page sizes: attention specs with a smaller page get a larger block
+  size so that every page size equals the largest (this needs the largest to
+  be a multiple of each); otherwise `ValueError`. Mamba pages cannot be
+  rescaled: pad them with `MambaSpec.page_size_padded`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from paged.kvcache.specs import KVCacheSpec, MambaSpec
+
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """One memory buffer of `size` bytes used by the layers in `shared_by`."""
+
+    size: int
+    shared_by: list[str]
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers managed together because they share `kv_cache_spec`."""
+
+    layer_names: list[str]
+    kv_cache_spec: KVCacheSpec
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Blocks (null block included), buffers and groups of an engine's KV cache."""
+
+    num_blocks: int
+    kv_cache_tensors: list[KVCacheTensor]
+    kv_cache_groups: list[KVCacheGroupSpec]
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not self.kv_cache_groups:
+            raise ValueError("kv_cache_groups must not be empty")
+
+
+def unify_kv_cache_spec_page_size(
+    kv_cache_specs: Mapping[str, KVCacheSpec],
+) -> dict[str, KVCacheSpec]:
+    """Scale block sizes so that every spec has the largest page size."""
+    max_page = max(spec.page_size_bytes for spec in kv_cache_specs.values())
+    unified: dict[str, KVCacheSpec] = {}
+    for name, spec in kv_cache_specs.items():
+        page = spec.page_size_bytes
+        if page == max_page:
+            unified[name] = spec
+            continue
+        if isinstance(spec, MambaSpec) or max_page % page != 0:
+            raise ValueError(
+                f"cannot unify page sizes: layer {name!r} has a page of {page} bytes and "
+                f"the largest page is {max_page} bytes (it must be a multiple; pad mamba "
+                "layers with page_size_padded)"
+            )
+        unified[name] = spec.with_block_size(spec.block_size * (max_page // page))
+    return unified
+
+
+def _group_layers(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[KVCacheSpec, list[str]]:
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in kv_cache_specs.items():
+        by_spec.setdefault(spec, []).append(name)
+    return by_spec
+
+
+def get_kv_cache_config(
+    kv_cache_specs: Mapping[str, KVCacheSpec],
+    available_memory: int,
+    *,
+    num_gpu_blocks_override: int | None = None,
+    max_model_len: int | None = None,
+) -> KVCacheConfig:
+    """Groups and number of blocks for `kv_cache_specs` within `available_memory` bytes.
+
+    `num_gpu_blocks_override` replaces the computed number of blocks (tests,
+    capacity experiments). With `max_model_len`, raises `ValueError` when the
+    cache cannot hold even one request of that length.
+    """
+    if not kv_cache_specs:
+        raise ValueError("kv_cache_specs must contain at least one layer")
+    if available_memory < 0:
+        raise ValueError(f"available_memory must be >= 0, got {available_memory}")
+    specs = dict(kv_cache_specs)
+    if len({s.page_size_bytes for s in specs.values()}) > 1:
+        specs = unify_kv_cache_spec_page_size(specs)
+    by_spec = _group_layers(specs)
+    page_size = next(iter(specs.values())).page_size_bytes
+
+    if len(by_spec) == 1:
+        spec, layers = next(iter(by_spec.items()))
+        groups = [KVCacheGroupSpec(layer_names=list(layers), kv_cache_spec=spec)]
+        tensor_layers = [[name] for name in layers]
+    else:
+        counts = [len(layers) for layers in by_spec.values()]
+        # Like vLLM: equal-size groups; pad the smaller types when the counts are
+        # close (few wasted slots), else split every type into min-sized groups.
+        group_size = max(counts) if max(counts) < min(counts) * 1.25 else min(counts)
+        groups = []
+        for spec, layers in by_spec.items():
+            for i in range(0, len(layers), group_size):
+                groups.append(
+                    KVCacheGroupSpec(layer_names=layers[i : i + group_size], kv_cache_spec=spec)
+                )
+        tensor_layers = [
+            [g.layer_names[i] for g in groups if i < len(g.layer_names)] for i in range(group_size)
+        ]
+
+    num_blocks = available_memory // page_size // len(tensor_layers)
+    if num_gpu_blocks_override is not None:
+        if num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {num_gpu_blocks_override}")
+        num_blocks = num_gpu_blocks_override
+    if num_blocks < 2:
+        raise ValueError(
+            f"available_memory ({available_memory} bytes) holds {num_blocks} blocks of "
+            f"{page_size * len(tensor_layers)} bytes; at least 2 are needed (1 is the null block)"
+        )
+    if max_model_len is not None:
+        blocks_needed = 1 + sum(
+            -(-g.kv_cache_spec.max_memory_usage_bytes(max_model_len) // page_size) for g in groups
+        )
+        if blocks_needed > num_blocks:
+            raise ValueError(
+                f"{num_blocks} blocks cannot hold one request of max_model_len={max_model_len} "
+                f"tokens ({blocks_needed} needed); give more memory or lower max_model_len"
+            )
+    tensors = [
+        KVCacheTensor(size=page_size * num_blocks, shared_by=names) for names in tensor_layers
+    ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
