@@ -127,6 +127,20 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, froze
     ec_connector_metadata: bytes | None = None
 
 
+class GrammarOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Grammar masks for one step, computed between `execute_model()` and `sample_tokens()`.
+
+    Row i of `grammar_bitmask` is a packed allow-mask over the vocabulary:
+    bit j of word w allows token `32 * w + j` (words are signed 32-bit ints,
+    the layout xgrammar uses). Rows follow `structured_output_request_ids`,
+    one row per position sampled for that request (drafts + bonus with
+    speculative decoding, so an id may repeat).
+    """
+
+    structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: list[list[int]] = msgspec.field(default_factory=list)
+
+
 class LogprobsLists(msgspec.Struct, array_like=True, frozen=True):
     """Logprobs for a run of positions, as plain lists.
 

@@ -1,0 +1,78 @@
+"""`SchedulerConfig`: the limits one scheduling step works under."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from paged.scheduler.sampling_params import DEFAULT_MAX_LOGPROBS
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    """Scheduling limits, with vLLM's names and defaults.
+
+    - `max_num_batched_tokens`: token budget of one step (prefill chunks and
+      decodes together, the unified compute model).
+    - `max_num_seqs`: most requests RUNNING at once.
+    - `max_model_len`: most tokens (prompt + output) one request may hold.
+    - `long_prefill_token_threshold`: when > 0, a prompt chunk is cut to this
+      many tokens per step so long prompts do not starve decodes (ignored when
+      only one request is running or waiting).
+    - `max_num_encoder_input_tokens` / `encoder_cache_size`: per-step encoder
+      compute budget and encoder cache capacity, in embeddings; `None` means
+      `max_num_batched_tokens` (vLLM's default). Both are raised to fit the
+      largest multimodal item (`compute_mm_encoder_budget`).
+    - `disable_chunked_mm_input`: never split one multimodal item's placeholder
+      across steps (the chunk stops before it instead).
+    - `num_lookahead_tokens`: extra slots allocated per running request for
+      speculative decoding drafts.
+    """
+
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: SchedulingPolicy = "fcfs"
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    disable_chunked_mm_input: bool = False
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
+    num_lookahead_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("long_prefill_token_threshold", "max_logprobs", "num_lookahead_tokens"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a prompt must fit one step, or it could never run.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False"
+            )
+
+    @property
+    def resolved_max_num_encoder_input_tokens(self) -> int:
+        if self.max_num_encoder_input_tokens is None:
+            return self.max_num_batched_tokens
+        return self.max_num_encoder_input_tokens
+
+    @property
+    def resolved_encoder_cache_size(self) -> int:
+        if self.encoder_cache_size is None:
+            return self.max_num_batched_tokens
+        return self.encoder_cache_size

@@ -1,0 +1,129 @@
+"""The scheduler side of KV transfer (seed: KV Transfer, WAITING_FOR_REMOTE_KVS 状態管理).
+
+- Async loads: a request parked in WAITING_FOR_REMOTE_KVS becomes schedulable
+  once the worker lists it in `finished_recving`; its loaded blocks are then
+  registered in the prefix cache (they were allocated with
+  `delay_cache_blocks=True`, so nobody could hit half-written blocks).
+- Load errors (`invalid_block_ids`): the affected requests fall back to
+  recompute from the first invalid block; the bad blocks leave the prefix cache.
+- Delayed free: a finished request whose blocks a connector is still sending
+  keeps them until the worker lists it in `finished_sending`.
+"""
+
+from __future__ import annotations
+
+from paged.scheduler.boundary import KVConnectorOutput, KVTransferParams
+from paged.scheduler.request import Request, RequestStatus
+from paged.scheduler.state import SchedulerState
+
+
+def finish_remote_kv_load(state: SchedulerState, request: Request) -> bool:
+    """True (and the request's computed tokens set) if its async load has finished."""
+    req_id = request.request_id
+    if req_id not in state.finished_recving_kv_req_ids:
+        return False
+    state.finished_recving_kv_req_ids.discard(req_id)
+    # After a load error `kv_load_target_tokens` was cut back to the last valid block.
+    state.failed_recving_kv_req_ids.discard(req_id)
+    # At least one token must be computed to produce logits.
+    target = min(request.kv_load_target_tokens, request.num_tokens - 1)
+    if target > 0:
+        state.kv.cache_blocks(request, target)
+    else:
+        # Nothing valid: give the blocks back (a local prefix hit may serve it on retry).
+        state.kv.free(request)
+    request.num_computed_tokens = target
+    request.kv_load_target_tokens = 0
+    if request.num_cached_tokens < 0:
+        request.num_cached_tokens = target
+    return True
+
+
+def process_connector_output(
+    state: SchedulerState, output: KVConnectorOutput, scheduled: dict[str, int]
+) -> set[str]:
+    """Apply one step's worker feedback; returns ids whose step output must be discarded."""
+    if state.kv_connector is not None:
+        state.kv_connector.update_connector_output(output)
+    failed = _handle_invalid_blocks(state, set(output.invalid_block_ids), scheduled)
+    for req_id in output.finished_recving:
+        request = state.requests.get(req_id)
+        if request is None:
+            continue
+        if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            state.finished_recving_kv_req_ids.add(req_id)
+        elif request.is_finished():
+            # Aborted while loading: its blocks were held until now.
+            release_blocks(state, request)
+    for req_id in output.finished_sending:
+        request = state.requests.get(req_id)
+        if request is not None and request.is_finished():
+            release_blocks(state, request)
+    return failed
+
+
+def _handle_invalid_blocks(
+    state: SchedulerState, invalid: set[int], scheduled: dict[str, int]
+) -> set[str]:
+    if not invalid:
+        return set()
+    failed: set[str] = set()
+    block_size = state.block_size
+    for request in list(state.requests.values()):
+        if request.is_finished():
+            continue
+        loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        if not loading and request.request_id not in scheduled:
+            continue
+        if not state.kv.coordinator.has_request(request.request_id):
+            continue
+        first_bad = _first_invalid_block(state.kv.get_block_ids(request.request_id), invalid)
+        if first_bad is None:
+            continue
+        valid_tokens = first_bad * block_size
+        if loading:
+            if valid_tokens < request.kv_load_target_tokens:
+                request.kv_load_target_tokens = valid_tokens
+                state.failed_recving_kv_req_ids.add(request.request_id)
+        elif valid_tokens < request.num_computed_tokens:
+            # The tokens computed this step read corrupt KV: recompute from the bad block.
+            request.num_computed_tokens = valid_tokens
+            failed.add(request.request_id)
+    state.kv.evict_blocks(invalid)
+    return failed
+
+
+def _first_invalid_block(block_ids: tuple[list[int], ...], invalid: set[int]) -> int | None:
+    first: int | None = None
+    for group in block_ids:
+        for index, block_id in enumerate(group):
+            if block_id in invalid:
+                first = index if first is None else min(first, index)
+                break
+    return first
+
+
+def connector_finished(
+    state: SchedulerState, request: Request, was_loading: bool
+) -> tuple[bool, KVTransferParams | None]:
+    """Ask the connector whether `request`'s blocks must outlive it; returns (delay, params)."""
+    delay = was_loading  # the worker may still be writing into its blocks
+    params: KVTransferParams | None = None
+    if state.kv_connector is not None:
+        kv = state.kv
+        has_blocks = kv.coordinator.has_request(request.request_id)
+        block_ids = kv.get_block_ids(request.request_id) if has_blocks else kv_empty_ids(state)
+        connector_delay, params = state.kv_connector.request_finished(request, block_ids)
+        delay = delay or connector_delay
+    return delay, params
+
+
+def kv_empty_ids(state: SchedulerState) -> tuple[list[int], ...]:
+    return tuple([] for _ in range(state.num_kv_cache_groups))
+
+
+def release_blocks(state: SchedulerState, request: Request) -> None:
+    """Free a finished request's blocks and forget it."""
+    state.kv.free(request)
+    state.delayed_free_req_ids.discard(request.request_id)
+    state.requests.pop(request.request_id, None)

@@ -1,0 +1,325 @@
+"""`Scheduler`: continuous batching over paged.kvcache (seed: コアループ, Scheduler と KVCache).
+
+One step, as EngineCore drives it:
+
+    so  = scheduler.schedule()                       # running first, then waiting, then output
+    mro = executor.execute_model(so) / sample_tokens(scheduler.get_grammar_bitmask(so))
+    out = scheduler.update_from_output(so, mro)      # dict[client_index, EngineCoreOutputs]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+from paged.kvcache import KVCacheConfig, KVCacheManager, get_request_block_hasher, init_none_hash
+from paged.kvcache.events import KVCacheEvent
+from paged.kvcache.hashing import HashFn, sha256
+from paged.kvcache.specs import CrossAttentionSpec, FullAttentionSpec
+from paged.multimodal.encoder_cache import EncoderCacheManager, compute_mm_encoder_budget
+from paged.scheduler.admission import ignored_output, unservable_reason, validate_request
+from paged.scheduler.boundary import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    GrammarOutput,
+    ModelRunnerOutput,
+    PrefixCacheStats,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from paged.scheduler.budget import StepBudget
+from paged.scheduler.config import SchedulerConfig
+from paged.scheduler.connectors import ECConnectorScheduler, KVConnectorScheduler
+from paged.scheduler.queue import create_request_queue
+from paged.scheduler.remote_kv import process_connector_output
+from paged.scheduler.request import FINISHED_STATUSES, Request, RequestStatus
+from paged.scheduler.state import SchedulerState, StepPlan
+from paged.scheduler.steps.output import advance_after_schedule, build_scheduler_output
+from paged.scheduler.steps.running import schedule_running
+from paged.scheduler.steps.waiting import schedule_waiting
+from paged.scheduler.structured_output import StructuredOutputProvider
+from paged.scheduler.update import StepResults, free_request, update_requests
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens on which blocks.
+
+    `block_size` is the block size of the (single or hash) KV group used for
+    prefix hashing. `max_tokens_per_mm_item` sizes the encoder budgets (0 for
+    text-only models). Connectors and the structured-output provider are
+    optional plug-ins (Protocols in connectors.py / structured_output.py).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_config: KVCacheConfig,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        kv_connector: KVConnectorScheduler | None = None,
+        ec_connector: ECConnectorScheduler | None = None,
+        structured_output: StructuredOutputProvider | None = None,
+        log_stats: bool = True,
+        hash_fn: HashFn = sha256,
+        hash_seed: int | str | None = None,
+        max_tokens_per_mm_item: int = 0,
+        enable_kv_cache_events: bool = False,
+        include_finished_set: bool = False,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        config = scheduler_config
+        kv = KVCacheManager(
+            kv_cache_config,
+            config.max_model_len,
+            enable_caching=enable_caching,
+            hash_block_size=block_size,
+            enable_kv_cache_events=enable_kv_cache_events,
+            log_stats=log_stats,
+        )
+        budget = compute_mm_encoder_budget(
+            config.resolved_max_num_encoder_input_tokens,
+            config.resolved_encoder_cache_size,
+            max_tokens_per_mm_item,
+        )
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.log_stats = log_stats
+        self.include_finished_set = include_finished_set
+        self.structured_output = structured_output
+        self.encoder_compute_budget = budget.encoder_compute_budget
+        self.max_tokens_in_kv_cache = _max_tokens_per_request(kv_cache_config, block_size)
+        self._block_hasher = None
+        if enable_caching or kv_connector is not None:
+            init_none_hash(hash_fn, hash_seed)
+            self._block_hasher = get_request_block_hasher(block_size, hash_fn)
+        self.state = SchedulerState(
+            config=config,
+            kv=kv,
+            encoder_cache=EncoderCacheManager(budget.encoder_cache_size),
+            waiting=create_request_queue(config.policy),
+            block_size=block_size,
+            num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
+            kv_connector=kv_connector,
+            ec_connector=ec_connector,
+        )
+
+    # -- requests in ------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; ValueError (naming the field) if it is malformed.
+
+        A valid request that can never run (prompt beyond max_model_len or the
+        whole KV cache, an encoder item beyond the encoder budget) is finished
+        at once and reported by the next `update_from_output`.
+        """
+        state = self.state
+        validate_request(request, self.config, state.requests)
+        unservable = unservable_reason(
+            request,
+            self.config,
+            self.max_tokens_in_kv_cache,
+            state.encoder_cache.cache_size,
+            self.encoder_compute_budget,
+        )
+        if unservable is not None:
+            reason, detail = unservable
+            state.pending_outputs.append(ignored_output(request, reason, detail))
+            state.finished_req_ids_per_client.setdefault(request.client_index, set()).add(
+                request.request_id
+            )
+            return
+        req = Request.from_engine_core_request(
+            request, max_model_len=self.config.max_model_len, block_hasher=self._block_hasher
+        )
+        state.requests[req.request_id] = req
+        state.waiting.add_request(req)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """Finish requests from outside (aborts). Unknown or finished ids are ignored."""
+        if finished_status not in FINISHED_STATUSES:
+            raise ValueError(f"finished_status must be a finished status, got {finished_status}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        state = self.state
+        to_finish = []
+        for req_id in ids:
+            req = state.requests.get(req_id)
+            if req is not None and not req.is_finished() and req not in to_finish:
+                to_finish.append(req)
+        if not to_finish:
+            return
+        running_gone = {id(r) for r in to_finish if r.status is RequestStatus.RUNNING}
+        if running_gone:
+            state.running = [r for r in state.running if id(r) not in running_gone]
+        state.waiting.remove_requests(
+            [r for r in to_finish if r.status is not RequestStatus.RUNNING]
+        )
+        for req in to_finish:
+            req.status = finished_status
+            if self.structured_output is not None:
+                self.structured_output.remove_request(req.request_id)
+            free_request(state, req)
+
+    def update_draft_token_ids(self, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
+        """Draft tokens (speculative decoding) to verify in the next step."""
+        for req_id, drafts in draft_token_ids.items():
+            req = self.state.requests.get(req_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                req.spec_token_ids = list(drafts)
+
+    # -- one step -----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        state = self.state
+        config = self.config
+        plan = StepPlan(StepBudget(config.max_num_batched_tokens, self.encoder_compute_budget))
+        # vLLM: the threshold only matters when requests compete for the step.
+        contended = len(state.running) + len(state.waiting) > 1
+        threshold = config.long_prefill_token_threshold if contended else 0
+        schedule_running(state, plan, threshold)
+        if not plan.preempted:
+            schedule_waiting(state, plan, threshold)
+        output = build_scheduler_output(state, plan)
+        advance_after_schedule(state, output)
+        return output
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """Grammar masks for this step (between execute_model and sample_tokens)."""
+        if self.structured_output is None or not scheduler_output.num_scheduled_tokens:
+            return None
+        requests = self.state.requests
+        scheduled = [requests[r] for r in scheduler_output.num_scheduled_tokens if r in requests]
+        return self.structured_output.grammar_bitmask(scheduled, scheduler_output)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        state = self.state
+        failed: set[str] = set()
+        kv_out = model_runner_output.kv_connector_output
+        if kv_out is not None:
+            failed = process_connector_output(state, kv_out, scheduler_output.num_scheduled_tokens)
+        results = update_requests(
+            state, scheduler_output, model_runner_output, failed, self.structured_output
+        )
+        if self.structured_output is not None:
+            for req_id in state.finished_req_ids:
+                self.structured_output.remove_request(req_id)
+        return self._collect_outputs(results)
+
+    def _collect_outputs(self, results: StepResults) -> dict[int, EngineCoreOutputs]:
+        state = self.state
+        by_client = results.outputs
+        for pending in state.pending_outputs:
+            # Ignored requests were never registered; they report to client 0 unless known.
+            by_client.setdefault(0, []).append(pending)
+        state.pending_outputs = []
+        finished = state.finished_req_ids_per_client
+        clients = set(by_client) | (set(finished) if self.include_finished_set else set())
+        stats = self.make_stats()
+        if stats is not None and not clients:
+            clients = {0}
+        now = time.monotonic()
+        out: dict[int, EngineCoreOutputs] = {}
+        for n, client in enumerate(sorted(clients)):
+            done = finished.get(client) if self.include_finished_set else None
+            out[client] = EngineCoreOutputs(
+                outputs=by_client.get(client, []),
+                scheduler_stats=stats if n == 0 else None,
+                timestamp=now,
+                finished_requests=sorted(done) if done else None,
+            )
+        finished.clear()
+        return out
+
+    # -- queries ------------------------------------------------------------------
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.state.waiting) + len(self.state.running)
+
+    def has_finished_requests(self) -> bool:
+        state = self.state
+        return bool(state.finished_req_ids or state.pending_outputs or state.delayed_free_req_ids)
+
+    def has_requests(self) -> bool:
+        """Whether EngineCore must keep stepping (work, unreported finishes, pending transfers)."""
+        return self.get_num_unfinished_requests() > 0 or self.has_finished_requests()
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.state.running), len(self.state.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.state.kv.reset_prefix_cache()
+
+    def take_kv_cache_events(self) -> list[KVCacheEvent]:
+        """KV cache events from the manager and the connector since the last call."""
+        events = list(self.state.kv.take_events())
+        if self.state.kv_connector is not None:
+            events.extend(self.state.kv_connector.take_events())
+        return events
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        state = self.state
+        kv_stats = state.kv.make_prefix_cache_stats()
+        prefix = PrefixCacheStats()
+        if kv_stats is not None:
+            prefix = PrefixCacheStats(
+                reset=kv_stats.reset,
+                requests=kv_stats.requests,
+                queries=kv_stats.queries,
+                hits=kv_stats.hits,
+            )
+        stats = SchedulerStats(
+            num_running_reqs=len(state.running),
+            num_waiting_reqs=len(state.waiting),
+            kv_cache_usage=state.kv.usage,
+            prefix_cache_stats=prefix,
+            num_preempted_reqs=state.num_preempted_since_stats,
+            num_scheduled_tokens=state.last_num_scheduled_tokens,
+        )
+        state.num_preempted_since_stats = 0
+        return stats
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if a request sits in two places or in the wrong one."""
+        state = self.state
+        running_ids = [r.request_id for r in state.running]
+        waiting_ids = [r.request_id for r in state.waiting]
+        assert len(set(running_ids)) == len(running_ids), "duplicate in running"
+        assert len(set(waiting_ids)) == len(waiting_ids), "duplicate in waiting"
+        assert not set(running_ids) & set(waiting_ids), "request in two queues"
+        assert len(running_ids) <= self.config.max_num_seqs
+        for r in state.running:
+            assert r.status is RequestStatus.RUNNING, f"{r} in running"
+        for r in state.waiting:
+            assert not r.is_finished() and r.status is not RequestStatus.RUNNING, f"{r} waiting"
+        for req_id, r in state.requests.items():
+            if r.is_finished():
+                assert req_id in state.delayed_free_req_ids, f"{r} finished but kept"
+            else:
+                assert req_id in running_ids or req_id in waiting_ids, f"{r} in no queue"
+        state.encoder_cache.check_integrity()
+
+
+def _max_tokens_per_request(kv_cache_config: KVCacheConfig, block_size: int) -> int:
+    """Most prompt tokens one request can hold if it had every block (null block excluded).
+
+    Only groups that keep every token (full attention and its variants) are
+    counted: sliding-window, chunked-local and mamba groups hold a bounded
+    number of blocks, so leaving them out gives an upper bound and a prompt is
+    never wrongly declared unservable.
+    """
+    usable = max(kv_cache_config.num_blocks - 1, 0)
+    full = [
+        g.kv_cache_spec.block_size
+        for g in kv_cache_config.kv_cache_groups
+        if isinstance(g.kv_cache_spec, FullAttentionSpec | CrossAttentionSpec)
+    ]
+    if not full:
+        return sys.maxsize
+    # Blocks per token-block across the full groups; all groups draw from one pool.
+    per_group = usable // len(full)
+    return per_group * min(full)

@@ -1,0 +1,1 @@
+"""Steps composed by `Scheduler.schedule()`: running, waiting, preemption, encoder, output."""

@@ -1,0 +1,38 @@
+"""The structured-output hook: a grammar-bitmask provider (implementation comes later).
+
+EngineCore calls `Scheduler.get_grammar_bitmask(scheduler_output)` between
+`execute_model()` and `sample_tokens()`, so the mask is computed while the
+model runs; the result goes to the runner's `sample_tokens(grammar_output)`.
+After sampling, `update_from_output` feeds accepted tokens back so the
+grammar's state advances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from paged.scheduler.boundary import GrammarOutput, SchedulerOutput
+from paged.scheduler.request import Request
+
+
+class StructuredOutputProvider(Protocol):
+    """Owns the grammars of structured-output requests; the scheduler only routes calls."""
+
+    def grammar_bitmask(
+        self, requests: Sequence[Request], scheduler_output: SchedulerOutput
+    ) -> GrammarOutput | None:
+        """Masks for this step's scheduled `requests` it manages, or None if it manages none.
+
+        Row order follows `GrammarOutput.structured_output_request_ids`; a request
+        with scheduled draft tokens gets one row per position (drafts + bonus).
+        """
+        ...
+
+    def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """Advance the request's grammar; False if a token violates it (the request fails)."""
+        ...
+
+    def remove_request(self, request_id: str) -> None:
+        """Forget the request (finished or aborted). No-op for unknown ids."""
+        ...

@@ -1,0 +1,135 @@
+"""Request lifecycle sets, incremental hashing, and every stop condition."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged.kvcache.hashing import get_request_block_hasher, init_none_hash, sha256
+from paged.scheduler.boundary import FinishReason
+from paged.scheduler.config import SchedulerConfig
+from paged.scheduler.request import (
+    FINISHED_STATUSES,
+    WAITING_STATUSES,
+    Request,
+    RequestStatus,
+    finish_reason_of,
+    is_finished_status,
+)
+from paged.scheduler.sampling_params import SamplingParams
+from paged.scheduler.stop import check_stop
+
+
+def make(params: SamplingParams, prompt: list[int] | None = None, eos: int | None = 2) -> Request:
+    return Request("r", prompt or [5, 6, 7], params, eos, max_model_len=100)
+
+
+def test_status_sets_are_explicit_and_disjoint() -> None:
+    assert RequestStatus.RUNNING not in FINISHED_STATUSES | WAITING_STATUSES
+    assert not FINISHED_STATUSES & WAITING_STATUSES
+    assert set(RequestStatus) == FINISHED_STATUSES | WAITING_STATUSES | {RequestStatus.RUNNING}
+    for status in RequestStatus:
+        assert is_finished_status(status) == (finish_reason_of(status) is not None)
+    assert finish_reason_of(RequestStatus.FINISHED_IGNORED) is FinishReason.LENGTH
+    assert finish_reason_of(RequestStatus.FINISHED_ERROR) is FinishReason.ERROR
+    assert finish_reason_of(RequestStatus.FINISHED_ABORTED) is FinishReason.ABORT
+
+
+def test_block_hashes_grow_incrementally() -> None:
+    init_none_hash(sha256, 0)
+    hasher = get_request_block_hasher(4, sha256)
+    r = Request("r", list(range(6)), SamplingParams(), None, max_model_len=64, block_hasher=hasher)
+    assert len(r.block_hashes) == 1  # one full block of 4
+    first = r.block_hashes[0]
+    r.append_output_token_ids(100)
+    assert len(r.block_hashes) == 1
+    r.append_output_token_ids([101, 102])
+    assert len(r.block_hashes) == 2 and r.block_hashes[0] == first
+    # The same 8 tokens hashed from scratch give the same chain.
+    r2 = Request(
+        "r2", [*range(6), 100, 101], SamplingParams(), None, max_model_len=64, block_hasher=hasher
+    )
+    assert r2.block_hashes == r.block_hashes[:2]
+    assert (
+        r.num_tokens == 9
+        and r.num_output_tokens == 3
+        and list(r.output_token_ids) == [100, 101, 102]
+    )
+
+
+def test_max_tokens_none_means_rest_of_model_len() -> None:
+    r = Request("r", [1] * 30, SamplingParams(max_tokens=None), None, max_model_len=100)
+    assert r.max_tokens == 70
+
+
+def test_eos_stops_and_is_kept() -> None:
+    r = make(SamplingParams(max_tokens=10))
+    r.append_output_token_ids(2)
+    assert check_stop(r, 100)
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.stop_reason is None
+    assert list(r.output_token_ids) == [2]
+
+
+def test_ignore_eos_skips_eos_but_not_stop_token_ids() -> None:
+    r = make(SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[9]))
+    r.append_output_token_ids(2)
+    assert not check_stop(r, 100)
+    r.append_output_token_ids(9)
+    assert check_stop(r, 100)
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.stop_reason == 9
+
+
+def test_min_tokens_suppresses_stops_but_not_length() -> None:
+    r = make(SamplingParams(max_tokens=3, min_tokens=3, stop_token_ids=[9]))
+    r.append_output_token_ids(2)
+    assert not check_stop(r, 100)
+    r.append_output_token_ids(9)
+    assert not check_stop(r, 100)
+    r.append_output_token_ids(9)
+    assert check_stop(r, 100)
+    assert r.status is RequestStatus.FINISHED_STOPPED  # third token may stop
+    # max_model_len caps even below min_tokens
+    r2 = make(SamplingParams(max_tokens=50, min_tokens=40), prompt=[1, 1, 1])
+    r2.append_output_token_ids(2)
+    assert check_stop(r2, 4)
+    assert r2.status is RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_max_tokens_length_cap() -> None:
+    r = make(SamplingParams(max_tokens=2))
+    r.append_output_token_ids(7)
+    assert not check_stop(r, 100)
+    r.append_output_token_ids(8)
+    assert check_stop(r, 100)
+    assert r.get_finished_reason() is FinishReason.LENGTH
+
+
+def test_stop_token_beats_length_on_the_same_token() -> None:
+    r = make(SamplingParams(max_tokens=1, stop_token_ids=[9]))
+    r.append_output_token_ids(9)
+    assert check_stop(r, 100)
+    assert r.get_finished_reason() is FinishReason.STOP
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"max_model_len": 8, "max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_model_len": 8, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"max_model_len": 8, "long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        ({"max_model_len": 8, "policy": "lifo"}, "policy"),
+        ({"max_model_len": 8, "encoder_cache_size": -1}, "encoder_cache_size"),
+        ({"max_model_len": 4096, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
+    ],
+)
+def test_scheduler_config_rejects(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_scheduler_config_encoder_defaults() -> None:
+    c = SchedulerConfig(max_model_len=64, max_num_batched_tokens=512)
+    assert c.resolved_encoder_cache_size == 512
+    assert c.resolved_max_num_encoder_input_tokens == 512
+    c2 = SchedulerConfig(max_model_len=64, encoder_cache_size=7, max_num_encoder_input_tokens=3)
+    assert (c2.resolved_encoder_cache_size, c2.resolved_max_num_encoder_input_tokens) == (7, 3)
