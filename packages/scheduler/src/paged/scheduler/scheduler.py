@@ -104,6 +104,7 @@ class Scheduler:
             num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
             kv_connector=kv_connector,
             ec_connector=ec_connector,
+            max_tokens_in_kv_cache=self.max_tokens_in_kv_cache,
         )
 
     # -- requests in ------------------------------------------------------------
@@ -125,7 +126,8 @@ class Scheduler:
         )
         if unservable is not None:
             reason, detail = unservable
-            state.pending_outputs.append(ignored_output(request, reason, detail))
+            output = ignored_output(request, reason, detail)
+            state.pending_outputs.append((request.client_index, output))
             state.finished_req_ids_per_client.setdefault(request.client_index, set()).add(
                 request.request_id
             )
@@ -212,9 +214,8 @@ class Scheduler:
     def _collect_outputs(self, results: StepResults) -> dict[int, EngineCoreOutputs]:
         state = self.state
         by_client = results.outputs
-        for pending in state.pending_outputs:
-            # Ignored requests were never registered; they report to client 0 unless known.
-            by_client.setdefault(0, []).append(pending)
+        for client, pending in state.pending_outputs:
+            by_client.setdefault(client, []).append(pending)
         state.pending_outputs = []
         finished = state.finished_req_ids_per_client
         clients = set(by_client) | (set(finished) if self.include_finished_set else set())

@@ -44,8 +44,10 @@ class SchedulerState:
     finished_req_ids: set[str] = field(default_factory=set)
     # Finished since the last EngineCoreOutputs, per client (frontends' bookkeeping).
     finished_req_ids_per_client: dict[int, set[str]] = field(default_factory=dict)
-    # Outputs for requests finished outside a model step (ignored at admission).
-    pending_outputs: list[EngineCoreOutput] = field(default_factory=list)
+    # Outputs for requests finished outside a model step, with their client index.
+    pending_outputs: list[tuple[int, EngineCoreOutput]] = field(default_factory=list)
+    # Most tokens one request can hold with every block (prompts beyond never run).
+    max_tokens_in_kv_cache: int = 0
     # WAITING_FOR_REMOTE_KVS requests whose async load finished / failed.
     finished_recving_kv_req_ids: set[str] = field(default_factory=set)
     failed_recving_kv_req_ids: set[str] = field(default_factory=set)

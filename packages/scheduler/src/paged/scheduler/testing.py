@@ -126,14 +126,12 @@ class FakeRunner:
                 assert ids is not None
                 state.block_ids = [list(g) for g in ids]
                 state.tokens = state.tokens[: state.prompt_len] + list(cached.new_token_ids[i])
-            elif ids is not None:
-                for group, extra in zip(state.block_ids, ids, strict=True):
-                    group.extend(extra)
-            assert state.num_computed == cached.num_computed_tokens[i], (
-                rid,
-                state.num_computed,
-                cached.num_computed_tokens[i],
-            )
+            else:
+                # A running request's progress must match the runner's own count.
+                assert state.num_computed == cached.num_computed_tokens[i], rid
+                if ids is not None:
+                    for group, extra in zip(state.block_ids, ids, strict=True):
+                        group.extend(extra)
             state.num_computed = cached.num_computed_tokens[i]
         req_ids: list[str] = []
         sampled: list[list[int]] = []

@@ -17,6 +17,7 @@ Set-aside requests go back to the head of the queue in their order.
 from __future__ import annotations
 
 from paged.kvcache import KVCacheBlocks
+from paged.scheduler.boundary import EngineCoreOutput, FinishReason
 from paged.scheduler.queue import RequestQueue, create_request_queue
 from paged.scheduler.remote_kv import finish_remote_kv_load
 from paged.scheduler.request import Request, RequestStatus
@@ -26,6 +27,7 @@ from paged.scheduler.steps.encoder_inputs import (
     commit_encoder_inputs,
     schedule_encoder_inputs,
 )
+from paged.scheduler.update import free_request
 
 
 def schedule_waiting(state: SchedulerState, plan: StepPlan, long_prefill_threshold: int) -> None:
@@ -39,6 +41,9 @@ def schedule_waiting(state: SchedulerState, plan: StepPlan, long_prefill_thresho
                 skipped.add_request(waiting.pop_request())
                 continue
             request.status = RequestStatus.WAITING
+        if request.num_tokens > state.max_tokens_in_kv_cache:
+            _finish_too_long(state, waiting.pop_request())
+            continue
         if not _try_admit(state, plan, request, long_prefill_threshold, skipped):
             break
     if skipped:
@@ -115,6 +120,28 @@ def _try_admit(
         return True
     _admit(state, plan, request, num_computed, num_new, decision)
     return True
+
+
+def _finish_too_long(state: SchedulerState, request: Request) -> None:
+    """A request that grew past the whole KV cache can never run again: finish it.
+
+    vLLM would preempt it forever; reporting LENGTH keeps the frontend from hanging.
+    """
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    request.finish_detail = (
+        f"sequence of {request.num_tokens} tokens no longer fits the KV cache "
+        f"({state.max_tokens_in_kv_cache} tokens)"
+    )
+    params = free_request(state, request)
+    output = EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        finish_reason=FinishReason.LENGTH,
+        finish_detail=request.finish_detail,
+        kv_transfer_params=params,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+    )
+    state.pending_outputs.append((request.client_index, output))
 
 
 def _whole_sequence_fits(
