@@ -79,3 +79,127 @@ def tiny_checkpoint(tmp_path: Path) -> Callable[..., Path]:
         )
 
     return build
+
+
+class PagedDriver:
+    """Drives a paged.runner model like a tiny scheduler + runner would.
+
+    Owns per-layer KV caches ([2, num_blocks, block_size, Hkv, D]), hands out
+    block ids in a shuffled order (so a request's blocks are not contiguous),
+    and builds AttentionMetadata for a step given (request id, new tokens)
+    pairs, so chunked prefills and decodes can be mixed in one batch.
+    """
+
+    def __init__(
+        self, model: Any, *, num_blocks: int = 64, block_size: int = 4, seed: int = 0
+    ) -> None:
+        import random
+
+        self.model = model
+        self.block_size = block_size
+        attn_layers = [layer.self_attn.attn for layer in model.model.layers]
+        dtype = model.model_config.dtype
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, a.num_kv_heads, a.head_size, dtype=dtype)
+            for a in attn_layers
+        ]
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tokens: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def add(self, req_id: str, prompt: list[int]) -> None:
+        self.tokens[req_id] = list(prompt)
+        self.blocks[req_id] = []
+        self.computed[req_id] = 0
+
+    def free_request(self, req_id: str) -> None:
+        self.free.extend(self.blocks.pop(req_id))
+        del self.tokens[req_id], self.computed[req_id]
+
+    def step(self, schedule: list[tuple[str, int]]) -> torch.Tensor:
+        """Run one step; returns float32 logits [R, V] at each request's last new token."""
+        from paged.runner.attention.backends import AttentionMetadataBuilder
+        from paged.runner.attention.metadata import ForwardContext
+
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        for req_id, n in schedule:
+            start = self.computed[req_id]
+            end = start + n
+            assert end <= len(self.tokens[req_id])
+            while len(self.blocks[req_id]) * self.block_size < end:
+                self.blocks[req_id].append(self.free.pop())
+            for pos in range(start, end):
+                ids.append(self.tokens[req_id][pos])
+                positions.append(pos)
+                block = self.blocks[req_id][pos // self.block_size]
+                slots.append(block * self.block_size + pos % self.block_size)
+            starts.append(starts[-1] + n)
+            seq_lens.append(end)
+        width = max(len(self.blocks[r]) for r, _ in schedule)
+        table = torch.zeros(len(schedule), width, dtype=torch.int32)
+        for i, (req_id, _) in enumerate(schedule):
+            row = self.blocks[req_id]
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        metadata = AttentionMetadataBuilder().build(
+            num_reqs=len(schedule),
+            num_actual_tokens=len(ids),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_query_len=max(n for _, n in schedule),
+            max_seq_len=max(seq_lens),
+        )
+        ctx = ForwardContext(metadata, self.kv_caches)
+        with torch.no_grad():
+            hidden = self.model.forward(
+                torch.tensor(ids, dtype=torch.int64),
+                torch.tensor(positions, dtype=torch.int64),
+                ctx,
+            )
+            last = torch.tensor(starts[1:], dtype=torch.int64) - 1
+            logits: torch.Tensor = self.model.compute_logits(hidden[last])
+        for req_id, n in schedule:
+            self.computed[req_id] += n
+        return logits
+
+
+def hf_last_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits at the last position of `token_ids` (full recompute)."""
+    with torch.no_grad():
+        out = hf_model(torch.tensor([token_ids]), use_cache=False)
+    logits: torch.Tensor = out.logits[0, -1].float()
+    return logits
+
+
+def load_hf(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM
+    return auto.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+# Test modules cannot import conftest under --import-mode=importlib, so the
+# helpers above reach them as fixtures.
+@pytest.fixture
+def make_driver() -> Callable[..., PagedDriver]:
+    """make_driver(model, num_blocks=64, block_size=4, seed=0) -> PagedDriver."""
+    return PagedDriver
+
+
+@pytest.fixture
+def hf_logits() -> Callable[[Any, list[int]], torch.Tensor]:
+    """hf_logits(hf_model, token_ids) -> float32 logits at the last position."""
+    return hf_last_logits
+
+
+@pytest.fixture
+def hf_model() -> Callable[[Path], Any]:
+    """hf_model(checkpoint_dir) -> transformers model in float32, eval mode."""
+    return load_hf

@@ -8,16 +8,16 @@ sampled, which saves the LM head on prefill tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from paged.kvcache import KVCacheSpec
+
 if TYPE_CHECKING:
     from paged.runner.attention.metadata import ForwardContext
     from paged.runner.config import ModelConfig
-
-# Tightened to paged.kvcache.KVCacheSpec once paged.kvcache exports it.
-KVCacheSpecLike = Any
 
 
 class CausalLM(Protocol):
@@ -39,7 +39,21 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
-    def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpecLike]: ...
+    def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]: ...
+
+
+class LoadableCausalLM(CausalLM, Protocol):
+    """What the loader needs on top of CausalLM."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named full tensors in; return the parameter names now filled."""
+        ...
+
+    def expected_weights(self) -> set[str]:
+        """Every parameter name the checkpoint must fill."""
+        ...
+
+    def eval(self) -> Any: ...
 
 
 class CausalLMClass(Protocol):
@@ -47,4 +61,4 @@ class CausalLMClass(Protocol):
 
     def __call__(
         self, model_config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1
-    ) -> CausalLM: ...
+    ) -> LoadableCausalLM: ...

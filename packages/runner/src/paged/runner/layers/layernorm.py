@@ -1,0 +1,45 @@
+"""RMSNorm over paged.kernels.ops (fused residual add when a residual is given)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paged.kernels import ops
+from paged.runner.layers.linear import check_shape
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32.
+
+    forward(x) -> normed; forward(x, residual) -> (normed(x + residual), x + residual),
+    the pre-norm residual stream of Llama-family decoders in one kernel.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        if name != "weight":
+            raise ValueError(f"RMSNorm has no parameter {name!r}")
+        check_shape(name, loaded, tuple(self.weight.shape))
+        self.weight.data.copy_(loaded)

@@ -1,0 +1,247 @@
+"""Linear layers, replicated and tensor-parallel (Megatron-style).
+
+    ColumnParallelLinear   y = x W^T, W split by OUTPUT rows: rank r holds rows
+                           [r*O/tp, (r+1)*O/tp); output stays sharded.
+    RowParallelLinear      W split by INPUT columns; the input is the sharded
+                           output of a column-parallel layer; partial sums are
+                           all-reduced, then the (unsharded) bias is added once.
+    MergedColumnParallel   several column-parallel outputs in one matmul
+                           (gate_proj + up_proj): each part is split per rank,
+                           so rank r holds [gate_r | up_r].
+    QKVParallelLinear      q, k, v projections merged the same way, split by
+                           heads: rank r holds [q heads_r | k heads_r | v heads_r].
+
+Checkpoints store the full, unsharded tensors; `load_weight(name, tensor,
+shard_id)` cuts out this rank's share and checks the full shape, so a
+checkpoint that disagrees with config.json fails with a message naming the
+tensor instead of a broadcasting error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged.runner.layers.parallel import TPGroup
+
+
+def check_shape(what: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """ValueError naming the tensor if the checkpoint shape is not the one the config implies."""
+    if tuple(loaded.shape) != expected:
+        raise ValueError(
+            f"checkpoint tensor {what} has shape {tuple(loaded.shape)} but the model config "
+            f"implies {expected}; the weights do not match config.json"
+        )
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
+    # Uninitialised on purpose: every parameter is overwritten by the loader,
+    # and random init of a large model would cost seconds.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class ShardedLinear(nn.Module, ABC):
+    """y = x W^T + b over this rank's share of W; subclasses define how W is split.
+
+    `weight` is [out_local, in_local]; `bias` (if any) is [out_local] for
+    column splits and [out] for row splits.
+    """
+
+    def __init__(
+        self,
+        in_local: int,
+        out_local: int,
+        *,
+        bias: bool,
+        bias_size: int | None = None,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = _empty(out_local, in_local, dtype=dtype, device=device)
+        self.bias: nn.Parameter | None = (
+            _empty(bias_size or out_local, dtype=dtype, device=device) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @abstractmethod
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        """Copy this rank's share of the full checkpoint tensor `loaded` into `name`."""
+
+    def _param(self, name: str) -> nn.Parameter:
+        param = self.weight if name == "weight" else self.bias
+        if param is None or name not in ("weight", "bias"):
+            raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
+        return param
+
+
+class ReplicatedLinear(ShardedLinear):
+    """Every rank holds the whole weight."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(
+            input_size, output_size, bias=bias, tp=TPGroup(), dtype=dtype, device=device
+        )
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        param = self._param(name)
+        check_shape(name, loaded, tuple(param.shape))
+        param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(ShardedLinear):
+    """Output features split across ranks; the output stays sharded unless gather_output."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        gather_output: bool = False,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        self.output_size = output_size
+        self.out_start, out_local = tp.shard(output_size, "the output features")
+        super().__init__(input_size, out_local, bias=bias, tp=tp, dtype=dtype, device=device)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.tp.all_gather_last_dim(y) if self.gather_output else y
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        param = self._param(name)
+        check_shape(name, loaded, (self.output_size, *param.shape[1:]))
+        param.data.copy_(loaded.narrow(0, self.out_start, param.shape[0]))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one weight.
+
+    load_weight's shard_id is the index of the part (0 = gate, 1 = up for an MLP).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = False,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        for size in output_sizes:
+            tp.shard(size, "a merged projection's output features")
+        self.output_sizes = list(output_sizes)
+        super().__init__(
+            input_size, sum(output_sizes), bias=bias, tp=tp, dtype=dtype, device=device
+        )
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must index output_sizes, got {shard_id!r}")
+        param = self._param(name)
+        full = self.output_sizes[shard_id]
+        check_shape(name, loaded, (full, *param.shape[1:]))
+        start, local = self.tp.shard(full, "a merged projection")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, start, local))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one weight, split by heads (shard_id "q", "k" or "v")."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        *,
+        bias: bool = False,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        _, self.num_heads = tp.shard(total_num_heads, "the attention heads")
+        _, self.num_kv_heads = tp.shard(total_num_kv_heads, "the KV heads")
+        self.head_size = head_size
+        self.total_heads = {"q": total_num_heads, "k": total_num_kv_heads, "v": total_num_kv_heads}
+        total = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, total, bias=bias, tp=tp, dtype=dtype, device=device)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        param = self._param(name)
+        full = self.total_heads[shard_id] * self.head_size
+        check_shape(name, loaded, (full, *param.shape[1:]))
+        local = self.q_size if shard_id == "q" else self.kv_size
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard_id]
+        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, self.tp.rank * local, local))
+
+
+class RowParallelLinear(ShardedLinear):
+    """Input features split across ranks; partial products are summed over the group."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        reduce_results: bool = True,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        self.input_size = input_size
+        self.in_start, in_local = tp.shard(input_size, "the input features")
+        super().__init__(
+            in_local, output_size, bias=bias, bias_size=output_size, tp=tp, dtype=dtype,
+            device=device,
+        )  # fmt: skip
+        self.reduce_results = reduce_results
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = self.tp.all_reduce(y)
+        # The bias is added after the sum so that it counts once, not tp times.
+        return y + self.bias if self.bias is not None else y
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        param = self._param(name)
+        if name == "bias":
+            check_shape(name, loaded, tuple(param.shape))
+            param.data.copy_(loaded)
+            return
+        check_shape(name, loaded, (param.shape[0], self.input_size))
+        param.data.copy_(loaded.narrow(1, self.in_start, param.shape[1]))

@@ -1,0 +1,74 @@
+"""Vocabulary-parallel embedding and LM head.
+
+The vocabulary is padded up to a multiple of the TP size and split into equal
+contiguous row ranges: rank r owns token ids [r*Vp/tp, (r+1)*Vp/tp). The
+embedding looks up the ids it owns, zeroes the others and all-reduces; the LM
+head computes logits for its rows and all-gathers them, then drops the padding
+so callers always see the true vocab size. With tied embeddings the LM head
+shares the embedding's parameter, whose sharding is identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged.runner.layers.linear import check_shape
+from paged.runner.layers.parallel import TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        padded = -(-num_embeddings // tp.size) * tp.size
+        self.vocab_start, self.rows = tp.shard(padded, "the padded vocabulary")
+        self.weight = nn.Parameter(
+            torch.empty(self.rows, embedding_dim, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.rows)
+        out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        if name != "weight":
+            raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
+        check_shape(name, loaded, (self.num_embeddings, self.embedding_dim))
+        real = max(0, min(self.rows, self.num_embeddings - self.vocab_start))
+        self.weight.data[:real].copy_(loaded.narrow(0, self.vocab_start, real))
+        self.weight.data[real:].zero_()  # padding rows: never looked up, logits dropped
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden [N, H] -> logits [N, V] float32, sharded over the vocabulary."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        logits = self.tp.all_gather_last_dim(logits)
+        return logits[..., : self.num_embeddings].float()
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's parameter (tied word embeddings)."""
+        if (embedding.num_embeddings, embedding.embedding_dim) != (
+            self.num_embeddings,
+            self.embedding_dim,
+        ):
+            raise ValueError("tied LM head and embedding must have the same shape")
+        self.weight = embedding.weight

@@ -1,0 +1,111 @@
+"""Weights from a GGUF file: llama.cpp tensor names -> Hugging Face names, dequantised.
+
+    token_embd            model.embed_tokens
+    blk.N.attn_norm       model.layers.N.input_layernorm
+    blk.N.attn_q/k/v      model.layers.N.self_attn.q_proj / k_proj / v_proj
+    blk.N.attn_q/k_norm   model.layers.N.self_attn.q_norm / k_norm        (Qwen3)
+    blk.N.attn_output     model.layers.N.self_attn.o_proj
+    blk.N.ffn_norm        model.layers.N.post_attention_layernorm
+    blk.N.ffn_gate/up/down model.layers.N.mlp.gate_proj / up_proj / down_proj
+    output_norm           model.norm
+    output                lm_head (absent when tied)
+
+Quantised tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantised to float32
+with the `gguf` package, then cast to the model dtype when copied in.
+
+llama.cpp's converter permutes the rows of Q and K of "llama" checkpoints so
+that its GPT-J-style (interleaved) rotary applies; paged rotates NeoX-style
+like Hugging Face, so the permutation is undone here, per head:
+rows (head, 2, half) were written as (head, half, 2).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from paged.runner.loader.gguf_config import field_value, open_gguf
+
+_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor (ValueError for names paged does not map)."""
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _PER_LAYER:
+        return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}.{m.group(3)}"
+    m = _GLOBAL_RE.match(name)
+    if m and m.group(1) in _GLOBAL:
+        return f"{_GLOBAL[m.group(1)]}.{m.group(2)}"
+    if name == "rope_freqs.weight":
+        raise ValueError(
+            "model: this GGUF stores Llama 3.1 rope frequency factors (rope_freqs), which paged "
+            "does not read; use the Hugging Face checkpoint of this model instead"
+        )
+    raise ValueError(f"model: GGUF tensor {name!r} has no known Hugging Face equivalent")
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head Q/K row permutation (see the module docstring)."""
+    rows = weight.shape[0]
+    if rows % (2 * num_heads) != 0:
+        raise ValueError(f"Q/K tensor with {rows} rows cannot hold {num_heads} heads")
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+def dequantize(tensor: Any) -> torch.Tensor:
+    """A GGUF ReaderTensor as a float32 torch tensor in HF layout ([out, in])."""
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # GGUF lists dims fastest-first; numpy/torch want slowest-first.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+    return torch.from_numpy(array)
+
+
+def iterate_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF tensor name, float32 CPU tensor) for every tensor of a GGUF file."""
+    reader = open_gguf(path)
+    arch = field_value(reader, "general.architecture")
+    num_heads = field_value(reader, f"{arch}.attention.head_count")
+    num_kv_heads = field_value(reader, f"{arch}.attention.head_count_kv") or num_heads
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        try:
+            weight = dequantize(tensor)
+        except Exception as exc:  # gguf/numpy raise assorted errors on short data
+            raise ValueError(
+                f"model: GGUF tensor {tensor.name!r} in {str(path)!r} cannot be decoded "
+                f"({type(exc).__name__}: {exc}); the file is truncated or corrupt"
+            ) from exc
+        if arch == "llama" and ".self_attn.q_proj." in hf_name:
+            weight = unpermute_qk(weight, int(num_heads))
+        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+            weight = unpermute_qk(weight, int(num_kv_heads))
+        yield hf_name, weight

@@ -1,0 +1,53 @@
+"""load_model: ModelConfig -> a ready CausalLM on the device, every weight filled."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from paged.runner.config import ModelConfig
+from paged.runner.loader.gguf_weights import iterate_gguf
+from paged.runner.loader.safetensors_weights import iterate_safetensors
+from paged.runner.models.interface import LoadableCausalLM
+from paged.runner.models.registry import resolve_model_class
+
+
+def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full CPU tensor) pairs of the checkpoint, whatever its format."""
+    if model_config.weights_format == "gguf":
+        return iterate_gguf(model_config.weights_path)
+    return iterate_safetensors(Path(model_config.model))
+
+
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device | str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> LoadableCausalLM:
+    """Build the model for `model_config` on `device` (this TP rank's shard) and load it.
+
+    Parameters are allocated directly on the device, uninitialised, then every
+    one is overwritten from the checkpoint; a checkpoint that lacks any of
+    them, has extra tensors or disagrees on shapes raises a ValueError.
+    """
+    target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was requested but no CUDA device is available")
+    model_class = resolve_model_class(model_config.architecture)
+    with target:
+        model = model_class(model_config, tp_rank=tp_rank, tp_size=tp_size)
+    loaded = model.load_weights(iterate_weights(model_config))
+    missing = sorted(model.expected_weights() - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ValueError(
+            f"model: the checkpoint at {str(model_config.weights_path)!r} lacks weights {shown}; "
+            "it is incomplete or does not match config.json"
+        )
+    model.eval()
+    return model

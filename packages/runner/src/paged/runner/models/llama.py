@@ -1,0 +1,286 @@
+"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, one implementation.
+
+    input_ids [T] -> embed -> N x LlamaDecoderLayer -> norm -> hidden [T, H]
+    LlamaDecoderLayer (pre-norm, residual stream carried separately so the
+    add and the norm fuse into one kernel):
+        x, res = input_layernorm(x, res)
+        x      = self_attn(positions, x)      qkv_proj -> [q/k norm] -> rope -> Attention -> o_proj
+        x, res = post_attention_layernorm(x, res)
+        x      = mlp(x)                       gate_up_proj -> silu_and_mul -> down_proj
+
+Checkpoint names are the Hugging Face ones; q/k/v and gate/up are packed into
+one matmul each and unpacked by `load_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged.kvcache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from paged.runner.attention.backends import select_attention_backend
+from paged.runner.attention.layer import Attention
+from paged.runner.attention.metadata import ForwardContext
+from paged.runner.config import ModelConfig
+from paged.runner.layers.activation import get_gated_activation
+from paged.runner.layers.layernorm import RMSNorm
+from paged.runner.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from paged.runner.layers.parallel import TPGroup
+from paged.runner.layers.rotary import RotaryEmbedding
+from paged.runner.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from paged.runner.models.llama_config import LlamaArchConfig
+
+# HF checkpoint name fragment -> (packed module attribute, shard id).
+_PACKED: tuple[tuple[str, str, str | int], ...] = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        cfg: LlamaArchConfig,
+        layer_idx: int,
+        tp: TPGroup,
+        model_config: ModelConfig,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
+        super().__init__()
+        dtype = model_config.dtype
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+            bias=cfg.attention_bias, tp=tp, dtype=dtype,
+        )  # fmt: skip
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False, tp=tp, dtype=dtype
+        )
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.head_dim = cfg.head_dim
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.rotary_emb = rotary_emb  # one table shared by every layer
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            cfg.head_dim,
+            cfg.head_dim**-0.5,
+            self.qkv_proj.num_kv_heads,
+            backend=select_attention_backend(model_config.device, model_config.attention_backend),
+            sliding_window=cfg.sliding_windows[layer_idx],
+            layer_name=f"model.layers.{layer_idx}.self_attn.attn",
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: RMSNorm over each head's vector before rotary.
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_out = self.attn(q, k, v.contiguous(), kv_cache, ctx.attn_metadata)
+        out: torch.Tensor = self.o_proj(attn_out)
+        return out
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaArchConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [size, size], bias=cfg.mlp_bias, tp=tp, dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(
+            size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype
+        )
+        self.act_fn = get_gated_activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: LlamaArchConfig,
+        layer_idx: int,
+        tp: TPGroup,
+        model_config: ModelConfig,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
+        super().__init__()
+        dtype = model_config.dtype
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp, model_config, rotary_emb)
+        self.mlp = LlamaMLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm.forward_with_residual(
+                hidden_states, residual
+            )
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, ctx)
+        hidden_states, residual = self.post_attention_layernorm.forward_with_residual(
+            hidden_states, residual
+        )
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaArchConfig, tp: TPGroup, model_config: ModelConfig) -> None:
+        super().__init__()
+        dtype = model_config.dtype
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype
+        )
+        rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+            cfg.rope_scaling,
+        )  # fmt: skip
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, tp, model_config, rotary_emb)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        if ctx.attn_metadata is not None and len(ctx.kv_caches) != len(self.layers):
+            raise ValueError(
+                f"ctx.kv_caches has {len(ctx.kv_caches)} tensors for {len(self.layers)} layers"
+            )
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            kv_cache = ctx.kv_caches[i] if ctx.kv_caches else None
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, ctx)
+        assert residual is not None  # at least one layer
+        hidden_states, _ = self.norm.forward_with_residual(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM implementing `paged.runner.models.interface.CausalLM`."""
+
+    def __init__(self, model_config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.model_config = model_config
+        self.config = LlamaArchConfig.from_hf(model_config.hf_config)
+        if self.config.num_hidden_layers < 1:
+            raise ValueError("num_hidden_layers: the model config must have at least one layer")
+        self.tp = TPGroup(tp_rank, tp_size)
+        self.model = LlamaModel(self.config, self.tp, model_config)
+        self.lm_head = ParallelLMHead(
+            self.config.vocab_size, self.config.hidden_size, tp=self.tp, dtype=model_config.dtype
+        )
+        if self.config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden: torch.Tensor = self.model(input_ids, positions, ctx)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
+        """One spec per layer, in layer order; sliding layers get a SlidingWindowSpec."""
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be positive, got {block_size}")
+        specs: dict[str, KVCacheSpec] = {}
+        for attn in self.attention_layers():
+            common: dict[str, Any] = {
+                "block_size": block_size,
+                "num_kv_heads": attn.num_kv_heads,
+                "head_size": attn.head_size,
+                "dtype": self.model_config.dtype_name,
+            }
+            if attn.sliding_window is None:
+                specs[attn.layer_name] = FullAttentionSpec(**common)
+            else:
+                specs[attn.layer_name] = SlidingWindowSpec(
+                    **common, sliding_window=attn.sliding_window
+                )
+        return specs
+
+    def attention_layers(self) -> list[Attention]:
+        """The Attention modules in layer order (kv_caches[i] belongs to the i-th)."""
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named full tensors; returns the names of this model's parameters filled.
+
+        Unknown names raise a ValueError (a checkpoint of another model); the
+        caller checks that every parameter was filled.
+        """
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        shards: dict[str, set[str | int]] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # derived from the config, some old checkpoints store it
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding provides it
+            target, shard_id = name, None
+            for fragment, packed, sid in _PACKED:
+                if fragment in name:
+                    target, shard_id = name.replace(fragment, packed), sid
+                    break
+            module_name, _, param_name = target.rpartition(".")
+            module = modules.get(module_name)
+            if module is None or not hasattr(module, "load_weight"):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} does not belong to {type(self).__name__}; "
+                    "is the checkpoint for a different architecture?"
+                )
+            module.load_weight(param_name, tensor, shard_id)
+            if shard_id is None:
+                loaded.add(target)
+            else:
+                shards.setdefault(target, set()).add(shard_id)
+        # A packed parameter counts as loaded only when all its parts were.
+        for target, got in shards.items():
+            needed = {"q", "k", "v"} if ".qkv_proj." in target else {0, 1}
+            if got == needed:
+                loaded.add(target)
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """Parameter names that the checkpoint must fill (packed names count once)."""
+        return {name for name, _ in self.named_parameters()}
