@@ -8,11 +8,10 @@ only on the first Triton call, so CPU-only users never load it.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal, cast
+from typing import Literal
 
 import torch
 
@@ -74,8 +73,10 @@ def triton_available() -> bool:
 
 
 def _triton() -> KernelBackend:
-    # Imports triton: only on first Triton use.
-    return cast(KernelBackend, importlib.import_module("paged.kernels.triton_ops"))
+    from paged.kernels import triton_ops  # imports triton: only on first Triton use
+
+    backend: KernelBackend = triton_ops  # mypy checks the module against the Protocol
+    return backend
 
 
 def backend_for(*tensors: torch.Tensor) -> KernelBackend:

@@ -81,7 +81,8 @@ def paged_attention(
     ``i`` sits at position ``seq_lens[r] - q_len + i`` and sees keys ``0..position`` (only the
     last ``sliding_window`` of them when set). Scores are ``scale * q.k``, then
     ``soft_cap * tanh(s / soft_cap)`` when ``soft_cap`` is set. Rows after
-    ``query_start_loc[-1]`` (padding) are zero. Computed in float32, returned in query dtype.
+    ``query_start_loc[-1]`` (padding) are zero in a new result, and left untouched when
+    ``out`` is given. Computed in float32, returned in query dtype.
     """
     check_paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
@@ -112,5 +113,5 @@ def paged_attention(
         result[q_start:q_end] = attn.to(query.dtype)
     if out is None:
         return result
-    out.copy_(result)
+    out[: starts[-1]] = result[: starts[-1]]
     return out
