@@ -54,7 +54,9 @@ def test_bf16_model_dtype(tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("llama")
     model = load_model(ModelConfig.from_pretrained(str(path), dtype="bfloat16"), "cpu")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert next(iter(model.kv_cache_specs(4).values())).dtype == "bfloat16"
+    spec = next(iter(model.kv_cache_specs(4).values()))
+    assert isinstance(spec, FullAttentionSpec)
+    assert spec.dtype == "bfloat16"
 
 
 def test_unsupported_activation_and_rope(tiny_checkpoint: Callable[..., Path]) -> None:

@@ -8,7 +8,7 @@ sampled, which saves the LM head on prefill tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -54,6 +54,8 @@ class LoadableCausalLM(CausalLM, Protocol):
         ...
 
     def eval(self) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
 
 class CausalLMClass(Protocol):
