@@ -1,0 +1,89 @@
+"""KV cache sizing and allocation on the worker side.
+
+`available_kv_cache_memory` answers "how many bytes may the KV cache use":
+on CPU the configured byte budget (there is no free-memory probe worth
+trusting), on CUDA `gpu_memory_utilization` of the device minus what the
+model and a profiling forward pass at the largest batch already use.
+
+`allocate_kv_caches` turns a `KVCacheConfig` into one tensor per attention
+layer, `[2, num_blocks, block_size, num_kv_heads, head_size]` (K then V), in
+the order of the model's `kv_cache_specs()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from paged.kernels.layout import kv_cache_shape
+from paged.kvcache import KVCacheConfig
+from paged.kvcache.specs import AttentionSpec
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def available_kv_cache_memory(
+    device: torch.device,
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float,
+    profile_run: Callable[[], None],
+) -> int:
+    """Bytes the KV cache may take on `device` (see the module docstring)."""
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes
+    if device.type != "cuda":
+        raise ValueError(
+            "kv_cache_memory_bytes: required on CPU (there is no device memory to profile); "
+            "set CacheConfig(kv_cache_memory_bytes=...) e.g. 1 << 30 for 1 GiB"
+        )
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before, total = torch.cuda.mem_get_info(device)
+    allocated_before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_run()
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - allocated_before
+    used_before = total - free_before
+    budget = int(total * gpu_memory_utilization) - used_before - activation_peak
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization: {gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves "
+            f"no room for the KV cache (model and activations use "
+            f"{(used_before + activation_peak) / 2**30:.1f} GiB); raise it or lower "
+            "max_num_batched_tokens"
+        )
+    return budget
+
+
+def allocate_kv_caches(
+    kv_cache_config: KVCacheConfig,
+    layer_order: Mapping[str, Any],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One zeroed cache tensor per layer, in `layer_order`'s order."""
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ValueError(
+            f"kv_cache_config: {len(kv_cache_config.kv_cache_groups)} KV cache groups; the "
+            "runner supports one (hybrid attention models are not supported yet)"
+        )
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"kv_cache_config: spec {type(spec).__name__} is not an attention spec")
+    missing = [name for name in layer_order if name not in group.layer_names]
+    if missing:
+        raise ValueError(f"kv_cache_config: layers {missing} have no KV cache group")
+    dtype = _TORCH_DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise ValueError(f"kv_cache_config: dtype {spec.dtype!r} is not supported")
+    shape = kv_cache_shape(
+        kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+    )
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in layer_order]

@@ -1,0 +1,230 @@
+"""`ModelRunner`: one `SchedulerOutput` in, one `ModelRunnerOutput` out (seed: GPUModelRunner).
+
+Two-phase execution, so grammar masks can be computed while the model runs:
+
+    execute_model(scheduler_output) -> None
+        update_states      new / cached / resumed / finished / unscheduled requests
+        prepare_inputs     positions, input ids, query_start_loc, seq_lens, slots
+        forward            (a captured CUDA graph for uniform decode on CUDA)
+        compute_logits     only for the rows that sample (+ prompt-logprob rows)
+    sample_tokens(grammar_output) -> ModelRunnerOutput
+        grammar bitmask -> sampler -> append sampled tokens -> plain-list output
+
+The attention metadata and KV caches reach the model in an explicit
+`ForwardContext`; nothing is global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from paged.kvcache import KVCacheConfig
+from paged.runner.attention.backends import select_attention_backend
+from paged.runner.attention.metadata import ForwardContext
+from paged.runner.config import CacheConfig, ModelConfig, SchedulerLimits
+from paged.runner.cuda_graphs import CudaGraphRunner
+from paged.runner.input_batch import CachedRequestState, InputBatch
+from paged.runner.input_prep import InputBuffers, StepInputs, prepare_inputs
+from paged.runner.kv_cache_setup import allocate_kv_caches, available_kv_cache_memory
+from paged.runner.models.interface import CausalLM
+from paged.runner.runner_output import apply_grammar_bitmask, build_output, prompt_logprobs
+from paged.runner.sampler import Sampler
+from paged.runner.state_updates import update_states
+from paged.scheduler.boundary import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+
+
+class GrammarOutputLike(Protocol):
+    """`paged.scheduler.boundary.GrammarOutput`'s fields the runner reads."""
+
+    @property
+    def structured_output_request_ids(self) -> list[str]: ...
+
+    @property
+    def grammar_bitmask(self) -> list[list[int]]: ...
+
+
+@dataclass
+class _ExecuteState:
+    """What `execute_model` leaves for `sample_tokens` (device tensors, never serialised)."""
+
+    inputs: StepInputs
+    logits: torch.Tensor | None  # [S, V] for the sampling rows
+    prompt_logprobs: dict[str, LogprobsLists]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors, the persistent batch and the sampler."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_limits: SchedulerLimits,
+        device: torch.device | str,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.limits = scheduler_limits
+        self.device = torch.device(device)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.max_num_reqs = scheduler_limits.max_num_seqs
+        self.max_num_tokens = scheduler_limits.max_num_batched_tokens
+        self.max_model_len = model_config.max_model_len
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = self._make_batch(cache_config.block_size)
+        self.buffers = InputBuffers(self.max_num_tokens, self.max_num_reqs, self.device)
+        self.attn_backend = select_attention_backend(self.device, model_config.attention_backend)
+        self.builder = self.attn_backend.get_builder()
+        self.sampler = Sampler()
+        self.model: CausalLM | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CudaGraphRunner | None = None
+        self._pending: _ExecuteState | None = None
+
+    def _make_batch(self, block_size: int) -> InputBatch:
+        return InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            device=self.device,
+            vocab_size=self.model_config.vocab_size,
+            block_sizes=[block_size],
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+
+    # ----------------------------------------------------------- start-up
+
+    def load_model(self, model: CausalLM | None = None) -> None:
+        """Build the model and load its weights (or adopt `model`, e.g. in tests)."""
+        if model is None:
+            from paged.runner.loader import load_model
+
+            model = load_model(self.model_config, self.device, self.tp_rank, self.tp_size)
+        self.model = model
+
+    def _require_model(self) -> CausalLM:
+        if self.model is None:
+            raise RuntimeError("load_model() must be called before running the model")
+        return self.model
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        """Layer name -> `paged.kvcache` spec, in layer order."""
+        return self._require_model().kv_cache_specs(self.cache_config.block_size)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Forward the largest batch without a cache, plus logits and sampling for max_num_seqs."""
+        model = self._require_model()
+        n = self.max_num_tokens
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        positions = torch.arange(n, dtype=torch.int64, device=self.device) % self.max_model_len
+        hidden = model.forward(ids, positions, ForwardContext(attn_metadata=None))
+        rows = min(self.max_num_reqs, n)
+        model.compute_logits(hidden[:rows]).softmax(dim=-1)
+
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may use (the CPU budget, or profiled free CUDA memory)."""
+        return available_kv_cache_memory(
+            self.device,
+            self.cache_config.kv_cache_memory_bytes,
+            self.cache_config.gpu_memory_utilization,
+            self.profile_run,
+        )
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the cache tensors and size the block tables to the groups' block size."""
+        model = self._require_model()
+        specs = model.kv_cache_specs(self.cache_config.block_size)
+        self.kv_caches = allocate_kv_caches(kv_cache_config, specs, self.device)
+        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        if block_size != self.input_batch.block_table[0].allocation_block_size:
+            if self.requests:
+                raise RuntimeError("initialize_kv_cache must run before any request")
+            self.input_batch = self._make_batch(block_size)
+        if self.device.type == "cuda" and not self.model_config.enforce_eager:
+            self.capture_cuda_graphs()
+
+    def capture_cuda_graphs(self) -> None:
+        graphs = CudaGraphRunner(
+            self._require_model(),
+            self.kv_caches,
+            max_num_reqs=min(self.max_num_reqs, self.max_num_tokens),
+            max_blocks_per_req=self.input_batch.block_table[0].max_num_blocks_per_req,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
+        graphs.capture()
+        self.cuda_graphs = graphs
+
+    # ---------------------------------------------------------------- step
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the forward pass; returns None (then call `sample_tokens`) or an empty output."""
+        model = self._require_model()
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
+        if scheduler_output.scheduled_spec_decode_tokens:
+            raise ValueError(
+                "scheduler_output: speculative decoding is not supported by the runner"
+            )
+        if scheduler_output.scheduled_encoder_inputs:
+            raise ValueError("scheduler_output: multimodal encoder inputs are not supported yet")
+        update_states(self.requests, self.input_batch, scheduler_output, self.device)
+        self._pending = None
+        if self.input_batch.num_reqs == 0:
+            return ModelRunnerOutput()
+        inputs = prepare_inputs(
+            self.input_batch, scheduler_output.num_scheduled_tokens, self.buffers, self.builder
+        )
+        hidden = self._forward(model, inputs)
+        logits = None
+        if len(inputs.sampling_rows):
+            logits = model.compute_logits(hidden[inputs.logits_indices])
+        self._pending = _ExecuteState(
+            inputs=inputs,
+            logits=logits,
+            prompt_logprobs=prompt_logprobs(model, hidden, inputs.prompt_logprobs),
+        )
+        return None
+
+    def _forward(self, model: CausalLM, inputs: StepInputs) -> torch.Tensor:
+        meta = inputs.attn_metadata
+        graphs = self.cuda_graphs
+        if (
+            graphs is not None
+            and inputs.is_uniform_decode
+            and graphs.padded_size(meta.num_reqs) is not None
+        ):
+            return graphs.run(inputs.input_ids, inputs.positions, meta)
+        ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches)
+        return model.forward(inputs.input_ids, inputs.positions, ctx)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutputLike | None = None) -> ModelRunnerOutput:
+        """Sample the rows `execute_model` prepared and record the tokens."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return ModelRunnerOutput()
+        inputs = pending.inputs
+        batch = self.input_batch
+        sampled: list[int] = []
+        sampler_output = None
+        if pending.logits is not None:
+            logits = pending.logits
+            if grammar_output is not None and grammar_output.structured_output_request_ids:
+                sampling_ids = [inputs.req_ids[int(r)] for r in inputs.sampling_rows]
+                logits = apply_grammar_bitmask(logits, sampling_ids, grammar_output)
+            metadata = batch.make_sampling_metadata(inputs.sampling_rows)
+            sampler_output = self.sampler(logits, metadata)
+            sampled = sampler_output.sampled_token_ids.tolist()
+            for row, token in zip(inputs.sampling_rows.tolist(), sampled, strict=True):
+                batch.append_token_ids(row, [token])
+                self.requests[inputs.req_ids[row]].output_token_ids.append(token)
+        return build_output(inputs, sampled, sampler_output, batch, pending.prompt_logprobs)
