@@ -115,8 +115,11 @@ class FakeEngine:
             lps = None
             if p.logprobs is not None:
                 k = p.logprobs
-                ids = [tok] + [(tok + j) % self.vocab_size for j in range(1, k + 1)]
-                lps = LogprobsLists([ids], [[math.log(0.5)] + [math.log(0.1)] * k], [1])
+                # The chosen token is the most likely one (rank 1), then
+                # neighbours at 0.1 each: column 1 repeats the chosen token.
+                top = [tok] + [(tok + j) % self.vocab_size for j in range(1, k)]
+                top_lps = [math.log(0.5)] + [math.log(0.1)] * (k - 1)
+                lps = LogprobsLists([[tok, *top[:k]]], [[math.log(0.5), *top_lps[:k]]], [1])
             outs.append(
                 EngineCoreOutput(
                     request_id=rid,
@@ -161,6 +164,12 @@ class FakeEngine:
         self.shut_down = True
 
     # -- async client surface -----------------------------------------------------
+    @property
+    def dead_error(self) -> Any:
+        from paged.server.engine.errors import EngineDeadError
+
+        return EngineDeadError("fake engine died") if self.dead else None
+
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self.add_request(request)
 

@@ -67,16 +67,22 @@ class AsyncLLM:
 
     # -- health ----------------------------------------------------------------------
     @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine is unusable, or None while it serves."""
+        return self._dead or self.engine_client.dead_error
+
+    @property
     def errored(self) -> bool:
-        return self._dead is not None
+        return self.dead_error is not None
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None
+        return not self.errored
 
     async def check_health(self) -> None:
-        if self._dead is not None:
-            raise self._dead
+        dead = self.dead_error
+        if dead is not None:
+            raise dead
 
     # -- requests --------------------------------------------------------------------
     async def add_request(
@@ -89,8 +95,9 @@ class AsyncLLM:
         cache_salt: str | None = None,
     ) -> RequestOutputCollector:
         """Validate, register and submit one request; return its output collector."""
-        if self._dead is not None:
-            raise self._dead
+        dead = self.dead_error
+        if dead is not None:
+            raise dead
         if request_id in self.output_processor.parent_requests or (
             request_id in self.output_processor.request_states
         ):
@@ -140,6 +147,24 @@ class AsyncLLM:
             # request's engine resources. A no-op once it finished.
             if not finished:
                 await self.abort(rid)
+
+    async def stream_outputs(
+        self, request_id: str, queue: RequestOutputCollector
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Like `generate()`, for a request already submitted with `add_request()`.
+
+        The API server submits every prompt first (so bad input is a 400
+        before any response starts), then streams them.
+        """
+        finished = False
+        try:
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                await self.abort(request_id)
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort user requests (by the id given to `generate`); unknown ids are ignored."""

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from paged.scheduler import EngineCoreOutputs, EngineCoreRequest
+from paged.server.engine.errors import EngineDeadError
 
 
 class AsyncEngineClient(Protocol):
@@ -18,6 +19,11 @@ class AsyncEngineClient(Protocol):
     `get_output_async()` waits for the next batch of outputs; it raises
     `EngineDeadError` once the engine is gone (and for every later call).
     """
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Set once the engine is gone (read by /health before any request notices)."""
+        ...
 
     async def add_request_async(self, request: EngineCoreRequest) -> None: ...
 

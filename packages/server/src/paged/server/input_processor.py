@@ -64,12 +64,12 @@ class InputProcessor:
                 self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt
             )
         if isinstance(prompt, list):
-            return ProcessedPrompt(self._check_ids(prompt, "prompt"), None)
+            return ProcessedPrompt(self.check_token_ids(prompt, "prompt"), None)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt.get("prompt_token_ids")
                 return ProcessedPrompt(
-                    self._check_ids(ids, "prompt_token_ids"), prompt.get("prompt")
+                    self.check_token_ids(ids, "prompt_token_ids"), prompt.get("prompt")
                 )
             text = prompt.get("prompt")
             if isinstance(text, str):
@@ -81,7 +81,7 @@ class InputProcessor:
             "prompt", "prompt must be a string, a list of token ids, or a prompt dict"
         )
 
-    def _check_ids(self, ids: object, param: str) -> list[int]:
+    def check_token_ids(self, ids: object, param: str) -> list[int]:
         if not isinstance(ids, Sequence) or isinstance(ids, str):
             raise InvalidRequestError(param, f"{param} must be a list of token ids")
         out: list[int] = []

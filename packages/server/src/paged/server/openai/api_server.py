@@ -1,0 +1,288 @@
+"""The OpenAI-compatible FastAPI app.
+
+`build_app(llm, ...)` wires routes to an `AsyncLLM`; `paged serve` runs it
+under uvicorn. Every error leaves as OpenAI's schema
+`{"error": {"message", "type", "param", "code"}}`: 400 for bad input (wrong
+types, unknown fields, out-of-range values, prompts that do not fit), 401 for
+a missing or wrong API key, 404 for an unknown model or route, 500 when the
+engine fails, and /health answers 503 once the engine is dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import importlib.metadata
+import logging
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from paged.server.async_llm import AsyncLLM
+from paged.server.chat_utils import apply_chat_template
+from paged.server.engine.errors import EngineDeadError
+from paged.server.errors import InvalidRequestError
+from paged.server.metrics import PrometheusStatLogger
+from paged.server.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from paged.server.openai.serving import ModelNotFoundError, OpenAIServing
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    500: {"model": ErrorResponse, "description": "Engine failure"},
+}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    if not errors:
+        return error_response(400, "Invalid request body")
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # Union members add their type name to the location ("str", "list[int]").
+    loc = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float")]
+    param = ".".join(loc) or None
+    kind = err.get("type")
+    if kind == "json_invalid":
+        return error_response(
+            400, "We could not parse the JSON body of your request. Send valid JSON."
+        )
+    if kind == "extra_forbidden":
+        return error_response(400, f"Unrecognized request argument supplied: {param}", param)
+    if kind == "missing":
+        return error_response(400, f"Missing required parameter: '{param}'.", param)
+    if kind == "model_attributes_type" or param is None:
+        return error_response(400, f"Invalid request body: {err.get('msg')}", param)
+    return error_response(400, f"Invalid value for '{param}': {err.get('msg')}", param)
+
+
+class ApiKeyAndMetricsMiddleware:
+    """Checks `Authorization: Bearer <key>` on /v1 routes and counts responses.
+
+    A plain ASGI middleware (not BaseHTTPMiddleware) so streaming responses
+    and client-disconnect detection pass through untouched.
+    """
+
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, metrics: PrometheusStatLogger | None
+    ) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        status_holder = {"status": 500}
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_holder["status"] = int(message["status"])
+            await send(message)
+
+        try:
+            if self.api_key is not None and path.startswith("/v1"):
+                headers = dict(scope.get("headers") or [])
+                auth = headers.get(b"authorization", b"").decode("latin-1")
+                expected = f"Bearer {self.api_key}"
+                if not auth:
+                    resp = error_response(
+                        401,
+                        "You didn't provide an API key. Pass it as 'Authorization: Bearer KEY'.",
+                        code="invalid_api_key",
+                    )
+                    await resp(scope, receive, counting_send)
+                    return
+                if not hmac.compare_digest(auth.encode(), expected.encode()):
+                    resp = error_response(
+                        401, "Incorrect API key provided.", code="invalid_api_key"
+                    )
+                    await resp(scope, receive, counting_send)
+                    return
+            await self.app(scope, receive, counting_send)
+        finally:
+            if self.metrics is not None:
+                self.metrics.http_requests.labels(path, str(status_holder["status"])).inc()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    logger.info("client disconnected; request aborted")
+    return None
+
+
+def build_app(
+    llm: AsyncLLM,
+    *,
+    model_name: str,
+    model_root: str | None = None,
+    api_key: str | None = None,
+    stat_logger: PrometheusStatLogger | None = None,
+) -> FastAPI:
+    """The OpenAI-compatible app serving `llm` under the name `model_name`."""
+    app = FastAPI(
+        title="paged",
+        version=_version(),
+        description="OpenAI-compatible API of the paged inference engine",
+    )
+    serving = OpenAIServing(llm, model_name)
+    app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)
+    _install_error_handlers(app)
+
+    async def respond(request: Request, work: Awaitable[Any]) -> Response:
+        result = await run_until_disconnect(request, _as_coroutine(work))
+        if result is None:
+            return Response(status_code=499)  # nobody is listening any more
+        if isinstance(result, AsyncIterator):
+            return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result.model_dump())
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await respond(request, serving.create_chat_completion(body))
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await respond(request, serving.create_completion(body))
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(id=model_name, root=model_root, max_model_len=llm.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        tok = llm.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
+        if body.messages is not None:
+            text = apply_chat_template(
+                tok,
+                [m.model_dump(exclude_none=True) for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            )
+            add_special = bool(body.add_special_tokens)
+        else:
+            text = body.prompt or ""
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = tok.encode(text, add_special_tokens=add_special)
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=llm.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        llm.input_processor.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=llm.tokenizer.decode(body.tokens))
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        dead = llm.dead_error
+        if dead is not None:
+            return error_response(503, f"The engine is not running: {dead}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if stat_logger is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(stat_logger.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _as_coroutine(work: Awaitable[T]) -> T:
+    return await work
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        status = 404 if isinstance(exc, ModelNotFoundError) else 400
+        return error_response(status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(500, f"The engine failed: {exc}", code="engine_dead")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("paged-server")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"

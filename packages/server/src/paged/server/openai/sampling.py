@@ -1,0 +1,114 @@
+"""OpenAI request fields -> `SamplingParams`, with the API's own range checks."""
+
+from __future__ import annotations
+
+from paged.scheduler import RequestOutputKind, SamplingParams
+from paged.server.errors import InvalidRequestError
+from paged.server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+
+MAX_N = 128
+
+
+def _check_common(req: SamplingFields) -> None:
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise InvalidRequestError(
+            "temperature", f"temperature must be between 0 and 2, got {req.temperature}"
+        )
+    if not 1 <= req.n <= MAX_N:
+        raise InvalidRequestError("n", f"n must be between 1 and {MAX_N}, got {req.n}")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError(
+            "stream_options", "stream_options is only allowed when stream is true"
+        )
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequestError(
+                "logit_bias", f"logit_bias keys must be token ids, got {key!r}"
+            ) from None
+        if not -100.0 <= value <= 100.0:
+            raise InvalidRequestError(
+                "logit_bias", f"logit_bias values must be between -100 and 100, got {value}"
+            )
+        out[token] = value
+    return out
+
+
+def _base(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    _check_common(req)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequestError(
+            "response_format", f"response_format {req.response_format.type!r} is not supported"
+        )
+    if req.tools:
+        raise InvalidRequestError("tools", "tool calling is not supported")
+    if req.tool_choice not in (None, "none"):
+        raise InvalidRequestError("tool_choice", "tool calling is not supported")
+    logprobs: int | None = None
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise InvalidRequestError("top_logprobs", "top_logprobs requires logprobs to be true")
+        if not 0 <= req.top_logprobs <= 20:
+            raise InvalidRequestError(
+                "top_logprobs", f"top_logprobs must be between 0 and 20, got {req.top_logprobs}"
+            )
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else None
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequestError(param, f"{param} must be at least 1, got {max_tokens}")
+    return _base(req, max_tokens, logprobs)
+
+
+def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+    if req.suffix is not None:
+        raise InvalidRequestError("suffix", "suffix is not supported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequestError("best_of", "best_of other than n is not supported")
+    if req.echo and req.logprobs is not None:
+        raise InvalidRequestError("echo", "echo together with logprobs is not supported")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise InvalidRequestError(
+            "max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}"
+        )
+    return _base(req, req.max_tokens, req.logprobs)

@@ -1,0 +1,314 @@
+"""The handlers behind /v1/completions and /v1/chat/completions.
+
+Every prompt is submitted (validated, tokenized) before a response starts,
+so bad input is always a plain 400, never a broken stream. Streams are
+async generators of SSE lines ending in `data: [DONE]`; closing one (the
+client went away) closes the underlying `AsyncLLM` streams, which abort
+their requests in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from paged.scheduler import SamplingParams
+from paged.server.async_llm import AsyncLLM
+from paged.server.chat_utils import apply_chat_template
+from paged.server.collector import RequestOutputCollector
+from paged.server.errors import InvalidRequestError
+from paged.server.input_processor import PromptType
+from paged.server.openai import formatting as fmt
+from paged.server.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    random_id,
+)
+from paged.server.openai.sampling import chat_sampling_params, completion_sampling_params
+from paged.server.outputs import RequestOutput
+from paged.server.utils import merge_async_iterators
+
+logger = logging.getLogger(__name__)
+
+
+class ModelNotFoundError(InvalidRequestError):
+    def __init__(self, model: str) -> None:
+        super().__init__("model", f"The model `{model}` does not exist.", code="model_not_found")
+
+
+@dataclass
+class _Totals:
+    """Usage accumulated over a request's prompts and choices."""
+
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+    seen_prompts: set[int] = field(default_factory=set)
+
+    def add(self, prompt_idx: int, out: RequestOutput) -> None:
+        if prompt_idx not in self.seen_prompts:
+            self.seen_prompts.add(prompt_idx)
+            self.prompt += len(out.prompt_token_ids)
+            self.cached += out.num_cached_tokens
+        self.completion += sum(len(c.token_ids) for c in out.outputs)
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(model)
+
+    async def _submit(
+        self,
+        base_id: str,
+        prompts: Sequence[PromptType],
+        params: SamplingParams,
+        req_priority: int,
+        cache_salt: str | None,
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        submitted: list[tuple[str, RequestOutputCollector]] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                queue = await self.llm.add_request(
+                    rid, prompt, params, priority=req_priority, cache_salt=cache_salt
+                )
+                submitted.append((rid, queue))
+        except BaseException:
+            await self.llm.abort([rid for rid, _ in submitted])
+            raise
+        return [self.llm.stream_outputs(rid, q) for rid, q in submitted]
+
+    # -- completions -------------------------------------------------------------------
+    async def create_completion(
+        self, req: CompletionRequest
+    ) -> CompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        params = completion_sampling_params(req)
+        prompts = _completion_prompts(req)
+        base_id = req.request_id or random_id("cmpl")
+        streams = await self._submit(base_id, prompts, params, req.priority, req.cache_salt)
+        texts = [p.get("prompt") if isinstance(p, dict) else None for p in prompts]
+        if req.stream:
+            return self._completion_stream(req, base_id, streams, texts)
+        totals = _Totals()
+        choices: list[CompletionResponseChoice] = []
+        async for i, out in merge_async_iterators(streams):
+            totals.add(i, out)
+            for c in out.outputs:
+                echo = (texts[i] or "") if req.echo else ""
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * params.n + c.index,
+                        text=echo + c.text,
+                        logprobs=fmt.completion_logprobs(c.logprobs, req.logprobs or 0, 0),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(
+            id=base_id,
+            model=self.model_name,
+            choices=choices,
+            usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
+        )
+
+    async def _completion_stream(
+        self,
+        req: CompletionRequest,
+        base_id: str,
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        texts: list[str | None],
+    ) -> AsyncIterator[str]:
+        n = req.n
+        totals = _Totals()
+        offsets: dict[int, int] = {}
+        merged = merge_async_iterators(streams)
+        try:
+            if req.echo:
+                for i, text in enumerate(texts):
+                    for j in range(n):
+                        offsets[i * n + j] = len(text or "")
+                        yield fmt.sse(self._completion_chunk(base_id, i * n + j, text or ""))
+            async for i, out in merged:
+                totals.add(i, out)
+                for c in out.outputs:
+                    index = i * n + c.index
+                    start = offsets.get(index, 0)
+                    offsets[index] = start + len(c.text)
+                    if not c.text and not c.finished() and not c.token_ids:
+                        continue
+                    chunk = self._completion_chunk(base_id, index, c.text)
+                    choice = chunk.choices[0]
+                    choice.logprobs = fmt.completion_logprobs(c.logprobs, req.logprobs or 0, start)
+                    choice.finish_reason = c.finish_reason
+                    choice.stop_reason = c.stop_reason
+                    yield fmt.sse(chunk)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield fmt.sse(
+                    CompletionStreamResponse(
+                        id=base_id,
+                        model=self.model_name,
+                        choices=[],
+                        usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
+                    )
+                )
+        except Exception as e:  # the response has started: report in-band
+            yield stream_error(e)
+        finally:
+            await merged.aclose()
+        yield fmt.SSE_DONE
+
+    def _completion_chunk(self, base_id: str, index: int, text: str) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=base_id,
+            model=self.model_name,
+            choices=[CompletionResponseChoice(index=index, text=text)],
+        )
+
+    # -- chat ----------------------------------------------------------------------------
+    async def create_chat_completion(
+        self, req: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        params = chat_sampling_params(req)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        prompt_text = apply_chat_template(
+            self.llm.tokenizer,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+        # The template already holds the special tokens (BOS etc.).
+        prompt: PromptType = {"prompt": prompt_text, "add_special_tokens": False}
+        base_id = req.request_id or random_id("chatcmpl")
+        (stream,) = await self._submit(base_id, [prompt], params, req.priority, req.cache_salt)
+        echo = ""
+        if req.echo and messages and messages[-1].get("role") == "assistant":
+            echo = str(messages[-1].get("content") or "")
+        top_k = req.top_logprobs or 0
+        if req.stream:
+            return self._chat_stream(req, base_id, stream, echo, top_k)
+        totals = _Totals()
+        choices: list[ChatCompletionResponseChoice] = []
+        async for out in stream:
+            totals.add(0, out)
+            for c in out.outputs:
+                choices.append(
+                    ChatCompletionResponseChoice(
+                        index=c.index,
+                        message=ChatMessage(role="assistant", content=echo + c.text),
+                        logprobs=fmt.chat_logprobs(c.logprobs, top_k),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda c: c.index)
+        return ChatCompletionResponse(
+            id=base_id,
+            model=self.model_name,
+            choices=choices,
+            usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
+        )
+
+    async def _chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        base_id: str,
+        stream: AsyncGenerator[RequestOutput, None],
+        echo: str,
+        top_k: int,
+    ) -> AsyncIterator[str]:
+        totals = _Totals()
+        try:
+            for j in range(req.n):
+                yield fmt.sse(
+                    self._chat_chunk(base_id, j, DeltaMessage(role="assistant", content=""))
+                )
+                if echo:
+                    yield fmt.sse(self._chat_chunk(base_id, j, DeltaMessage(content=echo)))
+            async for out in stream:
+                totals.add(0, out)
+                for c in out.outputs:
+                    if not c.text and not c.finished() and not c.token_ids:
+                        continue
+                    chunk = self._chat_chunk(base_id, c.index, DeltaMessage(content=c.text))
+                    choice = chunk.choices[0]
+                    if c.finished():
+                        if not c.text:
+                            choice.delta = DeltaMessage()
+                        choice.finish_reason = c.finish_reason
+                        choice.stop_reason = c.stop_reason
+                    choice.logprobs = fmt.chat_logprobs(c.logprobs, top_k) if req.logprobs else None
+                    yield fmt.sse(chunk)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield fmt.sse(
+                    ChatCompletionStreamResponse(
+                        id=base_id,
+                        model=self.model_name,
+                        choices=[],
+                        usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
+                    )
+                )
+        except Exception as e:
+            yield stream_error(e)
+        finally:
+            await stream.aclose()
+        yield fmt.SSE_DONE
+
+    def _chat_chunk(
+        self, base_id: str, index: int, delta: DeltaMessage
+    ) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(
+            id=base_id,
+            model=self.model_name,
+            choices=[ChatCompletionStreamChoice(index=index, delta=delta)],
+        )
+
+
+def _completion_prompts(req: CompletionRequest) -> list[PromptType]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [{"prompt": p, "add_special_tokens": req.add_special_tokens}]
+    if not p:
+        raise InvalidRequestError("prompt", "prompt must not be empty")
+    if all(isinstance(x, int) for x in p):
+        return [[int(x) for x in p if isinstance(x, int)]]
+    out: list[PromptType] = []
+    for x in p:
+        if isinstance(x, str):
+            out.append({"prompt": x, "add_special_tokens": req.add_special_tokens})
+        elif isinstance(x, list):
+            out.append(list(x))
+    return out
+
+
+def stream_error(e: Exception) -> str:
+    """An error that happened after a stream started, as one SSE event."""
+    if isinstance(e, InvalidRequestError):
+        info = ErrorInfo(
+            message=e.message, type="invalid_request_error", param=e.param, code=e.code
+        )
+    else:
+        logger.error("stream failed: %r", e)
+        info = ErrorInfo(message=str(e) or type(e).__name__, type="server_error")
+    return fmt.sse(ErrorResponse(error=info))
