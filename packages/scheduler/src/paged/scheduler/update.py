@@ -98,9 +98,10 @@ def update_requests(
     spec = so.scheduled_spec_decode_tokens
     nans = mro.num_nans_in_logits
     stopped_running: set[str] = set()
+    running_status = RequestStatus.RUNNING
     for req_id in so.num_scheduled_tokens:
         request = requests.get(req_id)
-        if request is None or request.status is not RequestStatus.RUNNING:
+        if request is None or request.status is not running_status:
             continue  # finished or preempted while the step ran
         if req_id in failed_kv_load:
             continue  # recomputed from the last valid block next step

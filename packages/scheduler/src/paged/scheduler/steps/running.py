@@ -91,7 +91,10 @@ def _record(
     req_id = request.request_id
     plan.scheduled_running.append(request)
     plan.num_scheduled_tokens[req_id] = num_new
-    plan.new_block_ids[req_id] = block_ids_or_none(new_blocks)
+    # Most decode steps add no block: the manager then returns its shared empty instance.
+    plan.new_block_ids[req_id] = (
+        None if new_blocks is state.kv.empty_kv_cache_blocks else block_ids_or_none(new_blocks)
+    )
     plan.budget.take_tokens(num_new)
     if request.spec_token_ids:
         num_spec = num_new + request.num_computed_tokens - request.num_tokens
