@@ -18,6 +18,7 @@ from paged.kvcache import (
     BlockStateError,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    KVCacheBlocks,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
@@ -54,7 +55,7 @@ LAYOUTS: dict[str, tuple[KVCacheSpec, ...]] = {
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 9, 9, 9, 9], [5] * 12]
 PROPERTY_SETTINGS = settings(
     max_examples=40,
-    stateful_step_count=30,
+    stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -71,17 +72,33 @@ class ManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.kvm: KVCacheManager
+        self.twin: KVCacheManager  # same config, general allocate_slots path only
         self.running: dict[str, SimpleRequest] = {}
         self.next_id = 0
 
-    @initialize(
-        layout=st.sampled_from(sorted(LAYOUTS)),
-        num_blocks=st.integers(4, 40),
-        caching=st.booleans(),
-    )
-    def setup(self, layout: str, num_blocks: int, caching: bool) -> None:
+    def allocate(self, req: SimpleRequest, *args: object, **kwargs: object) -> object:
+        """allocate_slots on both managers; they must agree exactly."""
+        new = self.kvm.allocate_slots(req, *args, **kwargs)  # type: ignore[arg-type]
+        twin_args = list(args)
+        if len(twin_args) >= 3 and isinstance(twin_args[2], KVCacheBlocks):
+            hits, _ = self.twin.get_computed_blocks(req)
+            twin_args[2] = hits
+        twin_new = self.twin.allocate_slots(req, *twin_args, **kwargs)  # type: ignore[arg-type]
+        assert (new is None) == (twin_new is None)
+        if new is not None and twin_new is not None:
+            assert new.get_block_ids() == twin_new.get_block_ids()
+        return new
+
+    def both_free(self, req: SimpleRequest) -> None:
+        self.kvm.free(req)
+        self.twin.free(req)
+
+    layout = "full"  # subclasses below pick the other layouts
+
+    @initialize(num_blocks=st.integers(4, 40), caching=st.booleans())
+    def setup(self, num_blocks: int, caching: bool) -> None:
         init_none_hash(sha256, seed=0)
-        self.specs = LAYOUTS[layout]
+        self.specs = LAYOUTS[self.layout]
         self.kvm = KVCacheManager(
             config(self.specs, num_blocks),
             max_model_len=64,
@@ -89,6 +106,10 @@ class ManagerMachine(RuleBasedStateMachine):
             enable_kv_cache_events=True,
             log_stats=True,
         )
+        self.twin = KVCacheManager(
+            config(self.specs, num_blocks), max_model_len=64, enable_caching=caching
+        )
+        self.twin._fast_full_manager = None
         self.hasher = get_request_block_hasher(self.kvm.hash_block_size, sha256)
 
     @rule(
@@ -111,7 +132,7 @@ class ManagerMachine(RuleBasedStateMachine):
             for g, spec in zip(hits.blocks, self.specs, strict=True)
         )
         num_new = min(chunk, req.num_tokens - num_hit)
-        new = self.kvm.allocate_slots(req, num_new, num_hit, hits, num_lookahead_tokens=lookahead)
+        new = self.allocate(req, num_new, num_hit, hits, num_lookahead_tokens=lookahead)
         if new is not None:
             req.num_computed_tokens = num_hit + num_new
             self.running[rid] = req
@@ -126,9 +147,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 return
             req.append_output_token_ids(token)
         num_new = min(data.draw(st.integers(1, 8)), req.num_tokens - req.num_computed_tokens)
-        new = self.kvm.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
+        new = self.allocate(req, num_new, num_lookahead_tokens=lookahead)
         if new is None:  # preempt: free everything, recompute later (here: drop)
-            self.kvm.free(req)
+            self.both_free(req)
             del self.running[rid]
         else:
             req.num_computed_tokens += num_new
@@ -137,15 +158,18 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.running)))
-        self.kvm.free(self.running.pop(rid))
+        self.both_free(self.running.pop(rid))
 
     @rule(ids=st.sets(st.integers(0, 39), max_size=4))
     def evict(self, ids: set[int]) -> None:
-        self.kvm.evict_blocks(i for i in ids if i < self.kvm.block_pool.num_gpu_blocks)
+        valid = [i for i in ids if i < self.kvm.block_pool.num_gpu_blocks]
+        self.kvm.evict_blocks(valid)
+        self.twin.evict_blocks(valid)
 
     @rule()
     def reset(self) -> None:
         assert self.kvm.reset_prefix_cache() == (not self.running)
+        assert self.twin.reset_prefix_cache() == (not self.running)
 
     @rule()
     def drain(self) -> None:
@@ -159,6 +183,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if kvm is None:
             return
         kvm.check_integrity()
+        self.twin.check_integrity()
+        for rid in self.running:
+            assert kvm.get_block_ids(rid) == self.twin.get_block_ids(rid)
+        assert [b.block_id for b in kvm.block_pool.free_block_queue.get_all_free_blocks()] == [
+            b.block_id for b in self.twin.block_pool.free_block_queue.get_all_free_blocks()
+        ]
         null = kvm.block_pool.null_block
         for rid, req in self.running.items():
             for gid, (spec, blocks) in enumerate(
@@ -181,8 +211,23 @@ class ManagerMachine(RuleBasedStateMachine):
                     raise AssertionError(f"block {blk.block_id} of {rid} has a foreign hash")
 
 
-TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = PROPERTY_SETTINGS
+def _machine_test(layout: str) -> type:
+    machine: type[ManagerMachine] = type(
+        f"ManagerMachine_{layout}", (ManagerMachine,), {"layout": layout}
+    )
+    test_case: type = machine.TestCase
+    test_case.settings = settings(PROPERTY_SETTINGS, max_examples=15)  # type: ignore[attr-defined]
+    return test_case
+
+
+# One test per layout so that each gets its share of examples.
+TestFull = _machine_test("full")
+TestSliding = _machine_test("sliding")
+TestChunked = _machine_test("chunked")
+TestMamba = _machine_test("mamba")
+TestFullSliding = _machine_test("full+sliding")
+TestThreeTypes = _machine_test("full+sliding+chunked")
+TestTwoBlockSizes = _machine_test("full4+full8")
 
 
 class PoolMachine(RuleBasedStateMachine):

@@ -33,6 +33,16 @@ _F64 = struct.Struct(">d")
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
+def _pack_int_sequence(seq: Sequence[Any]) -> bytes | None:
+    """`I` + count + int64 big-endian items, or None if an item is not an int64."""
+    n = len(seq)
+    try:
+        # One C call for the whole sequence (token ids take this path).
+        return b"I" + _U32.pack(n) + struct.pack(f">{n}q", *seq)
+    except (struct.error, TypeError):
+        return None
+
+
 def _encode_into(obj: object, out: list[bytes]) -> None:
     t = type(obj)
     if t is bytes:
@@ -42,10 +52,10 @@ def _encode_into(obj: object, out: list[bytes]) -> None:
     elif t is tuple or t is list:
         assert isinstance(obj, tuple | list)
         n = len(obj)
-        try:
-            # Fast path for token ids: one C call for the whole sequence.
-            out.append(b"I" + _U32.pack(n) + struct.pack(f">{n}q", *obj))
-        except (struct.error, TypeError):
+        packed = _pack_int_sequence(obj) if n and type(obj[0]) is int else None
+        if packed is not None:
+            out.append(packed)
+        else:
             out.append(b"l" + _U32.pack(n))
             for item in obj:
                 _encode_into(item, out)
@@ -105,12 +115,33 @@ def xxhash(obj: object) -> bytes:
     return digest
 
 
+def _sha256_raw(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _xxhash_raw(data: bytes) -> bytes:
+    import xxhash as _xxhash  # lazy: optional dependency
+
+    digest: bytes = _xxhash.xxh3_128_digest(data)
+    return digest
+
+
+# Hash functions whose result is a digest of `encode_canonical(obj)`: the request
+# block hasher encodes (parent, tokens, extra_keys) itself, without recursion,
+# and hands the bytes to the raw digest. Other hash functions get the object.
+_RAW_DIGESTS: dict[HashFn, Callable[[bytes], bytes]] = {}
+
+
 _HASH_FNS: dict[str, HashFn] = {
     "sha256": sha256,
     "sha256_cbor": sha256,  # vLLM's name for its canonical default; same role here
     "xxhash": xxhash,
     "xxhash_cbor": xxhash,
 }
+
+
+_RAW_DIGESTS[sha256] = _sha256_raw
+_RAW_DIGESTS[xxhash] = _xxhash_raw
 
 
 def get_hash_fn_by_name(name: str) -> HashFn:
@@ -255,6 +286,32 @@ def get_request_block_hasher(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    raw_digest = _RAW_DIGESTS.get(hash_fn)
+    # encode_canonical((parent, tokens, extra)) spelled out for the common case:
+    # a 3-item list header, the parent as bytes, the tokens as one int64 array.
+    triple_header = b"l" + _U32.pack(3) + b"b"
+    tokens_header = b"I" + _U32.pack(block_size)
+    pack_tokens = struct.Struct(f">{block_size}q").pack
+
+    def hash_one(parent: bytes, block_tokens: Sequence[int], extra_keys: object) -> BlockHash:
+        if raw_digest is not None:
+            try:
+                packed = pack_tokens(*block_tokens)
+            except (struct.error, TypeError):
+                pass  # a token outside int64: take the generic encoder
+            else:
+                tail = b"N" if extra_keys is None else encode_canonical(extra_keys)
+                return BlockHash(
+                    raw_digest(
+                        triple_header
+                        + _U32.pack(len(parent))
+                        + parent
+                        + tokens_header
+                        + packed
+                        + tail
+                    )
+                )
+        return BlockHash(hash_fn((parent, block_tokens, extra_keys)))
 
     def request_block_hasher(request: HashableRequest) -> list[BlockHash]:
         prev_hashes = request.block_hashes
@@ -272,7 +329,7 @@ def get_request_block_hasher(
             end = start + block_size
             if extra:
                 extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
-            parent = BlockHash(hash_fn((parent, tokens[start:end], extra_keys)))
+            parent = hash_one(parent, tokens[start:end], extra_keys)
             new_hashes.append(parent)
             start = end
         return new_hashes

@@ -11,6 +11,8 @@ from paged.kvcache.config import KVCacheConfig
 from paged.kvcache.coordinator import get_kv_cache_coordinator
 from paged.kvcache.errors import KVCacheIntegrityError, UnknownRequestError
 from paged.kvcache.events import KVCacheEvent
+from paged.kvcache.managers.full_attention import FullAttentionManager
+from paged.kvcache.managers.sink import SinkFullAttentionManager
 from paged.kvcache.metrics import KVCacheMetricsCollector
 from paged.kvcache.protocols import KVCacheRequest
 from paged.kvcache.stats import PrefixCacheStats
@@ -106,6 +108,18 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
+        # One full-attention group: running requests take `_allocate_running_full`,
+        # which does what the five stages do for that case with fewer calls.
+        # Tests set it to None to compare both paths.
+        managers = self.coordinator.single_type_managers
+        self._fast_full_manager: FullAttentionManager | None = None
+        # Exact types only: a subclass may override a stage the fast path skips.
+        if (
+            len(managers) == 1
+            and isinstance(managers[0], FullAttentionManager)
+            and type(managers[0]) in (FullAttentionManager, SinkFullAttentionManager)
+        ):
+            self._fast_full_manager = managers[0]
 
     @property
     def usage(self) -> float:
@@ -183,6 +197,21 @@ class KVCacheManager:
                 f"{num_external_computed_tokens} and {num_encoder_tokens}"
             )
         if new_computed_blocks is None:
+            fast = self._fast_full_manager
+            if (
+                fast is not None
+                and num_external_computed_tokens == 0
+                and num_encoder_tokens == 0
+                and request.request_id in fast.req_to_blocks
+            ):
+                return self._allocate_running_full(
+                    fast,
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens,
+                    num_lookahead_tokens,
+                    delay_cache_blocks,
+                )
             new_computed_block_list = self.empty_kv_cache_blocks.blocks
         else:
             new_computed_block_list = new_computed_blocks.blocks
@@ -234,6 +263,48 @@ class KVCacheManager:
             num_tokens_to_cache = min(total_computed_tokens + num_new_tokens, request.num_tokens)
             coordinator.cache_blocks(request, num_tokens_to_cache)
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _allocate_running_full(
+        self,
+        manager: FullAttentionManager,
+        request: KVCacheRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> KVCacheBlocks | None:
+        """`allocate_slots` for a request already holding blocks, one full-attention group.
+
+        Full attention skips nothing (stage 1 is a no-op) and a running request
+        has no new hits (stage 3 is a no-op), so what is left is: blocks
+        needed minus blocks held, then caching newly full blocks.
+        """
+        request_id = request.request_id
+        req_blocks = manager.req_to_blocks[request_id]
+        max_model_len = self.max_model_len
+        total_computed_tokens = min(
+            request.num_computed_tokens + num_new_computed_tokens, max_model_len
+        )
+        num_tokens_need_slot = min(
+            total_computed_tokens + num_new_tokens + num_lookahead_tokens, max_model_len
+        )
+        block_size = manager.block_size
+        num_new_blocks = (num_tokens_need_slot + block_size - 1) // block_size - len(req_blocks)
+        result = self.empty_kv_cache_blocks
+        if num_new_blocks > 0:
+            pool = self.block_pool
+            if num_new_blocks > pool.free_block_queue.num_free_blocks:
+                return None
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+            result = KVCacheBlocks((new_blocks,))
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens_to_cache = total_computed_tokens + num_new_tokens
+            if num_tokens_to_cache > request.num_tokens:
+                num_tokens_to_cache = request.num_tokens
+            if num_tokens_to_cache // block_size > manager.num_cached_block.get(request_id, 0):
+                manager.cache_blocks(request, num_tokens_to_cache)
+        return result
 
     def free(self, request: KVCacheRequest) -> None:
         """Release all blocks of `request` (a no-op if it holds none)."""
