@@ -9,20 +9,33 @@ from __future__ import annotations
 
 import os
 import time
+import types
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from paged.kvcache import FullAttentionSpec, KVCacheConfig
 from paged.scheduler.boundary import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
     SchedulerStats,
 )
 from paged.scheduler.sampling_params import SamplingParams
+from paged.scheduler.testing import FakeRunner
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
+
+if TYPE_CHECKING:
+    from paged.runner.config import EngineConfig
+
+# Keep this module light: spawned engine processes import it to unpickle
+# `FakeCore`, and torch/transformers take many seconds to import on a busy
+# machine. Heavy imports live inside the functions that need them.
 
 
 class FakeCore:
@@ -162,3 +175,117 @@ def exit_before_handshake() -> FakeCore:
 @pytest.fixture
 def exit_factory() -> Any:
     return exit_before_handshake
+
+
+class FakeExecutor:
+    """An executor over the scheduler's deterministic `FakeRunner` (no model).
+
+    Two-phase like the real runner: `execute_model` returns None and
+    `sample_tokens` hands out the result. `fail_health` makes `check_health`
+    raise; `execute_sleep_s` slows each step (to observe overlap).
+    """
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.block_size = engine_config.cache_config.block_size
+        self.runner = FakeRunner(block_size=self.block_size)
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.pending: ModelRunnerOutput | None = None
+        self.grammar_seen: list[GrammarOutput | None] = []
+        self.executed: list[SchedulerOutput] = []
+        self.fail_health = False
+        self.execute_sleep_s = 0.0
+        self.is_shut_down = False
+
+    def get_kv_cache_specs(self) -> dict[str, FullAttentionSpec]:
+        spec = FullAttentionSpec(
+            block_size=self.block_size, num_kv_heads=1, head_size=8, dtype="float32"
+        )
+        return {"layers.0.attn": spec}
+
+    def determine_available_memory(self) -> int:
+        return 1 << 16
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.pending is None, "execute_model twice without sample_tokens"
+        if self.execute_sleep_s:
+            time.sleep(self.execute_sleep_s)
+        self.executed.append(scheduler_output)
+        self.pending = self.runner.execute(scheduler_output)
+        return None
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        assert self.pending is not None, "sample_tokens without execute_model"
+        self.grammar_seen.append(grammar_output)
+        out, self.pending = self.pending, None
+        return out
+
+    def check_health(self) -> None:
+        if self.fail_health:
+            raise RuntimeError("worker is gone")
+
+    def shutdown(self) -> None:
+        self.is_shut_down = True
+
+
+def tiny_engine_config(
+    *,
+    max_model_len: int = 64,
+    block_size: int = 4,
+    kv_cache_memory_bytes: int | None = 1 << 14,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    vocab_size: int = 128,
+) -> EngineConfig:
+    """An EngineConfig for a model that exists only as a config (for fake executors).
+
+    The HF config is a plain namespace with the fields EngineConfig checks, so
+    that an engine process unpickling it need not import transformers.
+    """
+    import torch
+
+    from paged.runner.config import CacheConfig, EngineConfig, ModelConfig, SchedulerLimits
+
+    hf = types.SimpleNamespace(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_model_len,
+    )
+    model = ModelConfig(
+        model="fake",
+        hf_config=hf,
+        architecture="LlamaForCausalLM",
+        dtype=torch.float32,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        eos_token_ids=(),
+        bos_token_id=None,
+        tokenizer="fake",
+        gguf_file=None,
+        weights_format="safetensors",
+    )
+    return EngineConfig(
+        model_config=model,
+        cache_config=CacheConfig(
+            block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes
+        ),
+        scheduler_limits=SchedulerLimits(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        ),
+    )
+
+
+@pytest.fixture
+def fake_executor_cls() -> type[FakeExecutor]:
+    return FakeExecutor
+
+
+@pytest.fixture
+def engine_config_factory() -> Any:
+    return tiny_engine_config

@@ -1,16 +1,27 @@
-"""What the engine-core process loop and the clients need from an engine core.
+"""The Protocols the engine core is assembled from, and the one it offers.
 
 `EngineCore` satisfies `EngineCoreLike`; the process loop (`EngineCoreProc`)
-and `InprocClient` only talk to this Protocol, so the IPC layer can be tested
-and reused independently of the model.
+and `InprocClient` only talk to that Protocol, so the IPC layer can be tested
+and reused independently of the model. `EngineCore` in turn needs an
+`ExecutorInterface` (paged.runner's executors) and a `SchedulerInterface`
+(paged.scheduler's `Scheduler`); both are satisfied structurally.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from paged.scheduler.boundary import EngineCoreOutputs, EngineCoreRequest
+from paged.kvcache import KVCacheConfig, KVCacheSpec
+from paged.scheduler.boundary import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from paged.scheduler.request import RequestStatus
 from paged.server.engine.messages import EngineCoreInfo
 
 
@@ -51,3 +62,53 @@ class EngineCoreLike(Protocol):
 # process is started with `spawn`): a module-level function, a class, or a
 # `functools.partial` of those with picklable arguments.
 EngineCoreFactory = Callable[[], EngineCoreLike]
+
+
+class ExecutorInterface(Protocol):
+    """What `EngineCore` needs from an executor (`paged.runner.executor`).
+
+    Lifecycle: `get_kv_cache_specs` and `determine_available_memory` before
+    `initialize_from_config`; then per step `execute_model` and, when that
+    returns None, `sample_tokens`. Calls for one step come in that order and
+    from one thread at a time (the batch queue uses one worker thread).
+    """
+
+    def get_kv_cache_specs(self) -> Mapping[str, KVCacheSpec]: ...
+
+    def determine_available_memory(self) -> int: ...
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None: ...
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class SchedulerInterface(Protocol):
+    """What `EngineCore` needs from a scheduler (`paged.scheduler.Scheduler`)."""
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def finish_requests(
+        self, request_ids: Iterable[str], finished_status: RequestStatus
+    ) -> None: ...
+
+    def schedule(self) -> SchedulerOutput: ...
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None: ...
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]: ...
+
+    def has_requests(self) -> bool: ...
+
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def make_stats(self) -> SchedulerStats | None: ...

@@ -1,0 +1,318 @@
+"""`EngineCore`: schedule -> execute -> sample -> update, one step at a time.
+
+    step()
+      scheduler.schedule()                  -> SchedulerOutput
+      executor.execute_model(so)            -> ModelRunnerOutput | None (None: sample next)
+      scheduler.get_grammar_bitmask(so)     -> GrammarOutput | None     (structured output)
+      executor.sample_tokens(grammar)       -> ModelRunnerOutput
+      scheduler.update_from_output(so, mro) -> {client index: EngineCoreOutputs}
+
+`step_with_batch_queue()` (batch_queue_size > 1) runs the executor on one
+worker thread and schedules step N+1 while step N executes: it only waits
+for the oldest batch when the queue is full or nothing new can be scheduled.
+The scheduler stays on the caller's thread; requests whose tokens are in
+flight are not scheduled again (the scheduler advances their computed
+tokens when it schedules them), so overlapping batches never collide.
+
+Construction sizes the KV cache: the executor's per-layer specs and the byte
+budget (`CacheConfig.kv_cache_memory_bytes`, else the executor's measurement)
+go through `paged.kvcache.get_kv_cache_config`; the executor allocates it and
+the scheduler gets the same `KVCacheConfig`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from paged.kvcache import KVCacheConfig, get_kv_cache_config
+from paged.runner.config import EngineConfig
+from paged.scheduler.boundary import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from paged.scheduler.config import SchedulerConfig
+from paged.scheduler.request import RequestStatus
+from paged.scheduler.scheduler import Scheduler
+from paged.scheduler.structured_output import StructuredOutputProvider
+from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
+from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
+
+logger = logging.getLogger(__name__)
+
+ExecutorFactory = Callable[[EngineConfig], ExecutorInterface]
+SchedulerFactory = Callable[..., SchedulerInterface]
+
+
+def scheduler_config_from(engine_config: EngineConfig) -> SchedulerConfig:
+    """The scheduler limits of `engine_config` as a `SchedulerConfig`."""
+    limits = engine_config.scheduler_limits
+    return SchedulerConfig(
+        max_num_seqs=limits.max_num_seqs,
+        max_num_batched_tokens=limits.max_num_batched_tokens,
+        max_model_len=engine_config.model_config.max_model_len,
+        enable_chunked_prefill=limits.enable_chunked_prefill,
+        max_logprobs=limits.max_logprobs,
+    )
+
+
+class EngineCore:
+    """The engine's inner loop; driven by `EngineCoreProc` or `InprocClient`.
+
+    `executor_class` builds the executor from the config (default: the runner's
+    choice for `parallel_config`); `scheduler_class` builds the scheduler with
+    `Scheduler`'s signature; `structured_output` is the grammar provider the
+    scheduler consults for bitmasks. Not thread-safe: one driver thread calls
+    everything.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        executor_class: ExecutorFactory | None = None,
+        *,
+        scheduler_config: SchedulerConfig | None = None,
+        scheduler_class: SchedulerFactory | None = None,
+        batch_queue_size: int = 1,
+        structured_output: StructuredOutputProvider | None = None,
+        num_gpu_blocks_override: int | None = None,
+        log_stats: bool = True,
+    ) -> None:
+        if batch_queue_size < 1:
+            raise ValueError(f"batch_queue_size must be >= 1, got {batch_queue_size}")
+        self.engine_config = engine_config
+        self.scheduler_config = scheduler_config or scheduler_config_from(engine_config)
+        self.batch_queue_size = batch_queue_size
+        self.model_executor = (executor_class or _default_executor_class(engine_config))(
+            engine_config
+        )
+        try:
+            self.kv_cache_config, kv_bytes = self._initialize_kv_caches(num_gpu_blocks_override)
+            cache = engine_config.cache_config
+            extra: dict[str, Any] = {}
+            if structured_output is not None:
+                extra["structured_output"] = structured_output
+            self.scheduler: SchedulerInterface = (scheduler_class or Scheduler)(
+                self.scheduler_config,
+                self.kv_cache_config,
+                cache.block_size,
+                enable_caching=cache.enable_prefix_caching,
+                log_stats=log_stats,
+                hash_seed=engine_config.seed,
+                **extra,
+            )
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
+        self._info = EngineCoreInfo(
+            num_gpu_blocks=self.kv_cache_config.num_blocks,
+            block_size=engine_config.cache_config.block_size,
+            max_model_len=engine_config.model_config.max_model_len,
+            kv_cache_memory_bytes=kv_bytes,
+            batch_queue_size=batch_queue_size,
+        )
+        # Batches in flight, newest first: (future of the sampled output, its schedule).
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self._worker = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="EngineCoreExec")
+            if batch_queue_size > 1
+            else None
+        )
+        self._num_steps = self._num_model_steps = 0
+        self._num_added = self._num_aborted = 0
+        self._utilities: dict[str, Callable[..., object]] = {
+            "reset_prefix_cache": self.reset_prefix_cache,
+            "is_healthy": self.is_healthy,
+            "get_stats": self.get_stats,
+            "get_num_unfinished_requests": self.scheduler.get_num_unfinished_requests,
+            "get_info": lambda: self.info,
+        }
+        assert set(self._utilities) == set(UTILITY_RESULT_TYPES)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d bytes), %d group(s)",
+            self._info.num_gpu_blocks,
+            self._info.block_size,
+            kv_bytes,
+            len(self.kv_cache_config.kv_cache_groups),
+        )
+
+    def _initialize_kv_caches(
+        self, num_gpu_blocks_override: int | None
+    ) -> tuple[KVCacheConfig, int]:
+        specs = self.model_executor.get_kv_cache_specs()
+        if not specs:
+            raise ValueError("the model reports no KV cache layers (kv_cache_specs is empty)")
+        configured = self.engine_config.cache_config.kv_cache_memory_bytes
+        available = (
+            configured
+            if configured is not None
+            else self.model_executor.determine_available_memory()
+        )
+        kv_cache_config = get_kv_cache_config(
+            specs,
+            available,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            max_model_len=self.engine_config.model_config.max_model_len,
+        )
+        self.model_executor.initialize_from_config(kv_cache_config)
+        return kv_cache_config, available
+
+    # ---- requests ------------------------------------------------------------
+    @property
+    def info(self) -> EngineCoreInfo:
+        return self._info
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validate and queue a request; `ValueError` naming the field if it can never run.
+
+        A prompt longer than the context is not an error here: the scheduler
+        finishes such a request with an output, as the frontend expects.
+        """
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise ValueError(f"prompt_token_ids of request {request.request_id!r} is empty")
+        vocab_size = self.engine_config.model_config.vocab_size
+        for token in request.prompt_token_ids:
+            if not 0 <= token < vocab_size:
+                raise ValueError(
+                    f"prompt_token_ids of request {request.request_id!r} holds token id "
+                    f"{token}, outside the vocabulary [0, {vocab_size})"
+                )
+        if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab_size:
+            raise ValueError(
+                f"eos_token_id {request.eos_token_id} is outside the vocabulary [0, {vocab_size})"
+            )
+        request.sampling_params.validate(self.scheduler_config.max_logprobs)
+        if request.kv_transfer_params is not None:
+            raise ValueError(
+                "kv_transfer_params needs a KV connector, and this engine was started without one"
+            )
+        self.scheduler.add_request(request)
+        self._num_added += 1
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        """Finish these requests as aborted and free their blocks (unknown ids are ignored)."""
+        if request_ids:
+            self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+            self._num_aborted += len(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    # ---- stepping --------------------------------------------------------------
+    def run_step(self) -> dict[int, EngineCoreOutputs]:
+        return self.step_with_batch_queue() if self._worker is not None else self.step()
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """Schedule, execute, sample and update once; outputs keyed by client index."""
+        if not self.scheduler.has_requests():
+            return {}
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.model_executor.execute_model(scheduler_output)
+        if model_output is None:
+            model_output = self.model_executor.sample_tokens(self._grammar(scheduler_output))
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self._count_step(scheduler_output)
+        return outputs
+
+    def step_with_batch_queue(self) -> dict[int, EngineCoreOutputs]:
+        """Queue a new batch if one can be scheduled; finish the oldest when needed.
+
+        Returns {} while it only queued work (the caller loops again), else the
+        outputs of the oldest batch.
+        """
+        assert self._worker is not None, "step_with_batch_queue needs batch_queue_size > 1"
+        if self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            executed = self._worker.submit(self.model_executor.execute_model, scheduler_output)
+            # The bitmask is computed here while the worker runs the model.
+            grammar = self._grammar(scheduler_output)
+            sampled = self._worker.submit(self._sample_after, executed, grammar)
+            self.batch_queue.appendleft((sampled, scheduler_output))
+            if (
+                scheduler_output.total_num_scheduled_tokens > 0
+                and len(self.batch_queue) < self.batch_queue_size
+                and not self.batch_queue[-1][0].done()
+            ):
+                return {}
+        elif not self.batch_queue:
+            return {}
+        sampled, scheduler_output = self.batch_queue.pop()
+        outputs = self.scheduler.update_from_output(scheduler_output, sampled.result())
+        self._count_step(scheduler_output)
+        return outputs
+
+    def _sample_after(
+        self, executed: Future[ModelRunnerOutput | None], grammar: GrammarOutput | None
+    ) -> ModelRunnerOutput:
+        output = executed.result()  # already done: the worker runs tasks in order
+        return output if output is not None else self.model_executor.sample_tokens(grammar)
+
+    def _grammar(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        return self.scheduler.get_grammar_bitmask(scheduler_output)
+
+    def _count_step(self, scheduler_output: SchedulerOutput) -> None:
+        self._num_steps += 1
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self._num_model_steps += 1
+
+    # ---- utilities -------------------------------------------------------------
+    def call_utility(self, method: str, args: Sequence[Any]) -> object:
+        fn = self._utilities.get(method)
+        if fn is None:
+            raise ValueError(f"method {method!r} is not an engine utility")
+        return fn(*args)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block not in use; False while running requests hold blocks."""
+        return self.scheduler.reset_prefix_cache()
+
+    def is_healthy(self) -> bool:
+        try:
+            self.model_executor.check_health()
+        except Exception:
+            logger.exception("executor health check failed")
+            return False
+        return True
+
+    def get_stats(self) -> EngineCoreStats:
+        return EngineCoreStats(
+            num_steps=self._num_steps,
+            num_model_steps=self._num_model_steps,
+            num_requests_added=self._num_added,
+            num_requests_aborted=self._num_aborted,
+            num_gpu_blocks=self._info.num_gpu_blocks,
+            scheduler=self.scheduler.make_stats(),
+        )
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
+        self.batch_queue.clear()
+        self.model_executor.shutdown()
+
+
+def _default_executor_class(engine_config: EngineConfig) -> ExecutorFactory:
+    # Imported here: the executors pull in torch models, which the IPC-only
+    # users of this module (and its tests) do not need.
+    from paged.runner.executor import Executor
+
+    return Executor.create
+
+
+def make_engine_core_factory(
+    engine_config: EngineConfig, executor_class: ExecutorFactory | None = None, **kwargs: Any
+) -> EngineCoreFactory:
+    """A picklable factory building `EngineCore(engine_config, executor_class, **kwargs)`.
+
+    What `SyncMPClient` / `AsyncMPClient` take to build the core in the engine process.
+    """
+    return functools.partial(EngineCore, engine_config, executor_class, **kwargs)
