@@ -70,7 +70,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, fro
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
-    """A request scheduled for the first time (or again after preemption): all its data."""
+    """A request scheduled for the first time: all its data.
+
+    A request resumed after preemption is NOT sent again as new data: it comes in
+    `CachedRequestData` with `resumed_from_preemption=True`, its whole block table
+    in `new_block_ids` and all its output tokens in `new_token_ids`.
+    """
 
     req_id: str
     prompt_token_ids: list[int]
