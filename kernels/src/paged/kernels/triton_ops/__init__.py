@@ -12,6 +12,13 @@ Not Triton kernels here, on purpose:
 - ``copy_blocks`` between *different* devices is a DMA transfer done by torch.
 """
 
+import os
+
+# Triton 3.9 warns on every first compile unless this is set; "1" keeps its
+# current default (FP fusion on). Without it, any test suite running with
+# warnings-as-errors fails on a GPU. setdefault: a user's choice wins.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
 from paged.kernels.reference.sampling import apply_penalties, apply_top_k_top_p
 from paged.kernels.rope import RopeScaling, compute_cos_sin_cache
 from paged.kernels.triton_ops.attention import (

@@ -32,8 +32,10 @@ import triton.language as tl
 @triton.jit
 def _find_request(query_start_loc_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
     # Largest r with query_start_loc[r] // BLOCK_Q + r <= target.
-    lo = 0
-    hi = num_reqs
+    # lo/hi start as int32 tensors: compiled Triton forbids loop-carried
+    # variables that begin as constexprs (num_reqs == 1 is specialised to one).
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
         start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
