@@ -26,6 +26,7 @@ import random
 import statistics
 import sys
 import time
+from array import array
 from collections import deque
 from typing import Any
 
@@ -53,13 +54,14 @@ class TraceGenerator:
     def __init__(self, num_requests: int, seed: int) -> None:
         self.rng = random.Random(seed)
         self.num_requests = num_requests
-        self.prefixes = [
-            [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(512, 1024))]
-            for _ in range(8)
-        ]
+        self.prefixes = [self.random_tokens(self.rng.randint(512, 1024)) for _ in range(8)]
         self.made = 0
         self.hash_seconds = 0.0
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+
+    def random_tokens(self, n: int) -> list[int]:
+        # 16-bit words from one randbytes call: ~50x faster than randrange per token.
+        return [x % VOCAB for x in array("H", self.rng.randbytes(2 * n))]
 
     def batch(self, n: int) -> list[SimpleRequest]:
         rng = self.rng
@@ -68,10 +70,9 @@ class TraceGenerator:
             length = rng.randint(64, 2048)
             if rng.random() < 0.6:
                 prefix = self.prefixes[rng.randrange(8)]
-                tail = [rng.randrange(VOCAB) for _ in range(max(0, length - len(prefix)))]
-                tokens = (prefix + tail)[:length]
+                tokens = (prefix + self.random_tokens(max(0, length - len(prefix))))[:length]
             else:
-                tokens = [rng.randrange(VOCAB) for _ in range(length)]
+                tokens = self.random_tokens(length)
             t0 = time.perf_counter()
             out.append(SimpleRequest(str(self.made), tokens, self.hasher))
             self.hash_seconds += time.perf_counter() - t0
@@ -89,7 +90,7 @@ def run_once(num_requests: int, seed: int) -> dict[str, Any]:
     running: list[SimpleRequest] = []
     decoded: dict[str, int] = {}
     calls = lookups = query_tokens = hit_tokens = preemptions = finished = 0
-    elapsed = 0.0
+    elapsed = cpu = 0.0
     get_computed_blocks = kvm.get_computed_blocks
     allocate_slots = kvm.allocate_slots
     free = kvm.free
@@ -98,6 +99,7 @@ def run_once(num_requests: int, seed: int) -> dict[str, Any]:
         if len(waiting) < MAX_RUNNING and gen.made < num_requests:
             waiting.extend(gen.batch(REFILL))  # untimed: trace generation
         t0 = time.perf_counter()
+        c0 = time.process_time()
         # Running requests first: one decode token each.
         i = 0
         while i < len(running):
@@ -137,8 +139,10 @@ def run_once(num_requests: int, seed: int) -> dict[str, Any]:
             req.num_computed_tokens = req.num_tokens
             running.append(req)
         elapsed += time.perf_counter() - t0
+        cpu += time.process_time() - c0
     return {
         "seconds": elapsed,
+        "cpu_seconds": cpu,
         "allocate_slots_calls": calls,
         "allocate_slots_per_s": calls / elapsed,
         "prefix_hit_rate": hit_tokens / query_tokens,
@@ -169,6 +173,7 @@ def main() -> None:
                 "seconds": round(median["seconds"], 3),
                 "seconds_all_runs": [round(r["seconds"], 3) for r in results],
                 "seconds_stdev": round(statistics.pstdev(r["seconds"] for r in results), 3),
+                "cpu_seconds": round(median["cpu_seconds"], 3),
                 "allocate_slots_calls": median["allocate_slots_calls"],
                 "allocate_slots_per_s": round(median["allocate_slots_per_s"]),
                 "prefix_hit_rate": round(median["prefix_hit_rate"], 4),
