@@ -1,0 +1,226 @@
+"""`MultiprocExecutor`: one worker process per tensor-parallel rank.
+
+    executor --(broadcast MessageQueue: 1 writer, N readers)--> worker 0..N-1
+    executor <--(response MessageQueue per worker: 1 writer, 1 reader)-- worker r
+
+Calls are typed msgspec Structs (`messages.WorkerCall`); every worker answers
+every call, so an error on any rank surfaces. While waiting, the executor
+polls the worker processes: a worker that exits turns into a
+`WorkerDiedError` naming its rank, pid and exit code, never a hang; later
+calls fail fast with the same error. Workers exit on `Shutdown`, or on their
+own when the executor's process disappears.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from paged.runner.config import EngineConfig
+from paged.runner.executor.abstract import Executor, WorkerDiedError, WorkerError
+from paged.runner.executor.dispatch import serve_call
+from paged.runner.executor.messages import (
+    Ready,
+    Reply,
+    Shutdown,
+    WorkerCall,
+    decode_call,
+    decode_ready,
+    decode_reply,
+    decode_result,
+    encode,
+    encode_result,
+)
+from paged.runner.shm_broadcast import MessageQueue, QueueHandle
+from paged.runner.worker import Worker
+
+_POLL_S = 0.5
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MultiprocExecutor(Executor):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        *,
+        chunk_bytes: int = 1 << 22,
+        n_chunks: int = 8,
+        startup_timeout: float = 900.0,
+    ) -> None:
+        super().__init__(engine_config)
+        self.world_size = engine_config.parallel_config.tensor_parallel_size
+        self._dead: str | None = None
+        self._closed = False
+        handle = MessageQueue.make_handle(self.world_size, n_chunks, chunk_bytes)
+        self.broadcast = MessageQueue.create_writer(handle)
+        response_handles = [
+            MessageQueue.make_handle(1, 4, chunk_bytes) for _ in range(self.world_size)
+        ]
+        self.responses = [MessageQueue.create_reader(h, 0) for h in response_handles]
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list[BaseProcess] = []
+        for rank in range(self.world_size):
+            proc = ctx.Process(
+                target=worker_main,
+                args=(
+                    engine_config,
+                    rank,
+                    init_method,
+                    handle,
+                    response_handles[rank],
+                    os.getpid(),
+                ),
+                name=f"paged-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            self.procs.append(proc)
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        errors = []
+        for rank, queue in enumerate(self.responses):
+            ready: Ready = decode_ready(self._dequeue(queue, rank, deadline))
+            if ready.error:
+                errors.append(f"worker {rank} failed to start:\n{ready.error}")
+        if errors:
+            raise WorkerError("\n".join(errors))
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                self._dead = (
+                    f"worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}; "
+                    "the executor cannot continue"
+                )
+                raise WorkerDiedError(self._dead)
+
+    def _dequeue(self, queue: MessageQueue, rank: int, deadline: float | None) -> bytes:
+        while True:
+            self._check_alive()
+            try:
+                return queue.dequeue(timeout=_POLL_S)
+            except TimeoutError:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {rank} did not answer in time") from None
+
+    def collective_rpc(self, call: WorkerCall, timeout: float | None = None) -> list[Any]:
+        if self._closed:
+            raise RuntimeError("the executor is shut down")
+        self._check_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        payload = encode(call)
+        while True:
+            try:
+                self.broadcast.enqueue(payload, timeout=_POLL_S)
+                break
+            except TimeoutError:
+                self._check_alive()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise
+        results: list[Any] = []
+        errors: list[str] = []
+        for rank, queue in enumerate(self.responses):
+            reply: Reply = decode_reply(self._dequeue(queue, rank, deadline))
+            if reply.error is not None:
+                errors.append(f"worker {reply.rank}: {reply.error}")
+            else:
+                results.append(decode_result(call, reply.result))
+        if errors:
+            raise WorkerError("\n".join(errors))
+        return results
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._dead is None and all(p.is_alive() for p in self.procs):
+            try:
+                self.broadcast.enqueue(encode(Shutdown()), timeout=5.0)
+                for rank, queue in enumerate(self.responses):
+                    self._dequeue(queue, rank, time.monotonic() + 30.0)
+            except (TimeoutError, WorkerDiedError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        self.broadcast.close()
+        for queue in self.responses:
+            queue.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.shutdown()
+
+
+def worker_main(
+    engine_config: EngineConfig,
+    rank: int,
+    init_method: str,
+    broadcast_handle: QueueHandle,
+    response_handle: QueueHandle,
+    parent_pid: int,
+) -> None:
+    """Entry point of a worker process: start up, report Ready, then serve calls."""
+    responses = MessageQueue.attach(response_handle, writer=True)
+    calls = MessageQueue.attach(broadcast_handle, writer=False, reader_rank=rank)
+    tp = engine_config.parallel_config.tensor_parallel_size
+    # Share the cores between ranks instead of oversubscribing them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    try:
+        worker = Worker(
+            engine_config, rank=rank, local_rank=rank, distributed_init_method=init_method
+        )
+        worker.init_device()
+        worker.load_model()
+    except Exception:
+        responses.enqueue(encode(Ready(rank, os.getpid(), error=traceback.format_exc())))
+        return
+    responses.enqueue(encode(Ready(rank, os.getpid())))
+    try:
+        _serve(worker, rank, calls, responses, parent_pid)
+    finally:
+        calls.close()
+        responses.close()
+
+
+def _serve(
+    worker: Worker, rank: int, calls: MessageQueue, responses: MessageQueue, parent_pid: int
+) -> None:
+    while True:
+        try:
+            data = calls.dequeue(timeout=1.0)
+        except TimeoutError:
+            if os.getppid() != parent_pid:
+                return  # the executor's process is gone: nobody will call again
+            continue
+        call = decode_call(data)
+        try:
+            reply = Reply(rank, encode_result(call, serve_call(worker, call)))
+        except Exception:
+            reply = Reply(rank, error=traceback.format_exc())
+        responses.enqueue(encode(reply))
+        if isinstance(call, Shutdown):
+            return

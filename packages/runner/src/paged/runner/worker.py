@@ -1,0 +1,107 @@
+"""`Worker`: one device, one `ModelRunner` (seed: Executor / Worker).
+
+The executor drives workers through the same small set of calls whether they
+live in this process (`UniProcExecutor`) or in their own (`MultiprocExecutor`):
+init_device -> load_model -> get_kv_cache_spec / determine_available_memory
+-> initialize_from_config -> (execute_model, sample_tokens)* -> shutdown.
+
+With tensor parallelism every rank runs every call; `init_device` joins the
+torch.distributed group (gloo on CPU, NCCL on CUDA) before the model is built,
+and seeds the global RNG identically on every rank so that unseeded random
+sampling picks the same token everywhere (each rank keeps its own copy of the
+sampled tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paged.kvcache import KVCacheConfig
+from paged.runner.config import EngineConfig
+from paged.runner.model_runner import ModelRunner
+from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+
+class Worker:
+    """Owns the device context and the model runner of one tensor-parallel rank."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        tp = engine_config.parallel_config.tensor_parallel_size
+        if not 0 <= rank < tp:
+            raise ValueError(f"rank must be in [0, {tp}), got {rank}")
+        if tp > 1 and distributed_init_method is None:
+            raise ValueError("distributed_init_method is required when tensor_parallel_size > 1")
+        self.engine_config = engine_config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = tp
+        self.distributed_init_method = distributed_init_method
+        self.device = torch.device("cpu")
+        self._runner: ModelRunner | None = None
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise RuntimeError("init_device() must be called first")
+        return self._runner
+
+    def init_device(self) -> None:
+        model_config = self.engine_config.model_config
+        device = torch.device(model_config.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+        self.device = device
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                backend="nccl" if device.type == "cuda" else "gloo",
+                init_method=self.distributed_init_method,
+                world_size=self.world_size,
+                rank=self.rank,
+            )
+        torch.manual_seed(self.engine_config.seed)
+        self._runner = ModelRunner(
+            model_config,
+            self.engine_config.cache_config,
+            self.engine_config.scheduler_limits,
+            device,
+            tp_rank=self.rank,
+            tp_size=self.world_size,
+        )
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        return self.model_runner.get_kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        return self.model_runner.determine_available_memory()
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def check_health(self) -> None:
+        """Raise if the device is unusable (a CUDA error surfaces on synchronize)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+        self._runner = None
