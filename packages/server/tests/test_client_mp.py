@@ -48,6 +48,9 @@ def test_requests_utilities_and_clean_shutdown(fake_core_cls: Any, request_facto
             client.call_utility("reset_prefix_cache", "raise")
         with pytest.raises(ValueError, match="not an engine utility"):
             client.call_utility("__init__")
+        with pytest.raises(RuntimeError, match="result of type object cannot be sent"):
+            client.call_utility("get_info", "unencodable")
+        assert client.call_utility("get_info") == client.info  # still serving
         pid = client._engine.process.pid
     finally:
         client.shutdown()

@@ -235,17 +235,22 @@ class SyncMPClient:
 
     def _read_outputs(self) -> None:
         sock = self._engine.output_socket
-        while not self._stop.is_set():
-            if not sock.poll(_POLL_MS):
-                continue
-            frames = socket_frames(sock.recv_multipart(copy=False))
-            kind = EngineCoreOutputType(bytes(frames[0]))
-            if kind is EngineCoreOutputType.OUTPUTS:
-                self._outputs.put(self._dispatch.outputs.decode(frames[1:]))
-            elif kind is EngineCoreOutputType.UTILITY_RESULT:
-                self._resolve(frames[1:])
-            else:
-                self._on_death(self._dispatch.error.decode(frames[1:]).message)
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(_POLL_MS):
+                    continue
+                frames = socket_frames(sock.recv_multipart(copy=False))
+                kind = EngineCoreOutputType(bytes(frames[0]))
+                if kind is EngineCoreOutputType.OUTPUTS:
+                    self._outputs.put(self._dispatch.outputs.decode(frames[1:]))
+                elif kind is EngineCoreOutputType.UTILITY_RESULT:
+                    self._resolve(frames[1:])
+                else:
+                    self._on_death(self._dispatch.error.decode(frames[1:]).message)
+        except Exception as exc:
+            if not self._stop.is_set():
+                # Without its reader the client can never answer again.
+                self._on_death(f"engine output reader failed: {type(exc).__name__}: {exc}")
 
     def _resolve(self, frames: Sequence[Frame]) -> None:
         result = self._dispatch.utility.decode(frames)
@@ -410,7 +415,11 @@ class AsyncMPClient:
                     message = self._dispatch.error.decode(frames[1:]).message
                     self._on_death_threadsafe(message)
         except (asyncio.CancelledError, zmq.ZMQError):
-            return
+            if not self._closed:
+                self._on_death_threadsafe("engine output socket closed unexpectedly")
+        except Exception as exc:
+            # Without its reader the client can never answer again.
+            self._on_death_threadsafe(f"engine output reader failed: {type(exc).__name__}: {exc}")
 
     def _resolve(self, frames: Sequence[Frame]) -> None:
         result = self._dispatch.utility.decode(frames)

@@ -81,6 +81,7 @@ class EngineCoreProc:
         self._output_queue: queue.Queue[_Output | object] = queue.Queue()
         self._stop_input = threading.Event()
         self._shutdown_requested = False
+        self._output_failed: BaseException | None = None
 
     # ---- lifecycle ---------------------------------------------------------
     def run(self) -> None:
@@ -112,6 +113,8 @@ class EngineCoreProc:
 
     def _busy_loop(self) -> None:
         while not self._shutdown_requested:
+            if self._output_failed is not None:
+                raise RuntimeError("the output thread failed") from self._output_failed
             self._process_input_queue()
             if self._shutdown_requested:
                 break
@@ -213,15 +216,31 @@ class EngineCoreProc:
                 return
             assert isinstance(item, tuple)
             kind, payload = item
-            frames = _encode_output(encoder, payload)
+            try:
+                frames = _encode_output(encoder, payload)
+            except Exception as exc:
+                # Outputs that cannot be sent would leave the frontend waiting
+                # forever: report the engine dead and make the loop stop.
+                logger.exception("cannot encode an engine output")
+                self._output_failed = exc
+                kind = EngineCoreOutputType.ENGINE_ERROR
+                message = f"engine core cannot encode its output: {type(exc).__name__}: {exc}"
+                frames = encoder.encode(EngineErrorMessage(message, traceback.format_exc()))
             sock.send_multipart([kind.value, *frames], copy=False)
+            if self._output_failed is not None:
+                return
 
 
 def _encode_output(encoder: MsgpackEncoder, payload: object) -> list[Frame]:
     if isinstance(payload, _UtilityOutcome):
         # The result travels as raw msgpack; its out-of-band buffers become
         # the message's trailing frames, so their indices stay valid.
-        result_frames = encoder.encode(payload.result)
+        try:
+            result_frames = encoder.encode(payload.result)
+        except TypeError as exc:
+            failed = f"result of type {type(payload.result).__name__} cannot be sent: {exc}"
+            payload = _UtilityOutcome(payload.call_id, error=failed)
+            result_frames = encoder.encode(None)
         wrapped = UtilityResult(
             call_id=payload.call_id, result=msgspec.Raw(result_frames[0]), error=payload.error
         )
