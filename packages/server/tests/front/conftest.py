@@ -160,6 +160,9 @@ class FakeEngine:
         self._check()
         return self.step()
 
+    def has_work(self) -> bool:
+        return bool(self.running)
+
     def shutdown(self) -> None:
         self.shut_down = True
 

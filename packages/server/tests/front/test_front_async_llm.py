@@ -225,4 +225,9 @@ async def test_concurrent_requests_and_metrics(tokenizer: Any, fake_engine: Any)
     )
     assert 'paged:time_to_first_token_seconds_count{model_name="tiny"} 8.0' in text
     assert 'paged:kv_cache_usage_perc{model_name="tiny"} 0.25' in text
+    gen = llm.generate(PROMPT, SamplingParams(max_tokens=50))
+    await gen.__anext__()
+    await gen.aclose()
+    text = generate_latest(stats.registry).decode()
+    assert 'paged:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
     llm.shutdown()

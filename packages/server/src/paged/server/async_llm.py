@@ -18,9 +18,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 
-import msgspec
-
-from paged.scheduler import EngineCoreRequest, SamplingParams
+from paged.scheduler import SamplingParams
 from paged.server.client_protocols import AsyncEngineClient
 from paged.server.collector import RequestOutputCollector
 from paged.server.engine.errors import EngineDeadError
@@ -29,7 +27,7 @@ from paged.server.input_processor import InputProcessor, PromptType
 from paged.server.metrics import StatLogger
 from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
-from paged.server.parent import ParentRequest, child_request_id
+from paged.server.parent import fan_out
 from paged.server.stats import IterationStats
 from paged.server.tokenizer import TokenizerLike
 
@@ -46,7 +44,7 @@ class AsyncLLM:
         *,
         max_model_len: int,
         vocab_size: int | None = None,
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
         max_logprobs: int = 20,
         stat_loggers: Sequence[StatLogger] = (),
     ) -> None:
@@ -57,7 +55,7 @@ class AsyncLLM:
             tokenizer,
             max_model_len=max_model_len,
             vocab_size=vocab_size,
-            eos_token_id=eos_token_id,
+            eos_token_ids=eos_token_ids,
             max_logprobs=max_logprobs,
         )
         self.output_processor = OutputProcessor(tokenizer)
@@ -107,18 +105,11 @@ class AsyncLLM:
         )
         self._ensure_output_handler()
         queue = RequestOutputCollector(params.output_kind)
-        if request.sampling_params.n == 1:
-            self.output_processor.add_request(request, prompt_text, queue=queue)
-            await self.engine_client.add_request_async(request)
-            return queue
-        parent = ParentRequest(request_id, request.sampling_params)
-        children = []
-        for i in range(parent.n):
-            child = _replace_request(request, child_request_id(i, request_id), parent, i)
-            self.output_processor.add_request(child, prompt_text, parent, i, queue)
-            children.append(child)
-        for child in children:
-            await self.engine_client.add_request_async(child)
+        parent, requests = fan_out(request)
+        for i, req in enumerate(requests):
+            self.output_processor.add_request(req, prompt_text, parent, i, queue)
+        for req in requests:
+            await self.engine_client.add_request_async(req)
         return queue
 
     async def generate(
@@ -169,7 +160,10 @@ class AsyncLLM:
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort user requests (by the id given to `generate`); unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        engine_ids = self.output_processor.abort_requests(ids)
+        stats = IterationStats()
+        engine_ids = self.output_processor.abort_requests(ids, stats)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(None, stats)
         if engine_ids and self._dead is None:
             # A dead engine holds nothing any more; the handler reports the death.
             with contextlib.suppress(EngineDeadError):
@@ -211,11 +205,3 @@ class AsyncLLM:
         if self._output_handler is not None:
             self._output_handler.cancel()
         self.engine_client.shutdown()
-
-
-def _replace_request(
-    request: EngineCoreRequest, request_id: str, parent: ParentRequest, index: int
-) -> EngineCoreRequest:
-    return msgspec.structs.replace(
-        request, request_id=request_id, sampling_params=parent.child_params(index)
-    )

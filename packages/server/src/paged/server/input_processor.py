@@ -47,7 +47,7 @@ class InputProcessor:
         *,
         max_model_len: int,
         vocab_size: int | None = None,
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         if max_model_len < 2:
@@ -55,7 +55,13 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
-        self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+        # The first EOS id is the request's eos_token_id; further ones (from a
+        # generation config listing several) become stop token ids, as in vLLM.
+        eos = list(eos_token_ids) or (
+            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        )
+        self.eos_token_id: int | None = eos[0] if eos else None
+        self.extra_eos_token_ids = eos[1:]
         self.max_logprobs = max_logprobs
 
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> ProcessedPrompt:
@@ -151,6 +157,11 @@ class InputProcessor:
         self.validate_params(params)
         processed = self.tokenize(prompt)
         params = self.resolve_max_tokens(params, len(processed.token_ids))
+        extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+        if extra and not params.ignore_eos:
+            params = msgspec.structs.replace(
+                params, stop_token_ids=[*params.stop_token_ids, *extra]
+            )
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=processed.token_ids,

@@ -142,16 +142,23 @@ class OutputProcessor:
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget requests (engine ids or parent ids); return the engine ids removed."""
+    def abort_requests(
+        self, request_ids: list[str], iteration_stats: IterationStats | None = None
+    ) -> list[str]:
+        """Forget requests (engine ids or parent ids); return the engine ids removed.
+
+        Each removed request is counted as finished with reason ABORT.
+        """
         removed: list[str] = []
+        now = time.time()
         for rid in request_ids:
             parent = self.parent_requests.pop(rid, None)
             ids = parent.child_ids() if parent is not None else [rid]
             for child in ids:
-                state = self.request_states.pop(child, None)
+                state = self.request_states.get(child)
                 if state is not None:
                     removed.append(child)
+                    self._finish(state, FinishReason.ABORT, now, iteration_stats)
                     if state.parent is not None:
                         self.parent_requests.pop(state.parent.request_id, None)
         return removed

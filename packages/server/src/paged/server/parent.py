@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from paged.scheduler import RequestOutputKind, SamplingParams
+from paged.scheduler import EngineCoreRequest, RequestOutputKind, SamplingParams
 from paged.server.outputs import CompletionOutput, RequestOutput
 
 if TYPE_CHECKING:
@@ -58,3 +58,19 @@ class ParentRequest:
         out = state.make_request_output(completion, self.all_finished(), error)
         out.outputs = outputs
         return out
+
+
+def fan_out(request: EngineCoreRequest) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
+    """The engine requests for a user request: itself when n == 1, else n children."""
+    if request.sampling_params.n == 1:
+        return None, [request]
+    parent = ParentRequest(request.request_id, request.sampling_params)
+    children = [
+        msgspec.structs.replace(
+            request,
+            request_id=child_request_id(i, request.request_id),
+            sampling_params=parent.child_params(i),
+        )
+        for i in range(parent.n)
+    ]
+    return parent, children

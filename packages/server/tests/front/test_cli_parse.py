@@ -1,0 +1,90 @@
+"""`paged` CLI: argument parsing, help text, option -> EngineArgs mapping, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged.server.cli import build_parser, engine_args_from, main
+from paged.server.engine_args import EngineArgs, parse_bytes
+
+
+def test_serve_defaults() -> None:
+    ns = build_parser().parse_args(["serve"])
+    assert ns.command == "serve" and ns.host == "127.0.0.1" and ns.port == 8000
+    args = engine_args_from(ns)
+    assert args == EngineArgs()  # every engine default matches EngineArgs'
+    assert args.model_name() == "SmolLM2-135M-Instruct"
+
+
+def test_engine_options_map_to_engine_args() -> None:
+    ns = build_parser().parse_args(
+        [
+            "serve", "/models/x.gguf", "--block-size", "32", "--kv-cache-memory", "512MiB",
+            "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+            "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "-tp", "2",
+            "--dtype", "bfloat16", "--seed", "3", "--device", "cpu", "--served-model-name", "x",
+            "--api-key", "k", "--port", "9000", "--host", "0.0.0.0",
+        ]
+    )  # fmt: skip
+    a = engine_args_from(ns)
+    assert (a.model, a.block_size, a.kv_cache_memory_bytes, a.max_model_len) == (
+        "/models/x.gguf", 32, 512 << 20, 1024,
+    )  # fmt: skip
+    assert (a.max_num_seqs, a.max_num_batched_tokens) == (8, 256)
+    assert not a.enable_chunked_prefill and not a.enable_prefix_caching
+    assert (a.tensor_parallel_size, a.dtype, a.seed, a.device) == (2, "bfloat16", 3, "cpu")
+    assert a.model_name() == "x" and ns.api_key == "k" and (ns.host, ns.port) == ("0.0.0.0", 9000)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1000", 1000), ("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1.5G", 1_500_000_000)],
+)
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GiB", "3XB"])
+def test_parse_bytes_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="byte size"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--block-size", "0"],
+        ["serve", "--kv-cache-memory", "lots"],
+        ["serve", "--dtype", "int3"],
+        ["generate"],  # --prompt is required
+        ["frobnicate"],
+    ],
+)
+def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_help_reads_well(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--api-key", "--block-size", "--kv-cache-memory",
+                 "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--enable-chunked-prefill", "--enable-prefix-caching",
+                 "--tensor-parallel-size", "--dtype", "--seed"):  # fmt: skip
+        assert flag in out
+    assert "default 127.0.0.1" in out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    top = capsys.readouterr().out
+    assert all(cmd in top for cmd in ("serve", "generate", "chat"))
+
+
+def test_bad_model_path_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "/nonexistent/model.gguf", "-p", "hi", "--device", "cpu"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "paged generate: error: model:" in err and "Traceback" not in err
