@@ -19,10 +19,14 @@ class BlockHashToBlockMap:
     block table, must never change (block tables are append-only).
     """
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "raw_get")
 
     def __init__(self) -> None:
-        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        # Keyed by bytes (BlockHashWithGroupId values) so hot loops can probe
+        # with a concatenation without wrapping it in the NewType.
+        self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        # `raw_get(key)` -> a block, a {block_id: block} dict, or None (bound dict.get).
+        self.raw_get = self._cache.get
 
     def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
         """Any block cached under `key`, or None."""
@@ -63,7 +67,7 @@ class BlockHashToBlockMap:
         """Number of distinct keys."""
         return len(self._cache)
 
-    def items(self) -> Iterator[tuple[BlockHashWithGroupId, KVCacheBlock]]:
+    def items(self) -> Iterator[tuple[bytes, KVCacheBlock]]:
         """Every (key, block) pair, one per cached block."""
         for key, blocks in self._cache.items():
             if type(blocks) is KVCacheBlock:

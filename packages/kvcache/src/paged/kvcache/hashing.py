@@ -334,6 +334,9 @@ def get_request_block_hasher(
             start = end
         return new_hashes
 
+    # Request classes may read `block_size` to skip calls that cannot complete a
+    # block (see SimpleRequest); a function attribute keeps the call itself direct.
+    setattr(request_block_hasher, "block_size", block_size)  # noqa: B010
     return request_block_hasher
 
 

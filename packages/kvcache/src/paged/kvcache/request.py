@@ -20,6 +20,7 @@ class SimpleRequest:
 
     __slots__ = (
         "_block_hasher",
+        "_hash_block_size",
         "all_token_ids",
         "block_hashes",
         "cache_salt",
@@ -55,6 +56,10 @@ class SimpleRequest:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self._block_hasher = block_hasher
+        # Hashers from get_request_block_hasher expose their block size: then the
+        # hasher is called only when an append can complete a block.
+        hasher_block_size = getattr(block_hasher, "block_size", None)
+        self._hash_block_size: int = hasher_block_size if isinstance(hasher_block_size, int) else 1
         self.block_hashes: list[BlockHash] = []
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
@@ -69,8 +74,11 @@ class SimpleRequest:
             self.all_token_ids.append(token_ids)
         else:
             self.all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        hasher = self._block_hasher
+        if hasher is not None and len(self.all_token_ids) >= (
+            (len(self.block_hashes) + 1) * self._hash_block_size
+        ):
+            self.block_hashes.extend(hasher(self))
 
     def __repr__(self) -> str:
         return (

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from paged.kvcache.block import KVCacheBlock
 from paged.kvcache.block_pool import BlockPool
-from paged.kvcache.ids import BlockHash, BlockHashWithGroupId, group_id_suffix
+from paged.kvcache.ids import BlockHash, group_id_suffix
 from paged.kvcache.managers.base import SingleTypeKVCacheManager
 from paged.kvcache.specs import KVCacheSpec
 
@@ -35,13 +35,16 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if len(kv_cache_group_ids) == 1:
             # One group (the common case): probe the index directly.
             suffix = group_id_suffix(kv_cache_group_ids[0])
-            get = block_pool.cached_block_hash_to_block.get_one_block
+            # Probe the index's dict directly: this loop runs once per prompt block.
+            get = block_pool.cached_block_hash_to_block.raw_get
             hits: list[KVCacheBlock] = []
             for i in range(max_num_blocks):
-                block = get(BlockHashWithGroupId(block_hashes[i] + suffix))
-                if block is None:
+                entry = get(block_hashes[i] + suffix)
+                if entry is None:
                     break
-                hits.append(block)
+                hits.append(
+                    entry if type(entry) is KVCacheBlock else next(iter(entry.values()))  # type: ignore[union-attr]
+                )
             computed = (hits,)
         else:
             computed = tuple([] for _ in kv_cache_group_ids)
