@@ -189,3 +189,27 @@ def test_block_size_adapter() -> None:
 def test_hasher_rejects_bad_block_size() -> None:
     with pytest.raises(ValueError, match="block_size"):
         get_request_block_hasher(0)
+
+
+def test_fast_hasher_paths_match_generic_encoding() -> None:
+    big = [2**70, 1, 2, 3]  # outside int64: the hasher falls back to the generic encoder
+    for fn in (sha256, xxhash):
+        r = SimpleRequest("r", [*big, 4, 5, 6, 7], get_request_block_hasher(BS, fn))
+        assert r.block_hashes[0] == hash_block_tokens(fn, None, big)
+        assert r.block_hashes[1] == hash_block_tokens(fn, r.block_hashes[0], [4, 5, 6, 7])
+
+    def custom(obj: object) -> bytes:  # not a registered function: always the generic path
+        return sha256(("custom", obj))
+
+    r = SimpleRequest("r", range(4), get_request_block_hasher(BS, custom), cache_salt="s")
+    assert r.block_hashes == [hash_block_tokens(custom, None, [0, 1, 2, 3], (("salt", "s"),))]
+
+
+def test_simple_request_appends_many_tokens() -> None:
+    r = SimpleRequest("r", range(3), get_request_block_hasher(BS, sha256))
+    r.append_output_token_ids(range(3, 12))  # completes blocks 0, 1 and 2 at once
+    assert r.block_hashes == hashes(range(12))
+    r.append_output_token_ids(12)
+    assert len(r.block_hashes) == 3 and r.num_tokens == 13
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        SimpleRequest("e", [])
