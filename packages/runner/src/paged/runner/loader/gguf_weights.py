@@ -86,6 +86,9 @@ def dequantize(tensor: Any) -> torch.Tensor:
     # GGUF lists dims fastest-first; numpy/torch want slowest-first.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+    if not array.flags.writeable:
+        # Unquantised tensors come back as views of the read-only memory map.
+        array = array.copy()
     return torch.from_numpy(array)
 
 
