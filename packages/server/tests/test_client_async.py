@@ -15,7 +15,7 @@ from paged.server.engine.client import AsyncMPClient
 from paged.server.engine.errors import EngineDeadError
 from paged.server.engine.messages import EngineCoreInfo
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 
 async def test_requests_and_utilities(fake_core_cls: Any, request_factory: Any) -> None:

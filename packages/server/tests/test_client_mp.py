@@ -16,7 +16,7 @@ from paged.server.engine.client import SyncMPClient
 from paged.server.engine.errors import EngineDeadError, EngineStartupError
 from paged.server.engine.messages import EngineCoreStats
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 
 def collect(client: SyncMPClient, request_ids: set[str]) -> dict[str, list[int]]:

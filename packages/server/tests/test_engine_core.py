@@ -259,3 +259,39 @@ def test_outputs_are_keyed_by_client_index(core: EngineCore) -> None:
         for idx, outs in core.step().items():
             seen.setdefault(idx, []).append(outs)
     assert [o.request_id for b in seen[1] for o in b.outputs] == ["c1"]
+
+
+def test_batch_queue_abort_while_in_flight(
+    engine_config_factory: Any, fake_executor_cls: Any
+) -> None:
+    core = EngineCore(engine_config_factory(), fake_executor_cls, batch_queue_size=2)
+    core.add_request(req("long", list(range(1, 41)), max_tokens=20))
+    core.add_request(req("other", [3, 4], max_tokens=4))
+    core.run_step()  # the first prefill chunk is in flight
+    assert core.batch_queue
+    core.abort_requests(["long"])
+    got = drain(core)
+    assert not any(o.finished for o in got.get("long", []))
+    assert tokens(got["other"]) == expected_tokens([3, 4], 4)
+    stats = core.get_stats()
+    assert stats.scheduler is not None and stats.scheduler.kv_cache_usage == 0.0
+    core.shutdown()
+
+
+@pytest.mark.parametrize("batch_queue_size", [1, 2])
+def test_preemption_under_a_tight_kv_budget_keeps_tokens_exact(
+    engine_config_factory: Any, fake_executor_cls: Any, batch_queue_size: int
+) -> None:
+    # 20 blocks of 4 tokens (one is the null block): four requests growing to
+    # 30 tokens each cannot all stay resident, so some are preempted.
+    cfg = engine_config_factory(kv_cache_memory_bytes=20 * 256, max_model_len=32)
+    core = EngineCore(cfg, fake_executor_cls, batch_queue_size=batch_queue_size)
+    prompts = {f"r{i}": [i + 1] * 10 for i in range(4)}
+    for rid, prompt in prompts.items():
+        core.add_request(req(rid, prompt, max_tokens=20))
+    got = drain(core, max_iters=5000)
+    for rid, prompt in prompts.items():
+        assert tokens(got[rid]) == expected_tokens(prompt, 20), rid
+    executor: Any = core.model_executor
+    assert any(so.preempted_req_ids for so in executor.executed)
+    core.shutdown()

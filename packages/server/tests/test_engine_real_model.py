@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -20,9 +21,9 @@ import torch
 from paged.runner.config import CacheConfig, EngineConfig, ModelConfig, SchedulerLimits
 from paged.scheduler.boundary import EngineCoreOutput, EngineCoreRequest, FinishReason
 from paged.scheduler.sampling_params import SamplingParams
-from paged.server.engine.client import AsyncMPClient
+from paged.server.engine.client import AsyncMPClient, SyncMPClient
 from paged.server.engine.core import EngineCore, make_engine_core_factory
-from paged.server.engine.errors import EngineDeadError
+from paged.server.engine.errors import EngineDeadError, EngineStartupError
 
 VOCAB = 96
 PROMPTS = {"p0": [1, 5, 9, 13, 2], "p1": [7] * 11, "p2": list(range(3, 40))}
@@ -146,3 +147,18 @@ async def test_real_engine_process_serves_then_dies_loudly(tiny_llama: Path) -> 
             await client.add_request_async(greedy("after", [1, 2], 2))
     finally:
         client.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_corrupt_checkpoint_is_one_startup_error(tiny_llama: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    config = engine_config(broken)  # the frontend only reads config.json
+    start = time.monotonic()
+    with pytest.raises(EngineStartupError, match="engine core failed to start") as info:
+        SyncMPClient(make_engine_core_factory(config))
+    assert "safetensors" in str(info.value).lower() or "header" in str(info.value).lower()
+    assert info.value.engine_traceback is not None
+    assert time.monotonic() - start < 300
