@@ -32,8 +32,8 @@ def check_shape(what: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> N
     """ValueError naming the tensor if the checkpoint shape is not the one the config implies."""
     if tuple(loaded.shape) != expected:
         raise ValueError(
-            f"checkpoint tensor {what} has shape {tuple(loaded.shape)} but the model config "
-            f"implies {expected}; the weights do not match config.json"
+            f"{what} has shape {tuple(loaded.shape)} but the model config implies {expected}; "
+            "the weights do not match config.json"
         )
 
 

@@ -269,7 +269,10 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} does not belong to {type(self).__name__}; "
                     "is the checkpoint for a different architecture?"
                 )
-            module.load_weight(param_name, tensor, shard_id)
+            try:
+                module.load_weight(param_name, tensor, shard_id)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
             if shard_id is None:
                 loaded.add(target)
             else:
