@@ -81,6 +81,7 @@ class EngineProcess:
                 "input_address": f"ipc://{self._tmpdir}/input.sock",
                 "output_address": f"ipc://{self._tmpdir}/output.sock",
                 "identity": self._identity,
+                "log_level": logging.getLogger("paged").getEffectiveLevel(),
             },
         )
         self.process.start()

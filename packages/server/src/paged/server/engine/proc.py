@@ -258,9 +258,21 @@ def _close(sock: zmq.Socket[Any]) -> None:
 
 
 def run_engine_core(
-    core_factory: EngineCoreFactory, input_address: str, output_address: str, identity: bytes
+    core_factory: EngineCoreFactory,
+    input_address: str,
+    output_address: str,
+    identity: bytes,
+    log_level: int = logging.WARNING,
 ) -> None:
-    """Entry point of the engine process (target of a `spawn` `Process`)."""
+    """Entry point of the engine process (target of a `spawn` `Process`).
+
+    `log_level` is the frontend's: a spawned interpreter starts without
+    logging configured, so the engine's startup lines would otherwise be lost.
+    """
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=log_level, format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s"
+        )
     # Ctrl-C reaches the whole process group; the frontend decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
