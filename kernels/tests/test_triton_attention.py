@@ -86,8 +86,10 @@ def test_long_prefill_uses_large_tiles(triton_device: str) -> None:
         [70, 1], [90, 5], num_heads=2, num_kv_heads=2, head_size=16, block_size=16,
         device=triton_device,
     )  # fmt: skip
-    launch = triton_ops.choose_launch(2, 2, 16, 70, 90, 71, 2, torch.device(triton_device))
-    assert launch.block_m == 64
+    launch = triton_ops.choose_launch(
+        2, 2, 16, torch.float32, 70, 90, 71, 2, torch.device(triton_device)
+    )
+    assert (launch.block_m, launch.num_warps) == (64, 8)
     _check(batch)
 
 
