@@ -145,14 +145,6 @@ def array_of(n: int) -> np.ndarray[Any, Any]:
     return np.arange(n, dtype=np.float32)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 # ---- fixtures (test modules cannot import conftest under importlib mode) ----
 import pytest  # noqa: E402
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,3 +155,47 @@ def test_killed_engine_wakes_blocked_waiters(fake_core_cls: Any, request_factory
             client.add_request(request_factory("late", [1]))
     finally:
         client.shutdown()
+
+
+_FRONTEND = """
+import sys, time
+from packages.server.tests.conftest import FakeCore
+from paged.server.engine.client import SyncMPClient
+client = SyncMPClient(FakeCore)
+print(client._engine.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_engine_exits_when_its_frontend_is_killed() -> None:
+    # Run from the repository root, so that the engine process can import the
+    # conftest module its factory lives in (as under pytest).
+    root = Path(__file__).resolve().parents[3]
+    with subprocess.Popen(
+        [sys.executable, "-c", _FRONTEND], cwd=root, stdout=subprocess.PIPE, text=True
+    ) as frontend:
+        try:
+            assert frontend.stdout is not None
+            engine_pid = int(frontend.stdout.readline())
+            assert pid_alive(engine_pid)
+            frontend.kill()
+            frontend.wait(timeout=10)
+            deadline = time.monotonic() + 30
+            while pid_alive(engine_pid):
+                assert time.monotonic() < deadline, "engine outlived its frontend"
+                time.sleep(0.1)
+        finally:
+            frontend.kill()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
