@@ -4,7 +4,8 @@ On CUDA (Triton backend): decode attention for batch sizes 1..256 and contexts
 512..32k, reporting achieved GB/s (K/V bytes read / time) and the fraction of
 the device's measured copy bandwidth, and prefill TFLOP/s; both next to
 ``torch.nn.functional.scaled_dot_product_attention`` on the same work (dense
-K/V already gathered, and including the gather from the paged cache). On CPU it
+K/V already gathered, and including the gather from the paged cache), and
+compiled FlexAttention for prefill when it is available. On CPU it
 runs the torch *reference* path on small shapes and says so in the JSON.
 
 Prints one JSON line. ``python benchmarks/kernels_bench.py [--quick]``
@@ -137,11 +138,34 @@ def bench_prefill(shape: Shape, batch: int, seq: int, device: torch.device,
     gqa = shape.num_heads != shape.num_kv_heads
     t_sdpa = _timer(device, lambda: F.scaled_dot_product_attention(
         q, k, v, scale=scale, is_causal=True, enable_gqa=gqa), iters)  # fmt: skip
-    return {
+    row: dict[str, object] = {
         "batch": batch, "seq": seq, "paged_ms": t_paged * 1e3,
         "paged_tflops": flops / t_paged / 1e12, "sdpa_ms": t_sdpa * 1e3,
         "sdpa_tflops": flops / t_sdpa / 1e12,
     }  # fmt: skip
+    if device.type == "cuda":
+        try:
+            t_flex = _timer(device, _flex_causal(q, k, v, scale, gqa), iters)
+            row.update(flex_ms=t_flex * 1e3, flex_tflops=flops / t_flex / 1e12)
+        except Exception as exc:  # optional comparison: record why it did not run
+            row["flex"] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
+    return row
+
+
+def _flex_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool
+) -> Callable[[], object]:
+    """Compiled FlexAttention with a causal block mask (dense K/V; CUDA only)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def causal(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return q_idx >= kv_idx
+
+    mask = create_block_mask(causal, None, None, q.shape[2], k.shape[2], device=q.device)
+    compiled = torch.compile(flex_attention)
+    return lambda: compiled(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def main() -> None:
