@@ -95,19 +95,7 @@ class EngineCore:
         )
         try:
             self.kv_cache_config, kv_bytes = self._initialize_kv_caches(num_gpu_blocks_override)
-            cache = engine_config.cache_config
-            extra: dict[str, Any] = {}
-            if structured_output is not None:
-                extra["structured_output"] = structured_output
-            self.scheduler: SchedulerInterface = (scheduler_class or Scheduler)(
-                self.scheduler_config,
-                self.kv_cache_config,
-                cache.block_size,
-                enable_caching=cache.enable_prefix_caching,
-                log_stats=log_stats,
-                hash_seed=engine_config.seed,
-                **extra,
-            )
+            self.scheduler = self._make_scheduler(scheduler_class, structured_output, log_stats)
         except BaseException:
             self.model_executor.shutdown()
             raise
@@ -141,6 +129,28 @@ class EngineCore:
             self._info.block_size,
             kv_bytes,
             len(self.kv_cache_config.kv_cache_groups),
+        )
+
+    def _make_scheduler(
+        self,
+        scheduler_class: SchedulerFactory | None,
+        structured_output: StructuredOutputProvider | None,
+        log_stats: bool,
+    ) -> SchedulerInterface:
+        cache = self.engine_config.cache_config
+        extra: dict[str, Any] = {}
+        if structured_output is not None:
+            extra["structured_output"] = structured_output
+        return (scheduler_class or Scheduler)(
+            self.scheduler_config,
+            self.kv_cache_config,
+            cache.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            log_stats=log_stats,
+            # The engine seed makes block hashes (and so prefix-cache hits)
+            # reproducible across restarts.
+            hash_seed=self.engine_config.seed,
+            **extra,
         )
 
     def _initialize_kv_caches(
