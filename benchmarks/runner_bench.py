@@ -1,0 +1,236 @@
+"""paged ModelRunner vs Hugging Face transformers forward, on CPU, default SmolLM2-135M GGUF.
+
+Decode: B requests with a `--prompt-len` prompt each are prefilled, then
+`--steps` greedy decode steps are timed (paged: execute_model + sample_tokens,
+i.e. input preparation, forward, logits and sampling; HF: one forward with a
+DynamicCache plus argmax). Prefill: one `--prefill-len` prompt, timed once
+each. Prints one JSON line: steps/s and tokens/s per batch size, the prefill
+time, and the ratio paged/HF (> 1 means paged is faster).
+
+    .venv/bin/python benchmarks/runner_bench.py
+    .venv/bin/python benchmarks/runner_bench.py --batch-sizes 1 8 --steps 3 --prefill-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from paged.kvcache import get_kv_cache_config
+from paged.runner.config import CacheConfig, ModelConfig, SchedulerLimits
+from paged.runner.model_runner import ModelRunner
+from paged.scheduler.boundary import CachedRequestData, NewRequestData, SchedulerOutput
+from paged.scheduler.sampling_params import SamplingParams
+
+BLOCK = 16
+
+
+def build_runner(config: ModelConfig, max_seqs: int, max_tokens: int) -> ModelRunner:
+    runner = ModelRunner(
+        config,
+        CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=1 << 30),
+        SchedulerLimits(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens),
+        "cpu",
+    )
+    runner.load_model()
+    specs = runner.get_kv_cache_spec()
+    runner.initialize_kv_cache(get_kv_cache_config(specs, runner.determine_available_memory()))
+    return runner
+
+
+class Driver:
+    """Scripted scheduler for the runner: contiguous blocks, chunked prefill, then decodes."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.next_block = 1
+        self.step_id = 0
+
+    def _blocks(self, n_tokens: int) -> list[int]:
+        n = -(-n_tokens // BLOCK)
+        ids = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return ids
+
+    def prefill(self, prompts: dict[str, list[int]], max_len: int, chunk: int) -> None:
+        params = SamplingParams(temperature=0.0)
+        news = [
+            NewRequestData(rid, p, params, (self._blocks(max_len),), 0)
+            for rid, p in prompts.items()
+        ]
+        pending = dict.fromkeys(prompts, 0)
+        first = True
+        while pending:
+            plan: dict[str, int] = {}
+            budget = chunk
+            for rid, done in pending.items():
+                take = min(len(prompts[rid]) - done, budget)
+                if take <= 0:
+                    break
+                plan[rid] = take
+                budget -= take
+            # The first step sends every request as new (scheduled or not); later
+            # steps send the ones being prefilled as cached requests.
+            cached = [] if first else list(plan)
+            so = SchedulerOutput(
+                scheduled_new_reqs=news if first else [],
+                scheduled_cached_reqs=CachedRequestData(
+                    cached,
+                    [False] * len(cached),
+                    [[] for _ in cached],
+                    [None] * len(cached),
+                    [pending[r] for r in cached],
+                    [0] * len(cached),
+                ),
+                num_scheduled_tokens=plan,
+                total_num_scheduled_tokens=sum(plan.values()),
+            )
+            first = False
+            self.runner.execute_model(so)
+            self.runner.sample_tokens()
+            for rid, n in plan.items():
+                pending[rid] += n
+                if pending[rid] >= len(prompts[rid]):
+                    del pending[rid]
+
+    def decode(self) -> None:
+        runner = self.runner
+        ids = list(runner.input_batch.req_ids) or list(runner.requests)
+        states = [runner.requests[r] for r in ids]
+        so = SchedulerOutput(
+            scheduled_cached_reqs=CachedRequestData(
+                ids,
+                [False] * len(ids),
+                [[] for _ in ids],
+                [None] * len(ids),
+                [s.num_tokens - 1 for s in states],
+                [len(s.output_token_ids) for s in states],
+            ),
+            num_scheduled_tokens=dict.fromkeys(ids, 1),
+            total_num_scheduled_tokens=len(ids),
+        )
+        runner.execute_model(so)
+        runner.sample_tokens()
+
+
+def paged_decode(config: ModelConfig, batch: int, prompt_len: int, steps: int) -> float:
+    runner = build_runner(config, max(batch, 1), 2048)
+    driver = Driver(runner)
+    prompts = {f"r{i}": [(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)}
+    driver.prefill(prompts, prompt_len + steps + 2, 2048)
+    driver.decode()  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps):
+        driver.decode()
+    return (time.perf_counter() - start) / steps
+
+
+def paged_prefill(config: ModelConfig, length: int) -> float:
+    runner = build_runner(config, 1, length)
+    driver = Driver(runner)
+    driver.prefill({"w": list(range(10, 42))}, 64, length)  # warm-up
+    start = time.perf_counter()
+    driver.prefill({"p": [(j * 13) % 1000 + 10 for j in range(length)]}, length + 1, length)
+    return time.perf_counter() - start
+
+
+def load_hf(config: ModelConfig) -> Any:
+    """transformers' model, weights read by transformers' own GGUF reader.
+
+    `from_pretrained(gguf_file=...)` would need `accelerate`, which paged does
+    not depend on; `load_gguf_checkpoint` is the reader it uses underneath.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    auto: Any = AutoModelForCausalLM
+    model = auto.from_config(config.hf_config, dtype=torch.float32)
+    path = str(config.weights_path)
+    tensors = load_gguf_checkpoint(  # type: ignore[no-untyped-call]
+        path, return_tensors=True, model_to_load=model
+    )["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or any(m != "lm_head.weight" for m in missing):
+        raise RuntimeError(f"HF GGUF load mismatch: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_decode(model: Any, batch: int, prompt_len: int, steps: int) -> float:
+    from transformers import DynamicCache
+
+    ids = torch.tensor([[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)])
+    cache = DynamicCache()
+    out = model(ids, past_key_values=cache, use_cache=True)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    out = model(nxt, past_key_values=cache, use_cache=True)  # warm-up
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - start) / steps
+
+
+@torch.inference_mode()
+def hf_prefill(model: Any, length: int) -> float:
+    model(torch.arange(10, 42).unsqueeze(0))  # warm-up
+    ids = torch.tensor([[(j * 13) % 1000 + 10 for j in range(length)]])
+    start = time.perf_counter()
+    out = model(ids, use_cache=True)
+    out.logits[:, -1].argmax(-1)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = ModelConfig.from_pretrained(None, max_model_len=max(args.prefill_len + 64, 512))
+    hf = load_hf(config)
+    decode: dict[str, Any] = {}
+    for b in args.batch_sizes:
+        paged_s = paged_decode(config, b, args.prompt_len, args.steps)
+        hf_s = hf_decode(hf, b, args.prompt_len, args.steps)
+        decode[str(b)] = {
+            "paged_steps_per_s": round(1 / paged_s, 3),
+            "paged_tokens_per_s": round(b / paged_s, 2),
+            "hf_steps_per_s": round(1 / hf_s, 3),
+            "hf_tokens_per_s": round(b / hf_s, 2),
+            "ratio_paged_over_hf": round(hf_s / paged_s, 3),
+        }
+    paged_p = paged_prefill(config, args.prefill_len)
+    hf_p = hf_prefill(hf, args.prefill_len)
+    result = {
+        "bench": "runner",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)",
+        "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "prompt_len": args.prompt_len,
+        "decode_steps_timed": args.steps,
+        "decode": decode,
+        "prefill": {
+            "tokens": args.prefill_len,
+            "paged_s": round(paged_p, 3),
+            "paged_tokens_per_s": round(args.prefill_len / paged_p, 1),
+            "hf_s": round(hf_p, 3),
+            "hf_tokens_per_s": round(args.prefill_len / hf_p, 1),
+            "ratio_paged_over_hf": round(hf_p / paged_p, 3),
+        },
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
