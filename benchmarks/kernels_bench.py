@@ -186,8 +186,10 @@ def main() -> None:
         shape = Shape(8, 2, 64, 16, torch.float32)
         batches, contexts = ([1, 4], [128, 512]) if not args.quick else ([1], [128])
         prefill = [(1, 128), (2, 256)] if not args.quick else [(1, 64)]
-        iters, copy_bytes = 3, 1 << 26
+        iters, copy_bytes = 7, 1 << 26
         backend = "reference"
+        # One intra-op thread: on a shared CPU, thread hand-offs dominate small ops.
+        torch.set_num_threads(1)
     ops.set_backend(backend)  # type: ignore[arg-type]
     copy_gbs = copy_bandwidth_gbs(device, copy_bytes, iters)
     itemsize = torch.empty((), dtype=shape.dtype).element_size()
@@ -207,12 +209,13 @@ def main() -> None:
         if cuda
         else f"cpu ({platform.processor() or 'x86'})",
         "backend": backend,
-        "note": None
+        "note": "Triton kernels on CUDA"
         if cuda
-        else "CPU: torch reference path on small shapes; "
-        "GPU figures (Triton kernels) not measured by this run",
+        else "CPU: torch reference path on small shapes, timings on a shared CPU; "
+        "GPU figures (Triton kernels) not measured by this run; FlexAttention only on CUDA",
         "shape": {**asdict(shape), "dtype": str(shape.dtype)},
         "torch": torch.__version__,
+        "cpu_threads": None if cuda else torch.get_num_threads(),
         "copy_bandwidth_gbs": copy_gbs,
         "decode": decode,
         "prefill": [bench_prefill(shape, b, s, device, iters) for b, s in prefill],
