@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paged.kernels import reference
 from paged.kernels.testing import PagedBatch, make_paged_batch
@@ -141,3 +144,33 @@ def test_rejects_bad_arguments(triton_device: str, monkeypatch: pytest.MonkeyPat
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="needs CUDA tensors"):
             _run(batch, triton_ops.paged_attention)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 40)), min_size=1, max_size=4),
+    group=st.sampled_from([1, 2, 3]),
+    block_size=st.sampled_from([1, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 20)),
+    segments=st.sampled_from([None, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches_match_reference(
+    lens: list[tuple[int, int]],
+    group: int,
+    block_size: int,
+    window: int | None,
+    segments: int | None,
+    seed: int,
+) -> None:
+    """Random ragged batches (idle requests, q_len == seq_len, single-token blocks)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    q_lens = [min(q, s) for q, s in lens]
+    seq_lens = [s for _, s in lens]
+    batch = make_paged_batch(
+        q_lens, seq_lens, num_heads=2 * group, num_kv_heads=2, head_size=16,
+        block_size=block_size, device=device, generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    _check(batch, window, None, num_segments=segments)

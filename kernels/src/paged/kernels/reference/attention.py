@@ -39,13 +39,12 @@ def _attend_one(
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> torch.Tensor:
-    q_len, num_heads, _ = q.shape
+    q_len, num_heads, head_size = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
-    # GQA: query head h reads KV head h // group.
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, q_len, seq_len]
+    # GQA: query head h reads KV head h // group, i.e. heads split as [Hkv, group].
+    q_grouped = q.float().reshape(q_len, num_kv_heads, group, head_size)
+    scores = torch.einsum("qkgd,skd->kgqs", q_grouped, k.float()) * scale  # [Hkv, g, q, s]
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     # New tokens are the last q_len of the sequence.
@@ -56,7 +55,8 @@ def _attend_one(
         allowed &= q_pos - k_pos < sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    out = torch.einsum("kgqs,skd->qkgd", probs, v.float())
+    return out.reshape(q_len, num_heads, head_size)
 
 
 def paged_attention(
