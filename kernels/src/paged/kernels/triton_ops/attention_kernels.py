@@ -47,6 +47,45 @@ def _find_request(query_start_loc_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _key_tiles(
+    context_len, seq_len, q_block, segment, sliding_window,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):  # fmt: skip
+    # Key tiles [first, last) that the queries of this q block can see, cut to
+    # this program's segment when split-KV is on.
+    last_key = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    first_key = 0
+    if USE_WINDOW:
+        first_key = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
+    first_tile = first_key // BLOCK_N
+    last_tile = tl.cdiv(last_key, BLOCK_N)
+    if NUM_SEGMENTS > 1:
+        per_segment = tl.cdiv(last_tile - first_tile, NUM_SEGMENTS)
+        first_tile = first_tile + segment * per_segment
+        last_tile = tl.minimum(last_tile, first_tile + per_segment)
+    return first_tile, last_tile
+
+
+@triton.jit
+def _masked_scores(
+    q, k, offs_n, key_valid, q_pos, row_valid, scale, soft_cap, sliding_window,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # [BLOCK_M, BLOCK_N] scaled (and soft-capped) q.k; -inf where causality,
+    # the window or padding forbid the pair.
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    if USE_SOFT_CAP:
+        # cap * tanh(s / cap); tanh from exp, argument clamped where tanh is +-1 anyway.
+        z = tl.minimum(tl.maximum(2.0 * s / soft_cap, -40.0), 40.0)
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(z) + 1.0))
+    allowed = key_valid[None, :] & (offs_n[None, :] <= q_pos[:, None]) & row_valid[:, None]
+    if USE_WINDOW:
+        allowed = allowed & (q_pos[:, None] - offs_n[None, :] < sliding_window)
+    return tl.where(allowed, s, float("-inf"))
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D]                    (NUM_SEGMENTS == 1)
     seg_out_ptr,  # [T, Hq, S, D_PAD] float32  (NUM_SEGMENTS > 1)
@@ -114,17 +153,10 @@ def _paged_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, D_PAD]
 
-    # Key range this tile of queries can see: [first_key, last_key).
-    last_key = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
-    first_key = 0
-    if USE_WINDOW:
-        first_key = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
-    first_tile = first_key // BLOCK_N
-    last_tile = tl.cdiv(last_key, BLOCK_N)
-    if NUM_SEGMENTS > 1:
-        per_segment = tl.cdiv(last_tile - first_tile, NUM_SEGMENTS)
-        first_tile = first_tile + segment * per_segment
-        last_tile = tl.minimum(last_tile, first_tile + per_segment)
+    first_tile, last_tile = _key_tiles(
+        context_len, seq_len, q_block, segment, sliding_window,
+        BLOCK_Q, BLOCK_N, NUM_SEGMENTS, USE_WINDOW,
+    )  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -148,15 +180,10 @@ def _paged_attention_kernel(
             mask=kv_mask, other=0.0,
         )  # [BLOCK_N, D_PAD]  # fmt: skip
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        if USE_SOFT_CAP:
-            # cap * tanh(s / cap); tanh from exp, argument clamped where tanh is +-1 anyway.
-            z = tl.minimum(tl.maximum(2.0 * s / soft_cap, -40.0), 40.0)
-            s = soft_cap * (1.0 - 2.0 / (tl.exp(z) + 1.0))
-        allowed = key_valid[None, :] & (offs_n[None, :] <= q_pos[:, None]) & row_valid[:, None]
-        if USE_WINDOW:
-            allowed = allowed & (q_pos[:, None] - offs_n[None, :] < sliding_window)
-        s = tl.where(allowed, s, float("-inf"))
+        s = _masked_scores(
+            q, k, offs_n, key_valid, q_pos, row_valid, scale, soft_cap, sliding_window,
+            USE_SOFT_CAP, USE_WINDOW, DOT_PRECISION,
+        )  # [BLOCK_M, BLOCK_N]  # fmt: skip
 
         # Online softmax; rows that saw no key yet keep m = -inf, guarded below.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
