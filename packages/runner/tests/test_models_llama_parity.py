@@ -23,13 +23,14 @@ ATOL = 1e-4
 
 FAMILY_CASES: list[tuple[str, dict[str, Any]]] = [
     ("llama", {}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
     ("llama_tied_scaled", {}),
     ("mistral", {"sliding_window": 8}),
     ("qwen2", {}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     ("qwen3", {}),
 ]
-CASE_IDS = ["llama", "llama3-rope-tied", "mistral-swa", "qwen2", "qwen2-swa", "qwen3"]
+CASE_IDS = ["llama", "llama-bias", "llama3-rope-tied", "mistral-swa", "qwen2", "qwen2-swa", "qwen3"]
 
 
 HFLogits = Callable[[Any, list[int]], torch.Tensor]

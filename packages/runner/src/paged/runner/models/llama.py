@@ -63,7 +63,11 @@ class LlamaAttention(nn.Module):
             bias=cfg.attention_bias, tp=tp, dtype=dtype,
         )  # fmt: skip
         self.o_proj = RowParallelLinear(
-            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False, tp=tp, dtype=dtype
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.hidden_size,
+            bias=cfg.o_proj_bias,
+            tp=tp,
+            dtype=dtype,
         )
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size

@@ -5,7 +5,7 @@ model. The family differences are flags here, not subclasses:
 
     Llama 2/3, SmolLM2   plain; Llama 3.1 adds llama3 rope scaling; small ones tie embeddings
     Mistral              sliding window on every layer
-    Qwen2                q/k/v bias (attention_bias); optional sliding window on upper layers
+    Qwen2                q/k/v bias (never on o_proj); optional sliding window on upper layers
     Qwen3                per-head RMSNorm on q and k before rotary (qk_norm); explicit head_dim
 """
 
@@ -32,7 +32,8 @@ class LlamaArchConfig:
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # bias on q/k/v
+    o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool
     hidden_act: str
@@ -46,6 +47,7 @@ class LlamaArchConfig:
         head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
         rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
         layers = int(hf_config.num_hidden_layers)
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return cls(
             vocab_size=int(hf_config.vocab_size),
             hidden_size=hidden,
@@ -59,9 +61,10 @@ class LlamaArchConfig:
             rope_scaling=rope_scaling_from_hf(rope_parameters),
             max_position_embeddings=int(hf_config.max_position_embeddings),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama/Mistral/Qwen3 say so in attention_bias.
-            attention_bias=model_type == "qwen2"
-            or bool(getattr(hf_config, "attention_bias", False)),
+            # Qwen2 always has q/k/v bias; Llama/Mistral/Qwen3 say so in attention_bias,
+            # which for them covers o_proj too; Qwen2's fixed bias does not.
+            attention_bias=model_type == "qwen2" or attention_bias,
+            o_proj_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             hidden_act=str(getattr(hf_config, "hidden_act", "silu")),
