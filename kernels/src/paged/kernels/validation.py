@@ -128,6 +128,28 @@ def check_paged_attention(
         raise ValueError(
             f"query num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
+    _check_request_metadata(block_table, query_start_loc, seq_lens)
+    _check_attention_scalars(scale, max_query_len, max_seq_len, sliding_window, soft_cap)
+    if out is not None:
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise ValueError(
+                f"out must match query ({_shape(query)}, {query.dtype}), "
+                f"got ({_shape(out)}, {out.dtype})"
+            )
+        check_same_device(query=query, out=out)
+    check_same_device(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=block_table,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+    )
+
+
+def _check_request_metadata(
+    block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
     _check_dim("block_table", block_table, 2, "[num_reqs, max_num_blocks_per_req]")
     _check_int("block_table", block_table)
     _check_dim("query_start_loc", query_start_loc, 1, "[num_reqs + 1]")
@@ -144,6 +166,15 @@ def check_paged_attention(
         raise ValueError(
             f"block_table has {block_table.shape[0]} rows but there are {num_reqs} requests"
         )
+
+
+def _check_attention_scalars(
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> None:
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
     if max_query_len < 0 or max_seq_len < 0:
@@ -156,21 +187,6 @@ def check_paged_attention(
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
-    if out is not None:
-        if out.shape != query.shape or out.dtype != query.dtype:
-            raise ValueError(
-                f"out must match query ({_shape(query)}, {query.dtype}), "
-                f"got ({_shape(out)}, {out.dtype})"
-            )
-        check_same_device(query=query, out=out)
-    check_same_device(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_table=block_table,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-    )
 
 
 def check_rotary(
