@@ -26,6 +26,7 @@ def _free_port() -> int:
         return port
 
 
+@pytest.mark.slow  # two spawned interpreters importing torch: ~1-2 min on 2 cores
 def test_tp2_matches_tp1(
     tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
