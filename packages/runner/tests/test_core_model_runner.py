@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from paged.runner.config import CacheConfig, ModelConfig, SchedulerLimits
 from paged.runner.model_runner import ModelRunner
 from paged.scheduler.boundary import (
     CachedRequestData,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -260,3 +262,55 @@ def test_kv_budget_required_on_cpu(tiny_checkpoint: Callable[..., Path]) -> None
         runner.determine_available_memory()
     with pytest.raises(RuntimeError, match="initialize_kv_cache"):
         runner.execute_model(SchedulerOutput())
+
+
+class _NaNLogits:
+    """Wraps a model so the logits of requests whose last token is 99 are all NaN."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.last_ids: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
+        self.last_ids = input_ids
+        out: torch.Tensor = self.model.forward(input_ids, positions, ctx)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.model.compute_logits(hidden)
+        logits[0] = float("nan")
+        return logits
+
+    def kv_cache_specs(self, block_size: int) -> dict[str, Any]:
+        specs: dict[str, Any] = self.model.kv_cache_specs(block_size)
+        return specs
+
+
+def test_nan_logits_reported_per_request(tiny_checkpoint: Callable[..., Path]) -> None:
+    runner = make_runner(tiny_checkpoint("llama"))
+    runner.model = _NaNLogits(runner.model)
+    sched = ScriptedScheduler()
+    reqs = {"a": Req("a", [5, 6, 7]), "b": Req("b", [8, 9])}
+    out = run_step(runner, sched.step({"a": 3, "b": 2}, reqs), reqs)
+    vocab = runner.model_config.vocab_size
+    assert out.num_nans_in_logits == {"a": vocab}
+
+
+def test_grammar_bitmask_restricts_tokens(tiny_checkpoint: Callable[..., Path]) -> None:
+    runner = make_runner(tiny_checkpoint("llama"))
+    sched = ScriptedScheduler()
+    reqs = {"a": Req("a", [5, 6, 7]), "b": Req("b", [8, 9])}
+    vocab = runner.model_config.vocab_size
+    words = -(-vocab // 32)
+    only_17 = [0] * words
+    only_17[0] = 1 << 17
+    grammar = GrammarOutput(structured_output_request_ids=["b"], grammar_bitmask=[only_17])
+    assert runner.execute_model(sched.step({"a": 3, "b": 2}, reqs)) is None
+    out = runner.sample_tokens(grammar)
+    assert out.sampled_token_ids[out.req_ids.index("b")] == [17]
+    bad = GrammarOutput(structured_output_request_ids=["b"], grammar_bitmask=[[1]])
+    for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
+        reqs[rid].output.extend(toks)
+    assert runner.execute_model(sched.step({"a": 1, "b": 1}, reqs)) is None
+    with pytest.raises(ValueError, match="bitmask covers 32 tokens"):
+        runner.sample_tokens(bad)

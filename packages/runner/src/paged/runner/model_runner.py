@@ -17,7 +17,7 @@ The attention metadata and KV caches reach the model in an explicit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -33,17 +33,12 @@ from paged.runner.models.interface import CausalLM
 from paged.runner.runner_output import apply_grammar_bitmask, build_output, prompt_logprobs
 from paged.runner.sampler import Sampler
 from paged.runner.state_updates import update_states
-from paged.scheduler.boundary import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-
-
-class GrammarOutputLike(Protocol):
-    """`paged.scheduler.boundary.GrammarOutput`'s fields the runner reads."""
-
-    @property
-    def structured_output_request_ids(self) -> list[str]: ...
-
-    @property
-    def grammar_bitmask(self) -> list[list[int]]: ...
+from paged.scheduler.boundary import (
+    GrammarOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 
 
 @dataclass
@@ -207,7 +202,7 @@ class ModelRunner:
         return model.forward(inputs.input_ids, inputs.positions, ctx)
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: GrammarOutputLike | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Sample the rows `execute_model` prepared and record the tokens."""
         pending, self._pending = self._pending, None
         if pending is None:

@@ -7,7 +7,6 @@ output crosses process boundaries as compact msgpack.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
@@ -15,19 +14,11 @@ from paged.runner.input_batch import InputBatch
 from paged.runner.input_prep import PromptLogprobsSpan, StepInputs
 from paged.runner.models.interface import CausalLM
 from paged.runner.sampler import LogprobsTensors, SamplerOutput, compute_logprobs_tensors
-from paged.scheduler.boundary import LogprobsLists, ModelRunnerOutput
-
-
-class _GrammarOutput(Protocol):
-    @property
-    def structured_output_request_ids(self) -> list[str]: ...
-
-    @property
-    def grammar_bitmask(self) -> list[list[int]]: ...
+from paged.scheduler.boundary import GrammarOutput, LogprobsLists, ModelRunnerOutput
 
 
 def apply_grammar_bitmask(
-    logits: torch.Tensor, sampling_req_ids: Sequence[str], grammar_output: _GrammarOutput
+    logits: torch.Tensor, sampling_req_ids: Sequence[str], grammar_output: GrammarOutput
 ) -> torch.Tensor:
     """Mask to -inf every token a request's packed bitmask disallows (bit j of word w = 32w+j)."""
     ids = grammar_output.structured_output_request_ids
