@@ -263,7 +263,10 @@ class PoolMachine(RuleBasedStateMachine):
         try:
             self.pool.cache_full_blocks(view, blocks, start, len(blocks), BS, 0)
         except BlockStateError:
-            assert any(b.block_hash is not None for b in blocks[start:])
+            new = [b for b in blocks[start:] if not b.is_null]
+            assert any(b.block_hash is not None for b in new) or len({id(b) for b in new}) < len(
+                new
+            )
 
     @precondition(lambda self: bool(self.held))
     @rule(data=st.data())
@@ -275,11 +278,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(ids=st.lists(st.integers(0, 11), max_size=4))
     def touch(self, ids: list[int]) -> None:
         blocks = [self.pool.blocks[i] for i in ids]
-        try:
-            self.pool.touch(blocks)
-        except BlockStateError:
-            assert any(b.ref_cnt == 0 and b.block_hash is None and not b.is_null for b in blocks)
-            return
+        self.pool.touch(blocks)  # any block, free or not (vLLM semantics)
         self.held.append([i for i in ids if i != 0])
 
     @rule(i=st.integers(1, 11))

@@ -112,11 +112,15 @@ class BlockPool:
                 "request.block_hashes with the request block hasher first"
             )
         new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
-        for blk in new_full_blocks:  # validate first: leave the pool intact on error
-            if not blk.is_null and (blk._block_hash is not None or blk.ref_cnt <= 0):
-                raise BlockStateError(
-                    f"cannot cache block {blk.block_id}: it is already cached or not in use"
-                )
+        # Validate first: leave the pool intact on error. The ref count is not
+        # checked (vLLM caches whatever block it is given).
+        for blk in new_full_blocks:
+            if not blk.is_null and blk._block_hash is not None:
+                raise BlockStateError(f"cannot cache block {blk.block_id}: it is already cached")
+        if len(new_full_blocks) > 1:
+            real = [id(b) for b in new_full_blocks if not b.is_null]
+            if len(set(real)) != len(real):
+                raise BlockStateError("cannot cache one block at two positions")
         suffix = group_id_suffix(kv_cache_group_id)
         insert = self.cached_block_hash_to_block.insert
         events = self.enable_kv_cache_events
@@ -198,14 +202,9 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, reviving free ones from the queue.
 
-        Raises `BlockStateError` (pool unchanged) if a block is free and not
-        cached: its content is garbage and it must not be shared.
+        As in vLLM, any free block may be touched (it leaves the queue with
+        ref_cnt 1), cached or not; null blocks are skipped.
         """
-        for block in blocks:
-            if block.ref_cnt == 0 and block._block_hash is None and not block.is_null:
-                raise BlockStateError(
-                    f"cannot touch block {block.block_id}: it is free and holds no cached data"
-                )
         remove = self.free_block_queue.remove
         collector = self.metrics_collector
         for block in blocks:
@@ -222,7 +221,10 @@ class BlockPool:
 
         Cached blocks are appended at the back in the given order, uncached ones
         put at the front in the given order. Null blocks are ignored. Raises
-        `BlockStateError` (pool unchanged) on a block with no reference left.
+        `BlockStateError` (pool unchanged) on a block of this pool with no
+        reference left (a double free). Block objects that are not this pool's
+        (test doubles, as vLLM's unit tests use) are decremented unchecked, as
+        vLLM does, and queued only if they reach 0.
         """
         blocks = (
             ordered_blocks if isinstance(ordered_blocks, list | tuple) else list(ordered_blocks)
@@ -233,7 +235,7 @@ class BlockPool:
             if block.is_null:
                 continue
             ref_cnt = block.ref_cnt - 1
-            if ref_cnt < 0:
+            if ref_cnt < 0 and self._owns(block):
                 for undo in blocks[:i]:  # nothing was queued yet: restoring counts suffices
                     if not undo.is_null:
                         undo.ref_cnt += 1
@@ -250,6 +252,10 @@ class BlockPool:
             self.free_block_queue.append_n(tail_blocks)
         if front_blocks is not None:
             self.free_block_queue.prepend_n(front_blocks)
+
+    def _owns(self, block: KVCacheBlock) -> bool:
+        block_id = block.block_id
+        return 0 <= block_id < self.num_gpu_blocks and self.blocks[block_id] is block
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the cached hashes of `block_ids` (e.g. a connector lost their data).

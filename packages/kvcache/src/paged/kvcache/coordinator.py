@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from paged.kvcache.block import KVCacheBlock
 from paged.kvcache.block_pool import BlockPool
@@ -22,7 +23,12 @@ from paged.kvcache.managers.cross_attention import CrossAttentionManager
 from paged.kvcache.managers.registry import get_manager_class, get_manager_for_kv_cache_spec
 from paged.kvcache.metrics import KVCacheMetricsCollector
 from paged.kvcache.protocols import KVCacheRequest
-from paged.kvcache.specs import FullAttentionSpec, KVCacheSpec
+from paged.kvcache.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 
 GroupBlocks = tuple[list[KVCacheBlock], ...]
 
@@ -250,6 +256,31 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[GroupBlocks, int]:
+        hit_blocks, hit_length = self._find_agreed_hit(block_hashes, max_cache_hit_length)
+        if self.use_eagle and hit_length > 0:
+            # EAGLE recomputes the last hit block to get its hidden states. The
+            # groups agreed on a length with one extra block of history (see
+            # `_lookup_spec`), so dropping one block once, for every group
+            # together, keeps each group's answer valid (vLLM: one coordinated
+            # drop, not one per group, which would lose two blocks).
+            # One block of every group: the lcm keeps every group's list aligned.
+            hit_length -= self.lcm_block_size
+            for spec, group_ids, _ in self.attention_groups:
+                for gid in group_ids:
+                    del hit_blocks[gid][hit_length // spec.block_size :]
+        return hit_blocks, hit_length
+
+    def _lookup_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
+        """The spec a lookup uses: with EAGLE, windows reach one block further back."""
+        if self.use_eagle and isinstance(spec, SlidingWindowSpec):
+            return replace(spec, sliding_window=spec.sliding_window + spec.block_size)
+        if self.use_eagle and isinstance(spec, ChunkedLocalAttentionSpec):
+            raise ValueError("chunked local attention does not support EAGLE")
+        return spec
+
+    def _find_agreed_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[GroupBlocks, int]:
         num_groups = len(self.single_type_managers)
         hit_blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
         hit_length = max_cache_hit_length
@@ -275,8 +306,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     curr_hit_length,
                     group_ids,
                     self.block_pool,
-                    spec,
-                    self.use_eagle,
+                    self._lookup_spec(spec),
+                    False,  # the EAGLE drop happens once, in find_longest_cache_hit
                     self.lcm_block_size,
                 )
                 curr_hit_length = len(hit[0]) * spec.block_size

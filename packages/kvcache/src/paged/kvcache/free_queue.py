@@ -43,7 +43,7 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         """Remove and return the front block."""
         if self.num_free_blocks == 0:
-            raise NotEnoughBlocksError("no free blocks left in the queue")
+            raise NotEnoughBlocksError("No free blocks available")  # vLLM's message
         head = self.fake_free_list_head
         block = head.next_free_block
         assert block is not None and block.next_free_block is not None

@@ -226,14 +226,15 @@ def _gen_mm_extra_hash_keys(
     """Keys of the items overlapping `[start, end)`; also the next item to look at.
 
     Items are assumed sorted by offset, so the scan resumes at `start_mm_idx`
-    instead of restarting at item 0 for every block. An item overlapping the
-    block contributes `("mm", identifier, offset - start_token_idx)`: the
+    instead of restarting at item 0 for every block (a negative `start_mm_idx`
+    counts from the end, as in vLLM). An item overlapping the block
+    contributes `(identifier, offset - start_token_idx)` (vLLM's key): the
     relative offset distinguishes the same image placed at different positions
     inside otherwise identical blocks.
     """
     keys: list[object] = []
     feats = request.mm_features
-    idx = start_mm_idx
+    idx = start_mm_idx if start_mm_idx >= 0 else max(len(feats) + start_mm_idx, 0)
     while idx < len(feats):
         feat = feats[idx]
         offset = feat.mm_position.offset
@@ -241,7 +242,7 @@ def _gen_mm_extra_hash_keys(
         if offset >= end_token_idx:
             break  # this and later items start after the block
         if end > start_token_idx:
-            keys.append(("mm", feat.identifier, offset - start_token_idx))
+            keys.append((feat.identifier, offset - start_token_idx))
         if end <= end_token_idx:
             idx += 1  # item finishes inside this block: later blocks skip it
         else:
@@ -254,19 +255,23 @@ def generate_block_hash_extra_keys(
 ) -> tuple[tuple[object, ...] | None, int]:
     """Extra keys of the block `[start, end)`: LoRA name, mm items, cache salt.
 
-    Order: lora, mm, salt. Each key is tagged so that, e.g., a LoRA name and a
-    cache salt with the same text cannot produce the same key. Returns None
-    (not an empty tuple) when there are none, and the next mm item index.
+    vLLM's keys, in vLLM's order: the LoRA name (a str, every block), then one
+    `(identifier, relative offset)` tuple per overlapping mm item, then the
+    cache salt (a str, block 0 only). Returns None (not an empty tuple) when
+    there are none, and the next mm item index. As in vLLM, a LoRA name and a
+    salt are both plain strings, so block 0 of a LoRA request without salt and
+    of a salted request without LoRA get the same key when the two strings are
+    equal; every later block differs (the LoRA name enters them all).
     """
     keys: list[object] = []
     if request.lora_name is not None:
-        keys.append(("lora", request.lora_name))
+        keys.append(request.lora_name)
     mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(
         request, start_token_idx, end_token_idx, start_mm_idx
     )
     keys.extend(mm_keys)
-    if start_token_idx == 0 and request.cache_salt is not None:
-        keys.append(("salt", request.cache_salt))
+    if start_token_idx == 0 and request.cache_salt:
+        keys.append(request.cache_salt)
     return (tuple(keys) if keys else None), next_mm_idx
 
 
