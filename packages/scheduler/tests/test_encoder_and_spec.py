@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import pytest
+
 from paged.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from paged.scheduler.boundary import FinishReason, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from paged.scheduler.connectors import ECConnectorScheduler
@@ -66,19 +68,27 @@ def test_encoder_budget_trims_chunk_before_second_item() -> None:
 
 def test_disable_chunked_mm_input_never_splits_an_item() -> None:
     sched = make_scheduler(
-        max_tokens_per_mm_item=8, max_num_batched_tokens=6, disable_chunked_mm_input=True
+        max_tokens_per_mm_item=8, max_num_batched_tokens=8, disable_chunked_mm_input=True
     )
     runner = FakeRunner()
     sched.add_request(make_request("a", distinct(1, 16), mm=[image("x", 4, 8)]))
     so = sched.schedule()
-    assert so.num_scheduled_tokens == {"a": 4}  # would cut the image at 6: stop at 4
+    assert so.num_scheduled_tokens == {"a": 4}  # would cut the image at 8: stop at 4
     assert so.scheduled_encoder_inputs == {}
     sched.update_from_output(so, runner.execute(so))
-    sched2 = make_scheduler(max_tokens_per_mm_item=8, max_num_batched_tokens=6)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 8}  # the whole image in one step
+    assert so.scheduled_encoder_inputs == {"a": [0]}
+    sched2 = make_scheduler(max_tokens_per_mm_item=8, max_num_batched_tokens=8)
     sched2.add_request(make_request("a", distinct(1, 16), mm=[image("x", 4, 8)]))
     so2 = sched2.schedule()
-    assert so2.num_scheduled_tokens == {"a": 6}  # chunking allowed: split the item
+    assert so2.num_scheduled_tokens == {"a": 8}  # chunking allowed: split the item
     assert so2.scheduled_encoder_inputs == {"a": [0]}
+    # An item that may not be split must fit one step (vLLM refuses the config).
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_scheduler(
+            max_tokens_per_mm_item=8, max_num_batched_tokens=6, disable_chunked_mm_input=True
+        )
 
 
 def test_item_larger_than_encoder_cache_is_ignored_with_abort() -> None:

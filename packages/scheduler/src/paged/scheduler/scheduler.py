@@ -31,7 +31,7 @@ from paged.scheduler.boundary import (
 from paged.scheduler.budget import StepBudget
 from paged.scheduler.config import SchedulerConfig
 from paged.scheduler.connectors import ECConnectorScheduler, KVConnectorScheduler
-from paged.scheduler.queue import create_request_queue
+from paged.scheduler.queue import RequestQueue, create_request_queue
 from paged.scheduler.remote_kv import process_connector_output
 from paged.scheduler.request import FINISHED_STATUSES, Request, RequestStatus
 from paged.scheduler.state import SchedulerState, StepPlan
@@ -71,6 +71,15 @@ class Scheduler:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         config = scheduler_config
+        if config.disable_chunked_mm_input and max_tokens_per_mm_item > (
+            config.max_num_batched_tokens
+        ):
+            # vLLM's check: an item that may not be split must fit one step.
+            raise ValueError(
+                f"disable_chunked_mm_input is set but max_tokens_per_mm_item "
+                f"({max_tokens_per_mm_item}) is larger than max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}); increase max_num_batched_tokens"
+            )
         kv = KVCacheManager(
             kv_cache_config,
             config.max_model_len,
@@ -234,6 +243,40 @@ class Scheduler:
             )
         finished.clear()
         return out
+
+    # -- vLLM-named views of the state (read-only; the steps own the state) --------
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Unfinished requests (and finished ones awaiting a delayed free), by id."""
+        return self.state.requests
+
+    @property
+    def running(self) -> list[Request]:
+        """RUNNING requests in running order."""
+        return self.state.running
+
+    @property
+    def waiting(self) -> RequestQueue:
+        """The waiting queue (FCFS deque or priority heap), in service order."""
+        return self.state.waiting
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.state.kv
+
+    @property
+    def encoder_cache_manager(self) -> EncoderCacheManager:
+        return self.state.encoder_cache
+
+    @property
+    def finished_req_ids(self) -> set[str]:
+        """Ids finished since the last `schedule()` (reported in its `finished_req_ids`)."""
+        return self.state.finished_req_ids
+
+    @property
+    def max_num_encoder_input_tokens(self) -> int:
+        """The per-step encoder compute budget, in embeddings."""
+        return self.encoder_compute_budget
 
     # -- queries ------------------------------------------------------------------
     def get_num_unfinished_requests(self) -> int:

@@ -98,21 +98,26 @@ def update_requests(
     spec = so.scheduled_spec_decode_tokens
     nans = mro.num_nans_in_logits
     stopped_running: set[str] = set()
+    stopped_preempted: list[Request] = []
     running_status = RequestStatus.RUNNING
     for req_id in so.num_scheduled_tokens:
         request = requests.get(req_id)
-        if request is None or request.status is not running_status:
-            continue  # finished or preempted while the step ran
+        if request is None or request.is_finished():
+            continue  # finished (e.g. aborted) while the step ran
         if req_id in failed_kv_load:
             continue  # recomputed from the last valid block next step
         i = index.get(req_id)
         generated = sampled[i] if i is not None else []
-        drafts = spec.get(req_id) if spec else None
-        if drafts and generated:
-            # One bonus token plus the accepted drafts came back.
-            request.num_computed_tokens -= len(drafts) + 1 - len(generated)
-        if request.num_computed_tokens < request.num_tokens:
-            generated = []  # a partial prefill chunk samples nothing
+        running = request.status is running_status
+        if running:
+            drafts = spec.get(req_id) if spec else None
+            if drafts and generated:
+                # One bonus token plus the accepted drafts came back.
+                request.num_computed_tokens -= len(drafts) + 1 - len(generated)
+            if request.num_computed_tokens < request.num_tokens:
+                generated = []  # a partial prefill chunk samples nothing
+        # else: preempted after this step was scheduled (pipelined steps). As in
+        # vLLM its sampled tokens are kept; it recomputes them with the rest.
         stopped = False
         new_tokens: list[int] = []
         if nans and nans.get(req_id, 0) > 0:
@@ -128,7 +133,10 @@ def update_requests(
                 stopped = True
         kv_params = None
         if stopped:
-            stopped_running.add(req_id)
+            if running:
+                stopped_running.add(req_id)
+            else:
+                stopped_preempted.append(request)
             kv_params = free_request(state, request)
         prompt_logprobs = mro.prompt_logprobs.get(req_id) if mro.prompt_logprobs else None
         if new_tokens or stopped or prompt_logprobs is not None or kv_params is not None:
@@ -149,4 +157,6 @@ def update_requests(
             )
     if stopped_running:
         state.running = [r for r in state.running if r.request_id not in stopped_running]
+    if stopped_preempted:
+        state.waiting.remove_requests(stopped_preempted)
     return results
