@@ -29,6 +29,7 @@ from paged.kvcache import (
     SlidingWindowManager,
     SlidingWindowSpec,
     get_kv_cache_config,
+    get_max_concurrency_for_kv_cache_config,
     get_request_block_hasher,
     make_block_hash_with_group_id,
     sha256,
@@ -404,3 +405,30 @@ def test_get_kv_cache_config_uniform_and_hybrid() -> None:
     assert cfg.num_blocks == 10
     cfg = get_kv_cache_config(layers, page * 2 * 10, num_gpu_blocks_override=7)
     assert cfg.num_blocks == 7 and cfg.kv_cache_tensors[0].size == page * 7
+
+
+def test_max_concurrency_for_kv_cache_config() -> None:
+    full_spec = FullAttentionSpec(block_size=16, num_kv_heads=32, head_size=128, dtype="float16")
+    sw_spec = SlidingWindowSpec(
+        block_size=16, num_kv_heads=32, head_size=128, dtype="float16", sliding_window=1024
+    )
+    first = [f"layer_{i}" for i in range(32)]
+    second = [f"layer_{i}" for i in range(32, 64)]
+
+    def cfg(num_blocks: int, *groups: KVCacheGroupSpec) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[*groups])
+
+    full_only = cfg(int(1024 * 1.5), KVCacheGroupSpec(first, full_spec))
+    assert get_max_concurrency_for_kv_cache_config(full_only, 16384, 1024) == 1.5
+    # The window (1023) plus one step (1024) rounds to 128 blocks, plus one.
+    sw_only = cfg(129 * 3, KVCacheGroupSpec(first, sw_spec))
+    assert get_max_concurrency_for_kv_cache_config(sw_only, 16384, 1024) == 3
+    hybrid = cfg(
+        (1024 + 129) * 3, KVCacheGroupSpec(first, full_spec), KVCacheGroupSpec(second, sw_spec)
+    )
+    assert get_max_concurrency_for_kv_cache_config(hybrid, 16384, 1024) == 3
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=32, head_size=128, dtype="float16", attention_chunk_size=512
+    )
+    # The chunk (512) plus one step (1024): 96 blocks.
+    assert chunked.max_memory_usage_bytes(16384, 1024) == 96 * chunked.page_size_bytes

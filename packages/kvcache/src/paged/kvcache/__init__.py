@@ -10,6 +10,7 @@ from paged.kvcache.config import (
     KVCacheGroupSpec,
     KVCacheTensor,
     get_kv_cache_config,
+    get_max_concurrency_for_kv_cache_config,
     unify_kv_cache_spec_page_size,
 )
 from paged.kvcache.coordinator import (
@@ -160,6 +161,7 @@ __all__ = [
     "get_kv_cache_config",
     "get_kv_cache_coordinator",
     "get_manager_for_kv_cache_spec",
+    "get_max_concurrency_for_kv_cache_config",
     "get_none_hash",
     "get_request_block_hasher",
     "hash_block_tokens",

@@ -82,18 +82,43 @@ def _group_layers(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[KVCacheSpec
     return by_spec
 
 
+def get_max_concurrency_for_kv_cache_config(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    max_num_batched_tokens: int | None = None,
+) -> float:
+    """How many requests of `max_model_len` tokens the cache holds at once (vLLM's formula).
+
+    One request needs, per layer position, the sum over groups of each spec's
+    `max_memory_usage_bytes`; blocks hold one page per layer position.
+    """
+    if max_model_len <= 0:
+        raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    groups = kv_cache_config.kv_cache_groups
+    num_layers_per_group = max(len(g.layer_names) for g in groups)
+    per_request = num_layers_per_group * sum(
+        g.kv_cache_spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens)
+        for g in groups
+    )
+    per_block = groups[0].kv_cache_spec.page_size_bytes * num_layers_per_group
+    blocks_per_request = -(-per_request // per_block)
+    return kv_cache_config.num_blocks / blocks_per_request
+
+
 def get_kv_cache_config(
     kv_cache_specs: Mapping[str, KVCacheSpec],
     available_memory: int,
     *,
     num_gpu_blocks_override: int | None = None,
     max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> KVCacheConfig:
     """Groups and number of blocks for `kv_cache_specs` within `available_memory` bytes.
 
     `num_gpu_blocks_override` replaces the computed number of blocks (tests,
     capacity experiments). With `max_model_len`, raises `ValueError` when the
-    cache cannot hold even one request of that length.
+    cache cannot hold even one request of that length (windowed layers count
+    their window plus one step of `max_num_batched_tokens` tokens).
     """
     if not kv_cache_specs:
         raise ValueError("kv_cache_specs must contain at least one layer")
@@ -136,7 +161,11 @@ def get_kv_cache_config(
         )
     if max_model_len is not None:
         blocks_needed = 1 + sum(
-            -(-g.kv_cache_spec.max_memory_usage_bytes(max_model_len) // page_size) for g in groups
+            -(
+                -g.kv_cache_spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens)
+                // page_size
+            )
+            for g in groups
         )
         if blocks_needed > num_blocks:
             raise ValueError(

@@ -2,7 +2,8 @@
 
 Frozen dataclasses with `dtype` as a string (never a torch dtype: this package
 imports no tensor library). `page_size_bytes` is the size of one block of one
-layer; `max_memory_usage_bytes(max_model_len)` is the most one request can use.
+layer; `max_memory_usage_bytes(max_model_len, max_num_batched_tokens=None)` is
+the most one request can use.
 Invalid values raise `ValueError` naming the field.
 """
 
@@ -62,8 +63,14 @@ class KVCacheSpec:
     def page_size_bytes(self) -> int:
         raise NotImplementedError
 
-    def max_memory_usage_bytes(self, max_model_len: int) -> int:
-        """Most memory one request of `max_model_len` tokens can hold."""
+    def max_memory_usage_bytes(
+        self, max_model_len: int, max_num_batched_tokens: int | None = None
+    ) -> int:
+        """Most memory one request of `max_model_len` tokens can hold.
+
+        `max_num_batched_tokens` (the largest chunk one step computes) bounds
+        what windowed specs hold beyond their window; None means no bound.
+        """
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
     def with_block_size(self, block_size: int) -> KVCacheSpec:
@@ -139,7 +146,9 @@ class SinkFullAttentionSpec(FullAttentionSpec):
                 f"sink_len ({self.sink_len}) must be a multiple of block_size ({self.block_size})"
             )
 
-    def max_memory_usage_bytes(self, max_model_len: int) -> int:
+    def max_memory_usage_bytes(
+        self, max_model_len: int, max_num_batched_tokens: int | None = None
+    ) -> int:
         assert self.sink_len is not None
         return super().max_memory_usage_bytes(max_model_len) + (
             self.sink_len // self.block_size * self.page_size_bytes
@@ -156,9 +165,13 @@ class SlidingWindowSpec(AttentionSpec):
         super().__post_init__()
         _require_positive("sliding_window", self.sliding_window)
 
-    def max_memory_usage_bytes(self, max_model_len: int) -> int:
-        # The window plus one chunk of new tokens, plus one block of misalignment.
-        num_tokens = min(self.sliding_window - 1 + max_model_len, max_model_len)
+    def max_memory_usage_bytes(
+        self, max_model_len: int, max_num_batched_tokens: int | None = None
+    ) -> int:
+        # The window plus one chunk of new tokens, plus one block of misalignment
+        # (vLLM's formula).
+        chunk = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+        num_tokens = min(self.sliding_window - 1 + chunk, max_model_len)
         return (cdiv(num_tokens, self.block_size) + 1) * self.page_size_bytes
 
 
@@ -176,6 +189,14 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
                 f"attention_chunk_size ({self.attention_chunk_size}) must be a multiple "
                 f"of block_size ({self.block_size})"
             )
+
+    def max_memory_usage_bytes(
+        self, max_model_len: int, max_num_batched_tokens: int | None = None
+    ) -> int:
+        # The current chunk plus one step of new tokens (vLLM's formula).
+        chunk = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+        num_tokens = min(self.attention_chunk_size + chunk, max_model_len)
+        return cdiv(num_tokens, self.block_size) * self.page_size_bytes
 
 
 @dataclass(frozen=True)
