@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,4 +153,19 @@ def test_inputs_match_naive_walk(seed: int) -> None:
         assert np.array_equal(
             batch.num_tokens[: batch.num_reqs],
             [len(sims[r].tokens) for r in batch.req_ids],
+        )
+
+
+def test_bad_diffs_are_value_errors() -> None:
+    batch = InputBatch(MAX_REQS, MAX_LEN, MAX_TOKENS, "cpu", 128, block_sizes=[B])
+    requests: dict[str, CachedRequestState] = {}
+    lora = NewRequestData("a", [1, 2], SamplingParams(), ([1],), 0, lora_request="adapter")
+    with pytest.raises(ValueError, match="LoRA"):
+        update_states(requests, batch, SchedulerOutput(scheduled_new_reqs=[lora]), batch.device)
+    short = CachedRequestData(["a"], [False], [], [None], [0], [0])
+    with pytest.raises(ValueError, match="new_token_ids has 0 entries"):
+        update_states(requests, batch, SchedulerOutput(scheduled_cached_reqs=short), batch.device)
+    with pytest.raises(ValueError, match="neither a new nor a cached"):
+        update_states(
+            requests, batch, SchedulerOutput(num_scheduled_tokens={"zz": 1}), batch.device
         )

@@ -62,6 +62,11 @@ def update_states(
 
 
 def _new_state(new_req: NewRequestData, device: torch.device) -> CachedRequestState:
+    if new_req.lora_request is not None:
+        raise ValueError(
+            f"scheduler_output: request {new_req.req_id!r} asks for LoRA adapter "
+            f"{new_req.lora_request!r}; the runner does not support LoRA"
+        )
     params = new_req.sampling_params
     generator = None
     if params.seed is not None:
