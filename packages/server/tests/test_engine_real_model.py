@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,18 @@ from paged.server.engine.errors import EngineDeadError, EngineStartupError
 
 VOCAB = 96
 PROMPTS = {"p0": [1, 5, 9, 13, 2], "p1": [7] * 11, "p2": list(range(3, 40))}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread here and in spawned engines: the model is tiny, and on a
+    shared machine OpenMP threads spinning against other load slow steps ~100x."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
