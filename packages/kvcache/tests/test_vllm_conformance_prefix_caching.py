@@ -693,3 +693,73 @@ def test_hybrid_eagle_full_plus_sliding_drops_one_block_once() -> None:
     kvm.free(r0)
     kvm.free(r1)
     kvm.check_integrity()
+
+
+def chunked_local(chunk: int, block_size: int) -> KVCacheSpec:
+    from paged.kvcache import ChunkedLocalAttentionSpec
+
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype="float32",
+        attention_chunk_size=chunk,
+    )
+
+
+def test_sliding_window_frees_left_blocks_to_the_tail_and_pads_with_null() -> None:
+    kvm = KVCacheManager(config(11, sliding(2, 4)), 1024, hash_block_size=4)  # window 8
+    r0 = req("0", list(range(20)), 4)
+    new = kvm.allocate_slots(r0, 20)
+    assert new is not None and new.get_block_ids() == ([1, 2, 3, 4, 5],)
+    r0.num_computed_tokens = 20
+    r0.append_output_token_ids(7)
+    new = kvm.allocate_slots(r0, 1)
+    # Token 20 sees tokens 13..20: blocks 0..2 left the window. They were cached,
+    # so they go to the tail (tail first), behind the never-used blocks.
+    assert new is not None and new.get_block_ids() == ([6],)
+    assert kvm.get_block_ids("0") == ([0, 0, 0, 4, 5, 6],)
+    assert free_queue_ids(kvm) == [7, 8, 9, 10, 3, 2, 1]
+    # Freed blocks stay cached: a lookup of the prefix (at most 19 tokens, so 4
+    # blocks) finds the two blocks the window needs, block 3 among the free ones.
+    hits, n = kvm.get_computed_blocks(req("1", list(range(20)), 4))
+    assert hits.get_block_ids() == ([0, 0, 3, 4],) and n == 16
+
+
+def test_sliding_window_frees_even_when_the_allocation_fails() -> None:
+    kvm = KVCacheManager(config(5, sliding(2, 4)), 1024, hash_block_size=4)
+    r0 = req("0", list(range(16)), 4)
+    assert kvm.allocate_slots(r0, 16) is not None  # blocks 1..4, pool empty
+    r0.num_computed_tokens = 16
+    r0.append_output_token_ids([1] * 9)
+    # 9 new tokens need 3 blocks; the window frees 2 (blocks 1, 2): not enough,
+    # but the 2 stay freed.
+    assert kvm.allocate_slots(r0, 9) is None
+    assert kvm.get_block_ids("0") == ([0, 0, 3, 4],)
+    assert kvm.block_pool.get_num_free_blocks() == 2
+    kvm.check_integrity()
+
+
+def test_chunked_local_counts_earlier_chunks_as_computed_with_an_empty_cache() -> None:
+    kvm = KVCacheManager(config(20, chunked_local(8, 4)), 1024, hash_block_size=4)
+    r = req("0", list(range(20)), 4)
+    hits, n = kvm.get_computed_blocks(r)
+    # At most 19 tokens hit; 16 of them are before the current chunk [16, 24).
+    assert hits.get_block_ids() == ([0, 0, 0, 0],) and n == 16
+    new = kvm.allocate_slots(r, 4, n, hits)
+    assert new is not None and new.get_block_ids() == ([1],)
+    assert kvm.block_pool.get_num_free_blocks() == 18
+
+
+def test_mamba_keeps_the_last_state_and_hits_the_rightmost_block() -> None:
+    kvm = KVCacheManager(config(11, mamba(4)), 1024, hash_block_size=4)
+    r0 = req("0", list(range(12)), 4)
+    new = kvm.allocate_slots(r0, 12)
+    assert new is not None and new.get_block_ids() == ([1, 2, 3],)
+    r0.num_computed_tokens = 12
+    r0.append_output_token_ids(5)
+    new = kvm.allocate_slots(r0, 1)
+    # Only the state after token 12 (block 3) is still needed.
+    assert new is not None and kvm.get_block_ids("0") == ([0, 0, 3, 4],)
+    hits, n = kvm.get_computed_blocks(req("1", [*range(12), 9], 4))
+    assert hits.get_block_ids() == ([0, 0, 3],) and n == 12
