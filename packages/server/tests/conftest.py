@@ -43,7 +43,7 @@ class FakeCore:
 
     `fail_on_init` raises at construction (as a bad model path would);
     `crash_after_steps` raises inside `run_step` after that many steps;
-    `step_sleep_s` makes each step take that long.
+    `step_sleep_s` makes each step take that long, `init_sleep_s` construction.
     """
 
     def __init__(
@@ -51,7 +51,9 @@ class FakeCore:
         fail_on_init: bool = False,
         crash_after_steps: int | None = None,
         step_sleep_s: float = 0.0,
+        init_sleep_s: float = 0.0,
     ) -> None:
+        time.sleep(init_sleep_s)
         if fail_on_init:
             raise FileNotFoundError("model path '/no/such/model' does not exist")
         self._crash_after = crash_after_steps

@@ -110,6 +110,15 @@ def test_startup_error_is_one_clear_exception(fake_core_cls: Any) -> None:
     assert time.monotonic() - start < 30
 
 
+def test_startup_timeout_stops_the_process(fake_core_cls: Any) -> None:
+    start = time.monotonic()
+    with pytest.raises(EngineStartupError, match=r"not ready within 1\.0 s"):
+        SyncMPClient(functools.partial(fake_core_cls, init_sleep_s=120), startup_timeout_s=1.0)
+    assert time.monotonic() - start < 60  # not the 120 s the core would take
+    with pytest.raises(ValueError, match="startup_timeout_s"):
+        SyncMPClient(fake_core_cls, startup_timeout_s=0)
+
+
 def test_process_exit_before_handshake_is_reported(exit_factory: Any) -> None:
     with pytest.raises(EngineStartupError, match="exited with code 3 before it was ready"):
         SyncMPClient(exit_factory)

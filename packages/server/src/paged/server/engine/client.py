@@ -207,7 +207,12 @@ class SyncMPClient:
                 raise self._dead
             call_id = next(self._call_ids)
             self._pending[call_id] = (future, method)
-        self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+        try:
+            self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+        except BaseException:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise
         return future.result()
 
     def shutdown(self) -> None:
@@ -321,7 +326,7 @@ class AsyncMPClient:
         self._pending[call_id] = (future, method)
         try:
             self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
-        except EngineDeadError:
+        except BaseException:
             self._pending.pop(call_id, None)
             raise
         return await future
