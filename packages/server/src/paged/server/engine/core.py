@@ -190,12 +190,14 @@ class EngineCore:
         if not request.prompt_token_ids:
             raise ValueError(f"prompt_token_ids of request {request.request_id!r} is empty")
         vocab_size = self.engine_config.model_config.vocab_size
-        for token in request.prompt_token_ids:
-            if not 0 <= token < vocab_size:
-                raise ValueError(
-                    f"prompt_token_ids of request {request.request_id!r} holds token id "
-                    f"{token}, outside the vocabulary [0, {vocab_size})"
-                )
+        ids = request.prompt_token_ids
+        # min/max run in C; the offending id is looked up only on failure.
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            token = next(t for t in ids if not 0 <= t < vocab_size)
+            raise ValueError(
+                f"prompt_token_ids of request {request.request_id!r} holds token id "
+                f"{token}, outside the vocabulary [0, {vocab_size})"
+            )
         if request.eos_token_id is not None and not 0 <= request.eos_token_id < vocab_size:
             raise ValueError(
                 f"eos_token_id {request.eos_token_id} is outside the vocabulary [0, {vocab_size})"
