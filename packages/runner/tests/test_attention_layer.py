@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged.kernels import reference
+from paged.runner.attention import torch_attention
 from paged.runner.attention.backends import (
     AttentionBackend,
     AttentionMetadataBuilder,
@@ -21,7 +21,7 @@ def test_backend_selection_per_device_and_override() -> None:
     assert select_attention_backend("cuda", "torch").name == "torch"
     assert select_attention_backend("cpu", "auto").name == "torch"
     assert select_attention_backend("cpu", "triton").name == "triton"
-    assert AttentionBackend("torch").kernels is reference
+    assert AttentionBackend("torch").kernels is torch_attention
     with pytest.raises(ValueError, match="attention_backend: 'flash' is unknown"):
         select_attention_backend("cpu", "flash")
 

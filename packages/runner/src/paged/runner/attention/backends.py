@@ -1,6 +1,7 @@
 """Attention backends: which kernels run attention, chosen per device, overridable.
 
-    torch   paged.kernels.reference (pure torch; CPU default, also runs on CUDA)
+    torch   batched pure torch (attention/torch_attention.py, checked against
+            paged.kernels.reference; CPU default, also runs on CUDA)
     triton  paged.kernels.triton_ops (CUDA default; on CPU only under TRITON_INTERPRET=1)
 
 Both consume the same `AttentionMetadata`, so they share one metadata
@@ -12,14 +13,43 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, Protocol, cast
 
 import torch
 
-from paged.kernels.interface import KernelBackend
 from paged.runner.attention.metadata import AttentionMetadata
 
 AttentionBackendName = Literal["torch", "triton"]
+
+
+class AttentionKernels(Protocol):
+    """The two ops an attention backend provides (paged.kernels signatures)."""
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        *,
+        max_query_len: int,
+        max_seq_len: int,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
 
 class AttentionMetadataBuilder:
@@ -72,11 +102,14 @@ class AttentionBackend:
     name: AttentionBackendName
 
     @property
-    def kernels(self) -> KernelBackend:
+    def kernels(self) -> AttentionKernels:
         # Imported on use: the Triton module imports triton, which CPU-only
         # users never need.
-        module = "paged.kernels.reference" if self.name == "torch" else "paged.kernels.triton_ops"
-        return cast(KernelBackend, importlib.import_module(module))
+        if self.name == "torch":
+            module = "paged.runner.attention.torch_attention"
+        else:
+            module = "paged.kernels.triton_ops"
+        return cast(AttentionKernels, importlib.import_module(module))
 
     def get_builder(self) -> AttentionMetadataBuilder:
         return AttentionMetadataBuilder()
