@@ -134,6 +134,8 @@ class EngineCoreProc:
                 try:
                     item = self._input_queue.get(timeout=_POLL_S)
                 except queue.Empty:
+                    if self._output_failed is not None:
+                        return  # the busy loop raises it
                     if not _parent_alive():
                         logger.warning("frontend process is gone; engine core exits")
                         self._shutdown_requested = True
