@@ -43,7 +43,8 @@ class FakeCore:
 
     `fail_on_init` raises at construction (as a bad model path would);
     `crash_after_steps` raises inside `run_step` after that many steps;
-    `step_sleep_s` makes each step take that long, `init_sleep_s` construction.
+    `step_sleep_s` makes each step take that long, `init_sleep_s` construction;
+    `unencodable_output` emits outputs msgpack cannot encode.
     """
 
     def __init__(
@@ -52,11 +53,13 @@ class FakeCore:
         crash_after_steps: int | None = None,
         step_sleep_s: float = 0.0,
         init_sleep_s: float = 0.0,
+        unencodable_output: bool = False,
     ) -> None:
         time.sleep(init_sleep_s)
         if fail_on_init:
             raise FileNotFoundError("model path '/no/such/model' does not exist")
         self._crash_after = crash_after_steps
+        self._unencodable = unencodable_output
         self._sleep = step_sleep_s
         self._requests: dict[str, tuple[EngineCoreRequest, int]] = {}
         self._aborted: list[str] = []
@@ -96,7 +99,9 @@ class FakeCore:
             max_tokens = req.sampling_params.max_tokens or 1
             finished = done + 1 >= max_tokens
             reason = FinishReason.LENGTH if finished else None
-            outs.append(EngineCoreOutput(rid, [token], finish_reason=reason))
+            # Structs do not validate on construction: this only fails to encode.
+            stop: Any = object() if self._unencodable else None
+            outs.append(EngineCoreOutput(rid, [token], finish_reason=reason, stop_reason=stop))
             if finished:
                 del self._requests[rid]
             else:

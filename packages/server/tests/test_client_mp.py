@@ -138,6 +138,20 @@ def test_crash_inside_a_step_reaches_the_waiter(fake_core_cls: Any, request_fact
         client.shutdown()
 
 
+def test_unencodable_output_kills_the_engine_loudly(
+    fake_core_cls: Any, request_factory: Any
+) -> None:
+    client = SyncMPClient(functools.partial(fake_core_cls, unencodable_output=True))
+    try:
+        client.add_request(request_factory("a", [1], max_tokens=3))
+        with pytest.raises(EngineDeadError, match="cannot encode its output"):
+            client.get_output(timeout=30)
+        client._engine.process.join(timeout=30)
+        assert client._engine.process.exitcode == 1
+    finally:
+        client.shutdown()
+
+
 def test_killed_engine_wakes_blocked_waiters(fake_core_cls: Any, request_factory: Any) -> None:
     client = SyncMPClient(fake_core_cls)
     errors: list[BaseException] = []
