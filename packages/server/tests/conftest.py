@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 import types
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 class FakeCore:
     """Emits token `prompt[-1] + k` at its k-th step for each request, then finishes.
 
+    A request with multimodal data starts from the CRC32 of its tensor bytes instead.
+
     `fail_on_init` raises at construction (as a bad model path would);
     `crash_after_steps` raises inside `run_step` after that many steps;
     `step_sleep_s` makes each step take that long, `init_sleep_s` construction;
@@ -63,6 +66,7 @@ class FakeCore:
         self._sleep = step_sleep_s
         self._requests: dict[str, tuple[EngineCoreRequest, int]] = {}
         self._aborted: list[str] = []
+        self.mm_checksums: dict[str, int] = {}
         self.num_steps = 0
         self.added = 0
         self.aborted = 0
@@ -78,6 +82,10 @@ class FakeCore:
             raise ValueError("prompt_token_ids must not be empty")
         self._requests[request.request_id] = (request, 0)
         self.added += 1
+        if request.mm_features:
+            # Echo a checksum of the multimodal bytes so tests see they arrived intact.
+            blob = b"".join(t.data for f in request.mm_features for t in (f.data or {}).values())
+            self.mm_checksums[request.request_id] = zlib.crc32(blob)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -95,7 +103,7 @@ class FakeCore:
             time.sleep(self._sleep)
         outs: list[EngineCoreOutput] = []
         for rid, (req, done) in list(self._requests.items()):
-            token = req.prompt_token_ids[-1] + done
+            token = self.mm_checksums.get(rid, req.prompt_token_ids[-1]) + done
             max_tokens = req.sampling_params.max_tokens or 1
             finished = done + 1 >= max_tokens
             reason = FinishReason.LENGTH if finished else None

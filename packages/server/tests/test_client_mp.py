@@ -9,12 +9,15 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from paged.scheduler.boundary import EngineCoreOutputs, FinishReason
+from paged.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange, TensorData
+from paged.scheduler.boundary import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from paged.scheduler.sampling_params import SamplingParams
 from paged.server.engine.client import SyncMPClient
 from paged.server.engine.errors import EngineDeadError, EngineStartupError
 from paged.server.engine.messages import EngineCoreStats
@@ -64,6 +67,25 @@ def test_requests_utilities_and_clean_shutdown(fake_core_cls: Any, request_facto
     with pytest.raises(EngineDeadError):
         client.get_output(timeout=1)
     client.shutdown()  # idempotent
+
+
+def test_multimodal_tensors_cross_the_process_intact(fake_core_cls: Any) -> None:
+    big = bytes(range(256)) * 4096  # 1 MiB, sent as its own frame
+    feature = MultiModalFeatureSpec(
+        "image",
+        "h0",
+        PlaceholderRange(offset=0, length=2),
+        {"pixels": TensorData("uint8", [len(big)], big)},
+    )
+    request = EngineCoreRequest(
+        "mm", [1, 2], SamplingParams(max_tokens=1), None, 0.0, mm_features=[feature]
+    )
+    client = SyncMPClient(fake_core_cls)
+    try:
+        client.add_request(request)
+        assert collect(client, {"mm"}) == {"mm": [zlib.crc32(big)]}
+    finally:
+        client.shutdown()
 
 
 def test_invalid_request_finishes_with_error_output(

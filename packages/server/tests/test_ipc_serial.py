@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from paged.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange, TensorData
 from paged.scheduler.boundary import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -18,8 +19,13 @@ from paged.scheduler.boundary import (
     LogprobsLists,
 )
 from paged.scheduler.sampling_params import SamplingParams
-from paged.server.engine.messages import UtilityCall
-from paged.server.engine.serial import MsgpackDecoder, MsgpackEncoder
+from paged.server.engine.messages import AddRequestMessage, TensorDataRef, UtilityCall
+from paged.server.engine.serial import (
+    MsgpackDecoder,
+    MsgpackEncoder,
+    decode_add_request,
+    encode_add_request,
+)
 
 
 def test_request_round_trip() -> None:
@@ -119,3 +125,60 @@ def test_arrays_round_trip_property(shapes: list[list[int]], threshold: int, dty
     for got, want in zip(decoded, arrays, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+
+
+def mm_request(big: bytes, small: bytes) -> EngineCoreRequest:
+    def feature(i: int, data: dict[str, TensorData] | None) -> MultiModalFeatureSpec:
+        return MultiModalFeatureSpec(
+            "image", f"h{i}", PlaceholderRange(offset=i * 4, length=4), data
+        )
+
+    return EngineCoreRequest(
+        request_id="mm",
+        prompt_token_ids=list(range(12)),
+        sampling_params=SamplingParams(),
+        eos_token_id=None,
+        arrival_time=0.0,
+        mm_features=[
+            feature(0, {"pixel_values": TensorData("float32", [len(big) // 4], big)}),
+            feature(1, None),  # served from a cache: no data
+            feature(2, {"small": TensorData("uint8", [len(small)], small)}),
+        ],
+    )
+
+
+def test_large_multimodal_tensors_are_sent_without_copying() -> None:
+    big, small = bytes(range(256)) * 16, b"tiny"
+    request = mm_request(big, small)
+    frames = encode_add_request(MsgpackEncoder(zero_copy_threshold=256), request)
+    assert len(frames) == 2
+    assert frames[1] is big  # the very bytes object: no copy on the way out
+    assert len(frames[0]) < 1000  # the payload does not carry the 4 KiB
+    received = [memoryview(bytes(f)) for f in frames]
+    assert decode_add_request(MsgpackDecoder(AddRequestMessage), received) == request
+
+
+def test_add_request_without_large_tensors_is_one_frame() -> None:
+    request = mm_request(b"x" * 8, b"y")
+    frames = encode_add_request(MsgpackEncoder(zero_copy_threshold=256), request)
+    assert len(frames) == 1
+    assert decode_add_request(MsgpackDecoder(AddRequestMessage), frames) == request
+    plain = EngineCoreRequest("p", [1], SamplingParams(), None, 0.0)
+    frames = encode_add_request(MsgpackEncoder(), plain)
+    assert decode_add_request(MsgpackDecoder(AddRequestMessage), frames) == plain
+
+
+def test_tensor_refs_to_missing_places_are_decode_errors() -> None:
+    request = mm_request(b"x" * 8, b"y")
+    decoder = MsgpackDecoder(AddRequestMessage)
+    enc = MsgpackEncoder()
+    for ref, match in [
+        (TensorDataRef(5, "pixel_values"), "missing mm_features"),
+        (TensorDataRef(1, "pixel_values"), "missing mm_features"),
+        (TensorDataRef(0, "nope"), "missing data key"),
+    ]:
+        frames = [*enc.encode(AddRequestMessage(request, [ref])), b"data"]
+        with pytest.raises(msgspec.DecodeError, match=match):
+            decode_add_request(decoder, frames)
+    with pytest.raises(msgspec.DecodeError, match="tensor frames"):
+        decode_add_request(decoder, enc.encode(AddRequestMessage(request, [ref, ref])))

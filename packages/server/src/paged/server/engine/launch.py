@@ -31,11 +31,17 @@ from typing import Any
 
 import zmq
 
+from paged.scheduler.boundary import EngineCoreRequest
 from paged.server.engine.errors import EngineDeadError, EngineStartupError
 from paged.server.engine.interfaces import EngineCoreFactory
 from paged.server.engine.messages import EngineCoreInfo, EngineCoreRequestType, EngineHandshake
 from paged.server.engine.proc import run_engine_core
-from paged.server.engine.serial import Frame, MsgpackDecoder, MsgpackEncoder
+from paged.server.engine.serial import (
+    Frame,
+    MsgpackDecoder,
+    MsgpackEncoder,
+    encode_add_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +152,12 @@ class EngineProcess:
 
     def send(self, kind: EngineCoreRequestType, payload: object = None) -> None:
         """Send one message to the engine; `EngineDeadError` if it cannot be delivered."""
-        frames: list[Frame] = [] if payload is None else self._encoder.encode(payload)
-        with self._send_lock:
+        with self._send_lock:  # also guards the encoder, which is not thread-safe
+            frames: list[Frame] = []
+            if isinstance(payload, EngineCoreRequest):
+                frames = encode_add_request(self._encoder, payload)
+            elif payload is not None:
+                frames = self._encoder.encode(payload)
             if self._closing:
                 raise EngineDeadError("engine core client was shut down")
             try:

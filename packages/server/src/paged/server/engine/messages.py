@@ -8,7 +8,7 @@ out-of-band frames of large arrays referenced from the payload.
 
     frontend (ROUTER, bind)                 engine (DEALER, connect)
       <- HANDSHAKE EngineHandshake            sent once, ready or failed
-      -> ADD       EngineCoreRequest
+      -> ADD       AddRequestMessage          an EngineCoreRequest + its large tensors
       -> ABORT     list[str]                  request ids
       -> UTILITY   UtilityCall
       -> SHUTDOWN  (empty)
@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from paged.scheduler.boundary import SchedulerStats
+from paged.scheduler.boundary import EngineCoreRequest, SchedulerStats
 
 
 class EngineCoreRequestType(enum.Enum):
@@ -65,6 +65,27 @@ class EngineHandshake(msgspec.Struct, array_like=True, omit_defaults=True, froze
     error_type: str | None = None
     error_message: str | None = None
     traceback: str | None = None
+
+
+class TensorDataRef(msgspec.Struct, array_like=True, frozen=True):
+    """`request.mm_features[feature].data[key].data` travels as its own frame.
+
+    The i-th ref of a message names its i-th trailing frame.
+    """
+
+    feature: int
+    key: str
+
+
+class AddRequestMessage(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """The ADD payload: the request, with large multimodal tensors sent out of band.
+
+    Each `TensorDataRef` marks a `TensorData` whose `data` was emptied in
+    `request` and sent as a separate frame without copying.
+    """
+
+    request: EngineCoreRequest
+    tensor_refs: list[TensorDataRef] = msgspec.field(default_factory=list)
 
 
 class UtilityCall(msgspec.Struct, array_like=True, frozen=True):

@@ -40,6 +40,7 @@ from paged.scheduler.boundary import (
 )
 from paged.server.engine.interfaces import EngineCoreFactory, EngineCoreLike
 from paged.server.engine.messages import (
+    AddRequestMessage,
     EngineCoreOutputType,
     EngineCoreRequestType,
     EngineErrorMessage,
@@ -47,7 +48,12 @@ from paged.server.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
-from paged.server.engine.serial import Frame, MsgpackDecoder, MsgpackEncoder
+from paged.server.engine.serial import (
+    Frame,
+    MsgpackDecoder,
+    MsgpackEncoder,
+    decode_add_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +194,8 @@ class EngineCoreProc:
 
     # ---- I/O threads -------------------------------------------------------
     def _input_loop(self) -> None:
+        add_decoder = MsgpackDecoder(AddRequestMessage)
         decoders: dict[EngineCoreRequestType, MsgpackDecoder[Any]] = {
-            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityCall),
         }
@@ -200,10 +206,13 @@ class EngineCoreProc:
             frames = sock.recv_multipart(copy=False)
             try:
                 kind = EngineCoreRequestType(frames[0].bytes)
+                buffers = [f.buffer for f in frames[1:]]
                 if kind is EngineCoreRequestType.SHUTDOWN:
                     payload: object = None
+                elif kind is EngineCoreRequestType.ADD:
+                    payload = decode_add_request(add_decoder, buffers)
                 else:
-                    payload = decoders[kind].decode([f.buffer for f in frames[1:]])
+                    payload = decoders[kind].decode(buffers)
             except (ValueError, KeyError, msgspec.DecodeError):
                 logger.exception("dropping a malformed message from the frontend")
                 continue
