@@ -85,8 +85,11 @@ def _default_script(req: EngineCoreRequest) -> list[int]:
 class FakeEngine:
     """A deterministic engine client; `step()` advances every running request by one token."""
 
-    def __init__(self, script: Script = _default_script, vocab_size: int = 400) -> None:
+    def __init__(
+        self, script: Script = _default_script, vocab_size: int = 400, step_delay: float = 0.001
+    ) -> None:
         self.script = script
+        self.step_delay = step_delay
         self.vocab_size = vocab_size
         self.running: dict[str, _FakeReq] = {}
         self.added: list[EngineCoreRequest] = []
@@ -183,7 +186,7 @@ class FakeEngine:
         while True:
             self._check()
             if self.running:
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(self.step_delay)
                 return self.step()
             if self._event is None:
                 self._event = asyncio.Event()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -325,3 +326,36 @@ async def test_engine_death_health_and_errors(http: httpx.AsyncClient, fake_engi
     assert (await http.get("/health")).status_code == 503
     resp = await http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
     assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"
+
+
+async def test_non_streaming_client_disconnect_aborts(
+    tokenizer: Any, engine_cls: Any, stats: PrometheusStatLogger
+) -> None:
+    engine = engine_cls(step_delay=0.05)
+    llm = AsyncLLM(engine, tokenizer, max_model_len=128)
+    app = build_app(llm, model_name=MODEL)
+    body = json.dumps({"prompt": "hello", "max_tokens": 100}).encode()
+    sent: list[dict[str, Any]] = []
+    calls = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(0.2)  # a few tokens in, the client hangs up
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "server": ("test", 80), "client": ("c", 1),
+        "headers": [(b"content-type", b"application/json")],
+    }  # fmt: skip
+    await asyncio.wait_for(app(scope, receive, send), timeout=5)
+    assert len(engine.added) == 1 and engine.aborted == [engine.added[0].request_id]
+    assert not engine.running and not llm.output_processor.has_unfinished_requests()
+    llm.shutdown()
