@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 import httpx
@@ -335,7 +335,7 @@ async def test_non_streaming_client_disconnect_aborts(
     llm = AsyncLLM(engine, tokenizer, max_model_len=128)
     app = build_app(llm, model_name=MODEL)
     body = json.dumps({"prompt": "hello", "max_tokens": 100}).encode()
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
     calls = 0
 
     async def receive() -> dict[str, Any]:
@@ -346,7 +346,7 @@ async def test_non_streaming_client_disconnect_aborts(
         await asyncio.sleep(0.2)  # a few tokens in, the client hangs up
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     scope = {
