@@ -76,6 +76,8 @@ class _FakeReq:
 
 
 Script = Callable[[EngineCoreRequest], list[int]]
+# (request, tokens generated so far) -> (reason, detail) to finish it now with no new token.
+FinishHook = Callable[[EngineCoreRequest, int], tuple[FinishReason, str] | None]
 
 
 def _default_script(req: EngineCoreRequest) -> list[int]:
@@ -86,9 +88,14 @@ class FakeEngine:
     """A deterministic engine client; `step()` advances every running request by one token."""
 
     def __init__(
-        self, script: Script = _default_script, vocab_size: int = 400, step_delay: float = 0.001
+        self,
+        script: Script = _default_script,
+        vocab_size: int = 400,
+        step_delay: float = 0.001,
+        finish_hook: FinishHook | None = None,
     ) -> None:
         self.script = script
+        self.finish_hook = finish_hook
         self.step_delay = step_delay
         self.vocab_size = vocab_size
         self.running: dict[str, _FakeReq] = {}
@@ -103,6 +110,16 @@ class FakeEngine:
         outs: list[EngineCoreOutput] = []
         for rid, r in list(self.running.items()):
             p = r.request.sampling_params
+            forced = self.finish_hook(r.request, len(r.generated)) if self.finish_hook else None
+            if forced is not None:
+                outs.append(
+                    EngineCoreOutput(
+                        request_id=rid, new_token_ids=[], finish_reason=forced[0],
+                        finish_detail=forced[1],
+                    )
+                )  # fmt: skip
+                del self.running[rid]
+                continue
             tok = r.script[len(r.generated) % len(r.script)]
             r.generated.append(tok)
             finish: FinishReason | None = None

@@ -359,3 +359,48 @@ async def test_non_streaming_client_disconnect_aborts(
     assert len(engine.added) == 1 and engine.aborted == [engine.added[0].request_id]
     assert not engine.running and not llm.output_processor.has_unfinished_requests()
     llm.shutdown()
+
+
+def _refuse_long(req: Any, n: int) -> Any:
+    from paged.scheduler import FinishReason
+
+    if len(req.prompt_token_ids) > 20:
+        return FinishReason.LENGTH, "prompt has 30 tokens but the KV cache holds at most 20"
+    return None
+
+
+def _fail_after_two(req: Any, n: int) -> Any:
+    from paged.scheduler import FinishReason
+
+    return (FinishReason.ERROR, "3 NaN values in the logits") if n == 2 else None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_refusal_is_a_400_and_failure_a_500(
+    tokenizer: Any, engine_cls: Any, stream: bool
+) -> None:
+    engine = engine_cls(finish_hook=_refuse_long)
+    llm = AsyncLLM(engine, tokenizer, max_model_len=128)
+    app = build_app(llm, model_name=MODEL)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+        long_prompt = {"prompt": "hello world " * 15, "max_tokens": 3, "stream": stream}
+        resp = await h.post("/v1/completions", json=long_prompt)
+        assert resp.status_code == 400
+        err = resp.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "KV cache" in err["message"]
+        short = await h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert short.status_code == 200  # the engine serves on
+    llm.shutdown()
+    engine = engine_cls(finish_hook=_fail_after_two)
+    llm = AsyncLLM(engine, tokenizer, max_model_len=128)
+    app = build_app(llm, model_name=MODEL)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": stream}
+        resp = await h.post("/v1/chat/completions", json=chat)
+        if stream:
+            events = [e for e in resp.text.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            assert "NaN" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+        else:
+            assert resp.status_code == 500 and "NaN" in resp.json()["error"]["message"]
+    llm.shutdown()

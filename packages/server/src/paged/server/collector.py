@@ -62,6 +62,7 @@ def _merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
     pending.outputs.sort(key=lambda c: c.index)
     pending.finished = new.finished
     pending.error = new.error or pending.error
+    pending.finish_detail = new.finish_detail or pending.finish_detail
     pending.num_cached_tokens = new.num_cached_tokens
 
 

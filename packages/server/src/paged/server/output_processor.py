@@ -84,7 +84,7 @@ class RequestState:
         )
 
     def make_request_output(
-        self, completion: CompletionOutput, finished: bool, error: str | None
+        self, completion: CompletionOutput, finished: bool, detail: str | None
     ) -> RequestOutput:
         prompt_lps = self.logprobs.prompt_logprobs
         return RequestOutput(
@@ -96,7 +96,8 @@ class RequestState:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
-            error=error,
+            error=detail if completion.finish_reason == "error" else None,
+            finish_detail=detail,
         )
 
 
@@ -215,10 +216,9 @@ class OutputProcessor:
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completion = state.make_completion(str(finish) if finish is not None else None, stop_reason)
-        error = detail if finish == FinishReason.ERROR else None
         if state.parent is None:
-            return state.make_request_output(completion, finished, error)
-        return state.parent.add_child_output(state, completion, error)
+            return state.make_request_output(completion, finished, detail)
+        return state.parent.add_child_output(state, completion, detail)
 
     def _update_stats(
         self, state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats | None

@@ -71,5 +71,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    # Set when the request failed (engine error or death) instead of finishing.
+    # Set when the request failed in the engine (finish reason "error").
     error: str | None = None
+    # Why the engine finished it, when it said (e.g. a prompt that can never
+    # fit the KV cache, finished with no tokens).
+    finish_detail: str | None = None

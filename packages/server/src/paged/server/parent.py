@@ -43,7 +43,7 @@ class ParentRequest:
         return len(self._finished) == self.n
 
     def add_child_output(
-        self, state: RequestState, completion: CompletionOutput, error: str | None
+        self, state: RequestState, completion: CompletionOutput, detail: str | None
     ) -> RequestOutput | None:
         if completion.finished():
             self._finished.add(completion.index)
@@ -55,7 +55,7 @@ class ParentRequest:
             if kind == RequestOutputKind.FINAL_ONLY and not self.all_finished():
                 return None
             outputs = [self._latest[i] for i in sorted(self._latest)]
-        out = state.make_request_output(completion, self.all_finished(), error)
+        out = state.make_request_output(completion, self.all_finished(), detail)
         out.outputs = outputs
         return out
 

@@ -44,7 +44,7 @@ from paged.server.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from paged.server.openai.serving import ModelNotFoundError, OpenAIServing
+from paged.server.openai.serving import EngineRequestError, ModelNotFoundError, OpenAIServing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -275,6 +275,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(500, f"The engine failed: {exc}", code="engine_dead")
+
+    @app.exception_handler(EngineRequestError)
+    async def on_request_failed(_: Request, exc: EngineRequestError) -> JSONResponse:
+        return error_response(500, f"The engine failed this request: {exc}")
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

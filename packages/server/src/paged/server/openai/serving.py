@@ -48,6 +48,48 @@ class ModelNotFoundError(InvalidRequestError):
         super().__init__("model", f"The model `{model}` does not exist.", code="model_not_found")
 
 
+class EngineRequestError(RuntimeError):
+    """The engine failed one request (e.g. NaN logits); it keeps serving the others."""
+
+
+def check_failed(out: RequestOutput, prompt_param: str) -> None:
+    """Raise for a request the engine failed or refused (finished with no tokens and a reason)."""
+    if any(c.finish_reason == "error" for c in out.outputs):
+        raise EngineRequestError(out.error or out.finish_detail or "the engine failed the request")
+    if out.finished and out.finish_detail and not any(c.token_ids for c in out.outputs):
+        length = any(c.finish_reason == "length" for c in out.outputs)
+        code = "context_length_exceeded" if length else None
+        raise InvalidRequestError(prompt_param, out.finish_detail, code=code)
+
+
+async def _peeked(
+    first: RequestOutput, rest: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    try:
+        yield first
+        async for out in rest:
+            yield out
+    finally:
+        await rest.aclose()
+
+
+async def peek_streams(
+    streams: list[AsyncGenerator[RequestOutput, None]], prompt_param: str
+) -> list[AsyncGenerator[RequestOutput, None]]:
+    """Wait for each stream's first output so a refused request is a 400, not a broken stream."""
+    peeked: list[AsyncGenerator[RequestOutput, None]] = []
+    try:
+        for stream in streams:
+            first = await anext(stream)
+            check_failed(first, prompt_param)
+            peeked.append(_peeked(first, stream))
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return peeked
+
+
 @dataclass
 class _Totals:
     """Usage accumulated over a request's prompts and choices."""
@@ -106,10 +148,12 @@ class OpenAIServing:
         streams = await self._submit(base_id, prompts, params, req.priority, req.cache_salt)
         texts = [p.get("prompt") if isinstance(p, dict) else None for p in prompts]
         if req.stream:
+            streams = await peek_streams(streams, "prompt")
             return self._completion_stream(req, base_id, streams, texts)
         totals = _Totals()
         choices: list[CompletionResponseChoice] = []
         async for i, out in merge_async_iterators(streams):
+            check_failed(out, "prompt")
             totals.add(i, out)
             for c in out.outputs:
                 echo = (texts[i] or "") if req.echo else ""
@@ -149,6 +193,8 @@ class OpenAIServing:
                         yield fmt.sse(self._completion_chunk(base_id, i * n + j, text or ""))
             async for i, out in merged:
                 totals.add(i, out)
+                if any(c.finish_reason == "error" for c in out.outputs):
+                    check_failed(out, "prompt")
                 for c in out.outputs:
                     index = i * n + c.index
                     start = offsets.get(index, 0)
@@ -207,10 +253,12 @@ class OpenAIServing:
             echo = str(messages[-1].get("content") or "")
         top_k = req.top_logprobs or 0
         if req.stream:
+            (stream,) = await peek_streams([stream], "messages")
             return self._chat_stream(req, base_id, stream, echo, top_k)
         totals = _Totals()
         choices: list[ChatCompletionResponseChoice] = []
         async for out in stream:
+            check_failed(out, "messages")
             totals.add(0, out)
             for c in out.outputs:
                 choices.append(
@@ -248,6 +296,8 @@ class OpenAIServing:
                     yield fmt.sse(self._chat_chunk(base_id, j, DeltaMessage(content=echo)))
             async for out in stream:
                 totals.add(0, out)
+                if any(c.finish_reason == "error" for c in out.outputs):
+                    check_failed(out, "messages")
                 for c in out.outputs:
                     if not c.text and not c.finished() and not c.token_ids:
                         continue
