@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from paged.kernels.ops import apply_top_k_top_p
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.sampler import Sampler, SamplingMetadata
-from paged.runner.sampler.ops import apply_top_k_top_p
 from paged.scheduler.sampling_params import SamplingParams
 
 VOCAB = 16
@@ -139,7 +139,7 @@ def test_penalties_match_naive_reference() -> None:
     s1 = state(1, prompt=[7], output=[], temperature=0.0)
     b = batch_of(s0, s1)
     meta = b.make_sampling_metadata(np.arange(2))
-    from paged.runner.sampler.ops import apply_penalties
+    from paged.kernels.ops import apply_penalties
 
     assert meta.prompt_mask is not None and meta.output_counts is not None
     assert meta.presence_penalties is not None and meta.frequency_penalties is not None
@@ -203,3 +203,16 @@ def test_bad_logits_shape() -> None:
     b = batch_of(state(0))
     with pytest.raises(ValueError, match="logits must be"):
         Sampler()(torch.zeros(2, VOCAB), b.make_sampling_metadata(np.array([0])))
+
+
+def test_sampler_does_not_mutate_logits() -> None:
+    torch.manual_seed(8)
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    b = batch_of(
+        state(0, temperature=0.7, top_k=4, top_p=0.8, output=[1, 1]),
+        state(1, temperature=0.0, repetition_penalty=1.3, logit_bias={3: 2.0}),
+        state(2, temperature=1.0, min_p=0.1, min_tokens=3),
+    )
+    Sampler()(logits, b.make_sampling_metadata(np.arange(3)))
+    assert torch.equal(logits, before)

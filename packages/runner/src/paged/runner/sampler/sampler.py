@@ -20,13 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from paged.kernels.ops import apply_penalties, apply_top_k_top_p
 from paged.runner.sampler.metadata import SamplingMetadata
-from paged.runner.sampler.ops import (
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-    random_sample,
-)
+from paged.runner.sampler.ops import apply_min_p, random_sample
 
 _NEG_INF = float("-inf")
 
@@ -65,7 +61,7 @@ def compute_logprobs_tensors(
 
 
 class Sampler:
-    """Stateless: all per-request state lives in `SamplingMetadata`."""
+    """Stateless: all per-request state lives in `SamplingMetadata`; never mutates `logits`."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         return self.forward(logits, metadata)
@@ -78,7 +74,13 @@ class Sampler:
         logits = logits.to(torch.float32)
         num_nans = torch.isnan(logits).sum(dim=-1)
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
-        logits = self._apply_biases(logits.clone(), metadata)
+        if (
+            not metadata.no_penalties
+            or metadata.logit_bias_rows is not None
+            or (metadata.min_tokens_rows is not None)
+        ):
+            logits = logits.clone()  # the transforms below work in place
+        self._apply_biases(logits, metadata)
         if not metadata.no_penalties:
             assert metadata.prompt_mask is not None and metadata.output_counts is not None
             assert metadata.presence_penalties is not None
@@ -100,7 +102,8 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, num_nans=num_nans)
 
     @staticmethod
-    def _apply_biases(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _apply_biases(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        """Logit bias and min-tokens suppression, in place."""
         if metadata.logit_bias_rows is not None:
             assert metadata.logit_bias_tokens is not None
             assert metadata.logit_bias_values is not None
@@ -112,7 +115,6 @@ class Sampler:
         if metadata.min_tokens_rows is not None:
             assert metadata.min_tokens_tokens is not None
             logits[metadata.min_tokens_rows, metadata.min_tokens_tokens] = _NEG_INF
-        return logits
 
     @staticmethod
     def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -122,7 +124,7 @@ class Sampler:
             assert greedy is not None
             return greedy
         assert metadata.temperature is not None
-        logits = logits.div_(metadata.temperature.unsqueeze(1))
+        logits = logits / metadata.temperature.unsqueeze(1)  # a new tensor: safe to mask in place
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
