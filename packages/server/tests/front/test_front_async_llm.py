@@ -231,3 +231,12 @@ async def test_concurrent_requests_and_metrics(tokenizer: Any, fake_engine: Any)
     text = generate_latest(stats.registry).decode()
     assert 'paged:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
     llm.shutdown()
+
+
+async def test_large_output_batches_are_sliced(tokenizer: Any, fake_engine: Any) -> None:
+    llm = make_llm(tokenizer, fake_engine)
+    outs = await asyncio.gather(
+        *(collect(llm, PROMPT, SamplingParams(max_tokens=2)) for _ in range(300))
+    )
+    assert all(o[-1].finished and len(o[-1].outputs[0].token_ids) == 2 for o in outs)
+    llm.shutdown()

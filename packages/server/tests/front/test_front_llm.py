@@ -83,3 +83,10 @@ def test_extra_eos_ids_become_stop_tokens(tokenizer: Any, fake_engine: Any) -> N
     llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
     req = fake_engine.added[0]
     assert req.eos_token_id == 2 and req.sampling_params.stop_token_ids == [0]
+
+
+def test_context_manager_shuts_the_engine_down(tokenizer: Any, fake_engine: Any) -> None:
+    with make(tokenizer, fake_engine) as llm:
+        (out,) = llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        assert out.finished
+    assert fake_engine.shut_down

@@ -32,6 +32,7 @@ from paged.server.stats import IterationStats
 from paged.server.tokenizer import TokenizerLike
 
 logger = logging.getLogger(__name__)
+_OUTPUT_CHUNK = 256
 
 
 class AsyncLLM:
@@ -181,11 +182,16 @@ class AsyncLLM:
             while True:
                 outputs = await self.engine_client.get_output_async()
                 stats = IterationStats()
-                processed = self.output_processor.process_outputs(
-                    outputs.outputs, outputs.timestamp, stats
-                )
-                if processed.reqs_to_abort:
-                    await self.engine_client.abort_requests_async(processed.reqs_to_abort)
+                # Large batches are processed in slices, yielding to the event
+                # loop in between so the API keeps answering (as vLLM does).
+                for start in range(0, len(outputs.outputs), _OUTPUT_CHUNK):
+                    if start:
+                        await asyncio.sleep(0)
+                    processed = self.output_processor.process_outputs(
+                        outputs.outputs[start : start + _OUTPUT_CHUNK], outputs.timestamp, stats
+                    )
+                    if processed.reqs_to_abort:
+                        await self.engine_client.abort_requests_async(processed.reqs_to_abort)
                 for stat_logger in self.stat_loggers:
                     stat_logger.record(outputs.scheduler_stats, stats)
         except asyncio.CancelledError:

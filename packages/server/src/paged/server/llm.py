@@ -183,6 +183,12 @@ class LLM:
     def shutdown(self) -> None:
         self.engine_client.shutdown()
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
 
 def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str | dict):
