@@ -90,3 +90,13 @@ def test_context_manager_shuts_the_engine_down(tokenizer: Any, fake_engine: Any)
         (out,) = llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
         assert out.finished
     assert fake_engine.shut_down
+
+
+def test_stream_yields_deltas_and_aborts_when_closed(tokenizer: Any, fake_engine: Any) -> None:
+    llm = make(tokenizer, fake_engine)
+    deltas = [o.outputs[0].text for o in llm.stream("hello world", SamplingParams(max_tokens=4))]
+    assert "".join(deltas) == _echo(tokenizer, "hello world", 4) and len(deltas) == 4
+    it = llm.stream("hello world", SamplingParams(max_tokens=50))
+    next(it)
+    it.close()
+    assert fake_engine.aborted == ["1"] and not fake_engine.running

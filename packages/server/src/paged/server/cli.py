@@ -272,6 +272,7 @@ def _generate(args: EngineArgs, ns: argparse.Namespace) -> int:
 
 
 def _chat(args: EngineArgs, ns: argparse.Namespace) -> int:
+    from paged.server.chat_utils import apply_chat_template
     from paged.server.llm import LLM
 
     llm = LLM(**vars(args))
@@ -293,9 +294,14 @@ def _chat(args: EngineArgs, ns: argparse.Namespace) -> int:
             if not line:
                 continue
             history.append({"role": "user", "content": line})
-            out = llm.chat(history, _sampling(ns), use_tqdm=False)[0].outputs[0]
-            print(f"model> {out.text}")
-            history.append({"role": "assistant", "content": out.text})
+            prompt = apply_chat_template(llm.tokenizer, history)
+            print("model> ", end="", flush=True)
+            reply = ""
+            for out in llm.stream({"prompt": prompt, "add_special_tokens": False}, _sampling(ns)):
+                reply += out.outputs[0].text
+                print(out.outputs[0].text, end="", flush=True)
+            print()
+            history.append({"role": "assistant", "content": reply})
     finally:
         llm.shutdown()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any, cast
 
 import msgspec
@@ -139,9 +139,42 @@ class LLM:
             prompts.append({"prompt": text, "add_special_tokens": False})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
+    def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Generator[RequestOutput, None, None]:
+        """Generate for one prompt, yielding delta outputs as the engine steps.
+
+        Must be the only request in flight on this `LLM`; closing the iterator
+        early aborts the request.
+        """
+        if self.output_processor.has_unfinished_requests():
+            raise RuntimeError("stream() needs an idle LLM: other requests are in flight")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        rid = self._add_request(prompt, params, RequestOutputKind.DELTA)
+        finished = False
+        try:
+            while not finished:
+                if not self.engine_client.has_work():
+                    raise RuntimeError("the engine has no work left but the request is unfinished")
+                outputs = self.engine_client.get_output()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:
+                    self.engine_client.abort_requests(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    finished = out.finished
+                    yield out
+        finally:
+            if not finished:
+                self._abort([rid])
+
+    def _add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> str:
         rid = str(next(self._counter))
-        params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = msgspec.structs.replace(params, output_kind=kind)
         request, text = self.input_processor.process_inputs(rid, prompt, params)
         parent, requests = fan_out(request)
         for i, req in enumerate(requests):
