@@ -18,7 +18,13 @@ from paged.runner.config import (
     ParallelConfig,
     SchedulerLimits,
 )
-from paged.runner.executor import Executor, MultiprocExecutor, UniProcExecutor, WorkerDiedError
+from paged.runner.executor import (
+    Executor,
+    MultiprocExecutor,
+    UniProcExecutor,
+    WorkerDiedError,
+    WorkerError,
+)
 from paged.runner.executor.messages import CheckHealth
 from paged.scheduler.boundary import NewRequestData, SchedulerOutput
 from paged.scheduler.sampling_params import SamplingParams
@@ -94,3 +100,26 @@ def test_tp2_matches_tp1_and_dead_worker_raises(tiny_checkpoint: Callable[..., P
     finally:
         executor.shutdown()
     assert all(not p.is_alive() for p in executor.procs)
+
+
+@pytest.mark.slow
+def test_worker_errors_surface_and_shutdown_is_clean(tiny_checkpoint: Callable[..., Path]) -> None:
+    path = tiny_checkpoint("llama")
+    cfg = replace(config(path, 1), cache_config=CacheConfig(block_size=BLOCK))  # no CPU budget
+    executor = Executor.create(cfg)
+    assert isinstance(executor, MultiprocExecutor)
+    try:
+        executor.check_health()
+        assert set(executor.get_kv_cache_specs()) == {
+            "model.layers.0.self_attn.attn",
+            "model.layers.1.self_attn.attn",
+        }
+        with pytest.raises(WorkerError, match="kv_cache_memory_bytes: required on CPU"):
+            executor.determine_available_memory()
+        executor.check_health()  # the worker survived its error
+    finally:
+        executor.shutdown()
+    assert [p.exitcode for p in executor.procs] == [0]
+    executor.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        executor.check_health()
