@@ -24,7 +24,6 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from array import array
 from collections import deque
@@ -191,4 +190,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
