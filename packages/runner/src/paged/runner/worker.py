@@ -80,6 +80,9 @@ class Worker:
 
     def load_model(self) -> None:
         self.model_runner.load_model()
+        # Building the model may draw random numbers (default inits); re-seed so
+        # every rank starts sampling from the same RNG state.
+        torch.manual_seed(self.engine_config.seed)
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
         return self.model_runner.get_kv_cache_spec()
