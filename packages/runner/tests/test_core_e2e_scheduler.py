@@ -118,3 +118,21 @@ def test_scheduler_runner_matches_hf_with_preemption(tiny_checkpoint: Callable[.
     )
     for rid, prompt in prompts.items():
         assert tokens[rid] == hf_greedy(path, prompt, n), rid
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_match_hf(tiny_checkpoint: Callable[..., Path]) -> None:
+    """Requests sharing a prompt prefix start from cached blocks (num_computed_tokens > 0)."""
+    path = tiny_checkpoint("qwen2")
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 128) for _ in range(17)]
+    prompts = {f"p{i}": prefix + [rng.randrange(3, 128) for _ in range(i + 2)] for i in range(3)}
+    n = 8
+    with UniProcExecutor(engine_config(path, max_num_seqs=4, max_num_batched_tokens=24)) as ex:
+        tokens, steps = generate(
+            ex, prompts, n, num_blocks=60, max_num_seqs=4, max_num_batched_tokens=24
+        )
+    hits = [r.num_computed_tokens for so in steps for r in so.scheduled_new_reqs]
+    assert max(hits) >= 16, hits
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == hf_greedy(path, prompt, n), rid
