@@ -45,9 +45,37 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> to
     """[R, M, B, Hkv, D] via the block table -> [R, Hkv, num_keys, D]."""
     block_size = cache.shape[1]
     blocks = -(-num_keys // block_size)
-    kv = cache[block_table[:, :blocks].long()]  # [R, blocks, B, Hkv, D]
-    kv = kv.reshape(kv.shape[0], blocks * block_size, *cache.shape[2:])[:, :num_keys]
+    # index_select on the flattened ids is about twice as fast on CPU as
+    # advanced indexing with the 2-D id tensor, and gathers the same rows.
+    ids = block_table[:, :blocks].reshape(-1)
+    kv = cache.index_select(0, ids)  # [R * blocks, B, Hkv, D]
+    kv = kv.view(block_table.shape[0], blocks * block_size, *cache.shape[2:])[:, :num_keys]
     return kv.transpose(1, 2)
+
+
+# One decode-step mask serves every layer of a step: the last one built is kept,
+# keyed by the identity and version of the step's seq_lens tensor (a fresh slice
+# per step; an in-place change bumps its version) and the mask parameters.
+_decode_mask: list[tuple[torch.Tensor, int, int, int | None, torch.Tensor]] = []
+
+
+def _decode_key_mask(
+    seq_lens: torch.Tensor, num_keys: int, sliding_window: int | None
+) -> torch.Tensor:
+    """_key_mask for one decode query per request (query position seq_len - 1), cached."""
+    if _decode_mask:
+        seq, version, keys, window, mask = _decode_mask[0]
+        if (
+            seq is seq_lens
+            and version == seq_lens._version
+            and keys == num_keys
+            and window == sliding_window
+        ):
+            return mask
+    seq = seq_lens.long()
+    mask = _key_mask(seq, (seq - 1)[:, None], num_keys, sliding_window)
+    _decode_mask[:] = [(seq_lens, seq_lens._version, num_keys, sliding_window, mask)]
+    return mask
 
 
 def _key_mask(
@@ -88,6 +116,22 @@ def paged_attention(
         out = torch.zeros_like(query)
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or max_seq_len == 0:
+        return out
+    if (
+        max_query_len == 1
+        and query.shape[0] == num_reqs
+        and int(query_start_loc[num_reqs]) == num_reqs
+    ):
+        # Pure decode: q_len <= 1 per request and R queries in all, so every
+        # request has exactly one, in request order; no row bookkeeping needed.
+        q = query.unsqueeze(2)  # [R, Hq, 1, D]
+        k = _gather(key_cache, block_table, max_seq_len)
+        v = _gather(value_cache, block_table, max_seq_len)
+        mask = _decode_key_mask(seq_lens, max_seq_len, sliding_window)
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[:num_reqs] = o.squeeze(2).to(out.dtype)
         return out
     seq = seq_lens.long()
     starts = query_start_loc.long()

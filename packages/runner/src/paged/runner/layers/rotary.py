@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged.kernels import ops
+from paged.kernels import ops, reference
 from paged.kernels.rope import RopeScaling
 
 
@@ -66,10 +66,57 @@ class RotaryEmbedding(nn.Module):
         )
         self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+        self.rotary_dim = rotary_dim
+        # Reference-backend fast path: the [T, 1, D] cos / signed-sin rows of the
+        # last positions tensor seen. Every layer of a step passes the same one,
+        # so the gather runs once per step instead of once per layer.
+        self._step: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rotary_embedding(
-            positions, query, key, self.head_size, self.cos_sin_cache, self.is_neox_style
+        fast = (
+            self.is_neox_style
+            and self.rotary_dim == self.head_size
+            and ops.backend_for(query) is reference
         )
+        if not fast:
+            return ops.rotary_embedding(
+                positions, query, key, self.head_size, self.cos_sin_cache, self.is_neox_style
+            )
+        cos, sin = self._cos_sin(positions)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cat(cos, cos), cat(-sin, sin)) rows for `positions`, [T, 1, D] float32."""
+        step = self._step
+        if step is not None and step[0] is positions and step[1] == positions._version:
+            return step[2], step[3]
+        max_position = self.cos_sin_cache.shape[0]
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_position):
+            raise ValueError(
+                f"positions must be in [0, {max_position}), got range "
+                f"[{int(positions.min())}, {int(positions.max())}]"
+            )
+        cos, sin = self.cos_sin_cache[positions.to(torch.int64)].float().chunk(2, dim=-1)
+        cos_full = torch.cat([cos, cos], dim=-1)[:, None, :]
+        sin_signed = torch.cat([-sin, sin], dim=-1)[:, None, :]
+        self._step = (positions, positions._version, cos_full, sin_signed)
+        return cos_full, sin_signed
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """NeoX rotation of every head, bit-identical to paged.kernels.reference's.
+
+        The reference forms (x1*cos - x2*sin, x2*cos + x1*sin); here that is
+        x*cat(cos, cos) + cat(x2, x1)*cat(-sin, sin): the same products and
+        sums (a + (-b) == a - b exactly), in four ops instead of about ten.
+        """
+        if x.dim() != 2 or x.shape[0] != cos.shape[0] or x.shape[1] % self.head_size:
+            raise ValueError(
+                f"query/key must be [T={cos.shape[0]}, H * {self.head_size}], got {tuple(x.shape)}"
+            )
+        heads = x.float().reshape(x.shape[0], -1, self.head_size)
+        half = self.head_size // 2
+        swapped = torch.cat([heads[..., half:], heads[..., :half]], dim=-1)
+        out = heads * cos + swapped * sin
+        return out.view(x.shape).to(x.dtype)
