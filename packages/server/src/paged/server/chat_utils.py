@@ -87,7 +87,9 @@ def apply_chat_template(
             continue_final_message=continue_final_message,
             **dict(chat_template_kwargs or {}),
         )
-    except (ValueError, TypeError, jinja2.TemplateError) as e:
+    # OverflowError: the sandbox refusing a huge range(); RecursionError: a
+    # self-recursive macro. Both are the request's template at fault.
+    except (ValueError, TypeError, OverflowError, RecursionError, jinja2.TemplateError) as e:
         raise InvalidRequestError("messages", f"the chat template failed: {e}") from e
     if not isinstance(text, str):
         raise InvalidRequestError("messages", "the chat template did not render to text")

@@ -15,7 +15,7 @@ import contextlib
 import hmac
 import importlib.metadata
 import logging
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -57,11 +57,15 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -80,6 +84,12 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         )
     if kind == "extra_forbidden":
         return error_response(400, f"Unrecognized request argument supplied: {param}", param)
+    if kind in ("invalid_unicode", "int_out_of_range", "too_deep"):
+        ctx = err.get("ctx") or {}
+        param = str(ctx.get("param") or "") or None
+        return error_response(400, str(err.get("msg")), param)
+    if kind == "missing" and param is None:
+        return error_response(400, "The request body is missing. Send a JSON object.")
     if kind == "missing":
         return error_response(400, f"Missing required parameter: '{param}'.", param)
     if kind == "model_attributes_type" or param is None:
@@ -238,7 +248,14 @@ def build_app(
         llm.input_processor.check_token_ids(body.tokens, "tokens")
         return DetokenizeResponse(prompt=llm.tokenizer.decode(body.tokens))
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "The engine is running (empty body)"},
+            503: {"model": ErrorResponse},
+        },
+    )
     async def health() -> Response:
         dead = llm.dead_error
         if dead is not None:
@@ -249,7 +266,11 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": _version()}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}},
+    )
     async def metrics() -> Response:
         if stat_logger is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
@@ -282,7 +303,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        # Keep the exception's headers: a 405 must say `Allow` (RFC 9110).
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
 def _version() -> str:

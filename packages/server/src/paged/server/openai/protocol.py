@@ -13,15 +13,81 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
+
+# Integers travel to the engine core as msgspec ints (int64/uint64) and into
+# torch; anything beyond int64 is a 400 here, not an OverflowError (500) later.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_DEPTH = 64
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _param(path: list[str | int]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def _check_raw(body: Any) -> None:
+    """Reject what JSON allows but nothing downstream can hold.
+
+    Lone UTF-16 surrogates ("\\ud800") are valid JSON but not encodable text
+    (the tokenizer raises TypeError on them); integers beyond int64 overflow
+    the engine's msgspec wire format; deep nesting overflows the recursion
+    of whatever walks it next (pydantic, jinja). Iterative, so the check
+    itself cannot overflow.
+    """
+    stack: list[tuple[Any, list[str | int]]] = [(body, [])]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            raise PydanticCustomError(
+                "too_deep",
+                "{param} is nested more than {depth} levels deep",
+                {"param": _param(path[:1]), "depth": MAX_DEPTH},
+            )
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise PydanticCustomError(
+                    "invalid_unicode",
+                    "{param} contains invalid Unicode (a lone surrogate)",
+                    {"param": _param(path)},
+                ) from None
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise PydanticCustomError(
+                    "int_out_of_range",
+                    "{param} must be a 64-bit integer, got {value}",
+                    {"param": _param(path), "value": value},
+                )
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, path))  # a key names no param of its own
+                stack.append((v, [*path, str(k)]))
+        elif isinstance(value, list):
+            stack.extend((v, [*path, i]) for i, v in enumerate(value))
+
+
 class StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TopLevelRequest(StrictRequest):
+    """A request body: its raw JSON is screened once, before field validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        _check_raw(data)
+        return data
 
 
 class StreamOptions(StrictRequest):
@@ -34,7 +100,7 @@ class ResponseFormat(StrictRequest):
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingFields(StrictRequest):
+class SamplingFields(TopLevelRequest):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -83,6 +149,19 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields that change nothing about the tokens generated here:
+    # accepted (the official API accepts them) and ignored.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
+    # Checked in sampling.py: only what this server can honour is accepted.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
     # vLLM chat extras.
     echo: bool = False
     add_generation_prompt: bool = True
@@ -101,7 +180,7 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
-class TokenizeRequest(StrictRequest):
+class TokenizeRequest(TopLevelRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
@@ -111,7 +190,7 @@ class TokenizeRequest(StrictRequest):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(StrictRequest):
+class DetokenizeRequest(TopLevelRequest):
     model: str | None = None
     tokens: list[int]
 

@@ -77,6 +77,12 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         raise InvalidRequestError(
             "response_format", f"response_format {req.response_format.type!r} is not supported"
         )
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise InvalidRequestError("modalities", "only the 'text' modality is supported")
+    if req.audio is not None:
+        raise InvalidRequestError("audio", "audio output is not supported")
+    if req.metadata is not None and len(req.metadata) > 16:
+        raise InvalidRequestError("metadata", "metadata holds at most 16 key-value pairs")
     if req.tools:
         raise InvalidRequestError("tools", "tool calling is not supported")
     if req.tool_choice not in (None, "none"):

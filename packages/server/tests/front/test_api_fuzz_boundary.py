@@ -1,0 +1,167 @@
+"""HTTP-boundary robustness: what JSON allows but the engine cannot take is a 400 naming
+the param, valid OpenAI requests are served, and the engine survives every bad request.
+
+Found by fuzzing a live server (schemathesis) and by hand; each case here was a 500,
+a wrongly rejected request or a malformed error before its fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from paged.server.async_llm import AsyncLLM
+from paged.server.openai.api_server import build_app
+
+MODEL = "tiny"
+USER = [{"role": "user", "content": "hello"}]
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture
+async def llm(tokenizer: Any, fake_engine: Any) -> AsyncIterator[AsyncLLM]:
+    engine = AsyncLLM(fake_engine, tokenizer, max_model_len=128)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+async def http(llm: AsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
+    app = build_app(llm, model_name=MODEL)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        yield client
+
+
+async def _post_raw(http: httpx.AsyncClient, path: str, raw: str) -> httpx.Response:
+    # Raw text: json.dumps would escape a lone surrogate the same way, but
+    # this keeps the exact bytes under test visible.
+    return await http.post(path, content=raw.encode(), headers=JSON)
+
+
+def _assert_400(resp: httpx.Response, param: str | None, fragment: str) -> None:
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+    assert fragment in err["message"], err
+
+
+HUGE = "1" + "0" * 30  # beyond int64 and uint64: msgspec cannot send it to the engine core
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param", "fragment"),
+    [
+        ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt", "surrogate"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
+            "messages[0].content[0].text",
+            "surrogate",
+        ),
+        ("/v1/completions", '{"prompt": "x", "stop": ["\\ud83d"]}', "stop[0]", "surrogate"),
+        (
+            "/v1/completions",
+            '{"prompt": "x", "logit_bias": {"\\ud800": 1}}',
+            "logit_bias",
+            "surrogate",
+        ),
+        ("/tokenize", '{"prompt": "\\udfff"}', "prompt", "surrogate"),
+        ("/v1/completions", f'{{"prompt": "x", "seed": {HUGE}}}', "seed", "64-bit"),
+        ("/v1/completions", f'{{"prompt": "x", "priority": {HUGE}}}', "priority", "64-bit"),
+        ("/v1/completions", f'{{"prompt": "x", "top_k": -{HUGE}}}', "top_k", "64-bit"),
+        ("/v1/completions", f'{{"prompt": [[1, {HUGE}]]}}', "prompt[0][1]", "64-bit"),
+        ("/v1/chat/completions", f'{{"messages": [], "n": {HUGE}}}', "n", "64-bit"),
+        ("/detokenize", f'{{"tokens": [{HUGE}]}}', "tokens[0]", "64-bit"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": '
+            + "[" * 900
+            + "]" * 900
+            + "}}",
+            "chat_template_kwargs",
+            "nested",
+        ),
+        ("/v1/completions", "", None, "missing"),
+    ],
+)
+async def test_unrepresentable_json_is_a_400(
+    http: httpx.AsyncClient, fake_engine: Any, path: str, raw: str, param: str, fragment: str
+) -> None:
+    _assert_400(await _post_raw(http, path, raw), param, fragment)
+    assert fake_engine.added == []
+    assert (await http.get("/health")).status_code == 200
+
+
+async def test_int64_bounds_are_accepted(http: httpx.AsyncClient, fake_engine: Any) -> None:
+    raw = f'{{"prompt": "x", "max_tokens": 1, "seed": {2**63 - 1}, "priority": {-(2**63)}}}'
+    resp = await _post_raw(http, "/v1/completions", raw)
+    assert resp.status_code == 200, resp.text
+    assert fake_engine.added[0].sampling_params.seed == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ range(10**9) | list }}",  # the jinja sandbox raises OverflowError
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",  # RecursionError
+    ],
+)
+async def test_failing_request_chat_template_is_a_400(
+    http: httpx.AsyncClient, fake_engine: Any, template: str
+) -> None:
+    body = {"messages": USER, "max_tokens": 1, "chat_template": template}
+    resp = await http.post("/v1/chat/completions", json=body)
+    _assert_400(resp, "messages", "chat template failed")
+    assert fake_engine.added == []
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"metadata": {"project": "x"}, "store": False},
+        {"service_tier": "auto", "user": "u-1"},
+        {"reasoning_effort": "low", "verbosity": "low"},
+        {"prompt_cache_key": "k", "safety_identifier": "s"},
+        {"prediction": {"type": "content", "content": "hello"}},
+        {"modalities": ["text"]},
+    ],
+)
+async def test_openai_only_fields_are_accepted(
+    http: httpx.AsyncClient, fake_engine: Any, extra: dict[str, Any]
+) -> None:
+    resp = await http.post(
+        "/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **extra}
+    )
+    assert resp.status_code == 200, resp.text
+    assert len(fake_engine.added) == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": 1}}, "metadata.k"),
+    ],
+)
+async def test_unservable_openai_fields_are_rejected(
+    http: httpx.AsyncClient, fake_engine: Any, extra: dict[str, Any], param: str
+) -> None:
+    resp = await http.post("/v1/chat/completions", json={"messages": USER, **extra})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+    assert fake_engine.added == []
+
+
+async def test_405_carries_allow_header(http: httpx.AsyncClient) -> None:
+    resp = await http.get("/v1/completions")
+    assert resp.status_code == 405
+    assert resp.headers["allow"] == "POST"
+    assert resp.json()["error"]["message"] == "Method Not Allowed"
