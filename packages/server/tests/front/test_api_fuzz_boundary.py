@@ -165,3 +165,49 @@ async def test_405_carries_allow_header(http: httpx.AsyncClient) -> None:
     assert resp.status_code == 405
     assert resp.headers["allow"] == "POST"
     assert resp.json()["error"]["message"] == "Method Not Allowed"
+
+
+# Fields whose served schema states bounds: a value at each bound is accepted and
+# one just outside is a 400 naming the field, so the schema cannot drift from the checks.
+BOUNDED = [
+    ("temperature", 0.01),
+    ("frequency_penalty", 0.01),
+    ("presence_penalty", 0.01),
+    ("n", 1),
+    ("min_p", 0.01),
+    ("top_logprobs", 1),
+]
+
+
+@pytest.mark.parametrize(("field", "step"), BOUNDED)
+async def test_schema_bounds_match_the_checks(
+    http: httpx.AsyncClient, field: str, step: float
+) -> None:
+    schema = (await http.get("/openapi.json")).json()
+    prop = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"][field]
+    base: dict[str, Any] = {"messages": USER, "max_tokens": 1}
+    if field == "top_logprobs":
+        base["logprobs"] = True
+    # FastAPI may render integer bounds as floats (1.0); send them as the field's type.
+    as_type = type(step)
+    for bound, outside in ((as_type(prop["minimum"]), -step), (as_type(prop["maximum"]), step)):
+        ok = await http.post("/v1/chat/completions", json={**base, field: bound})
+        assert ok.status_code == 200, (field, bound, ok.text)
+        bad = await http.post("/v1/chat/completions", json={**base, field: bound + outside})
+        assert bad.status_code == 400, (field, bound + outside, bad.text)
+        assert bad.json()["error"]["param"] == field
+
+
+async def test_schema_requires_a_message_with_a_known_role(http: httpx.AsyncClient) -> None:
+    schemas = (await http.get("/openapi.json")).json()["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    roles = schemas["ChatMessageParam"]["properties"]["role"]["enum"]
+    for role in roles:
+        msgs = [{"role": role, "content": "x"}, {"role": "user", "content": "hi"}]
+        resp = await http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
+        assert resp.status_code == 200, (role, resp.text)
+    _assert_400(
+        await http.post("/v1/chat/completions", json={"messages": [], "max_tokens": 1}),
+        "messages",
+        "at least one",
+    )

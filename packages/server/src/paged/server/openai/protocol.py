@@ -76,6 +76,13 @@ def _check_raw(body: Any) -> None:
             stack.extend((v, [*path, i]) for i, v in enumerate(value))
 
 
+def _range(lo: float, hi: float) -> dict[str, Any]:
+    # Bounds for /openapi.json only: the checks stay in sampling.py and
+    # `SamplingParams` (so errors keep their OpenAI wording); the schema
+    # states them so clients and fuzzers see what is accepted.
+    return {"minimum": lo, "maximum": hi}
+
+
 class StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -104,28 +111,36 @@ class SamplingFields(TopLevelRequest):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    frequency_penalty: float = Field(0.0, json_schema_extra=_range(-2, 2))
+    presence_penalty: float = Field(0.0, json_schema_extra=_range(-2, 2))
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        json_schema_extra={
+            "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+            "additionalProperties": {"type": "number", **_range(-100, 100)},
+        },
+    )
+    n: int = Field(1, json_schema_extra=_range(1, 128))
+    seed: int | None = Field(None, json_schema_extra=_range(0, INT64_MAX))
+    stop: str | list[str] | None = Field(None, json_schema_extra={"minLength": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, json_schema_extra=_range(0, 2))
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     user: str | None = None
     # vLLM's extra sampling parameters.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, json_schema_extra=_range(-1, INT64_MAX))
+    min_p: float | None = Field(None, json_schema_extra=_range(0, 1))
+    repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0})
+    min_tokens: int = Field(0, json_schema_extra=_range(0, INT64_MAX))
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(
+        None, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, json_schema_extra=_range(INT64_MIN, INT64_MAX))
     request_id: str | None = None
     cache_salt: str | None = None
 
@@ -134,17 +149,23 @@ class ChatMessageParam(BaseModel):
     """A message as sent; role and content are checked by the chat renderer."""
 
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: str = Field(
+        json_schema_extra={"enum": ["system", "developer", "user", "assistant", "tool"]}
+    )
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessageParam]
+    messages: list[ChatMessageParam] = Field(json_schema_extra={"minItems": 1})
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = Field(default=None, description="Deprecated: max_completion_tokens")
-    max_completion_tokens: int | None = None
+    top_logprobs: int | None = Field(None, json_schema_extra=_range(0, 20))
+    max_tokens: int | None = Field(
+        default=None,
+        description="Deprecated: max_completion_tokens",
+        json_schema_extra=_range(1, INT64_MAX),
+    )
+    max_completion_tokens: int | None = Field(None, json_schema_extra=_range(1, INT64_MAX))
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -172,8 +193,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, json_schema_extra=_range(1, INT64_MAX))
+    logprobs: int | None = Field(None, json_schema_extra=_range(0, 20))
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -192,7 +213,7 @@ class TokenizeRequest(TopLevelRequest):
 
 class DetokenizeRequest(TopLevelRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -269,7 +290,9 @@ class ChatChoiceLogprobs(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: str
+    role: str = Field(
+        json_schema_extra={"enum": ["system", "developer", "user", "assistant", "tool"]}
+    )
     content: str | None = None
 
 
@@ -336,7 +359,7 @@ class ModelList(BaseModel):
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
-    tokens: list[int]
+    tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
     token_strs: list[str] | None = None
 
 
