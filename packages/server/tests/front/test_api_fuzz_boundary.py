@@ -7,6 +7,7 @@ a wrongly rejected request or a malformed error before its fix.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -211,3 +212,29 @@ async def test_schema_requires_a_message_with_a_known_role(http: httpx.AsyncClie
         "messages",
         "at least one",
     )
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    lines = [ln[len("data: ") :] for ln in text.split("\n\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_stats_puts_usage_on_every_token_chunk(
+    http: httpx.AsyncClient, path: str
+) -> None:
+    body: dict[str, Any] = {"max_tokens": 3, "stream": True}
+    body |= {"messages": USER} if "chat" in path else {"prompt": "hello world"}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    resp = await http.post(path, json=body)
+    assert resp.status_code == 200, resp.text
+    events = _events(resp.text)
+    token_chunks = [e for e in events if e["choices"] and e["usage"] is not None]
+    completions = [e["usage"]["completion_tokens"] for e in token_chunks]
+    assert completions == [1, 2, 3]  # running totals, one token per chunk
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    # Without the option, token chunks carry no usage.
+    body["stream_options"] = {"include_usage": True}
+    plain = _events((await http.post(path, json=body)).text)
+    assert all(e["usage"] is None for e in plain if e["choices"])

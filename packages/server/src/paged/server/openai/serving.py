@@ -34,6 +34,8 @@ from paged.server.openai.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    SamplingFields,
+    UsageInfo,
     random_id,
 )
 from paged.server.openai.sampling import chat_sampling_params, completion_sampling_params
@@ -206,6 +208,7 @@ class OpenAIServing:
                     choice.logprobs = fmt.completion_logprobs(c.logprobs, req.logprobs or 0, start)
                     choice.finish_reason = c.finish_reason
                     choice.stop_reason = c.stop_reason
+                    chunk.usage = _running_usage(req, totals)
                     yield fmt.sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield fmt.sse(
@@ -309,6 +312,7 @@ class OpenAIServing:
                         choice.finish_reason = c.finish_reason
                         choice.stop_reason = c.stop_reason
                     choice.logprobs = fmt.chat_logprobs(c.logprobs, top_k) if req.logprobs else None
+                    chunk.usage = _running_usage(req, totals)
                     yield fmt.sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield fmt.sse(
@@ -333,6 +337,14 @@ class OpenAIServing:
             model=self.model_name,
             choices=[ChatCompletionStreamChoice(index=index, delta=delta)],
         )
+
+
+def _running_usage(req: SamplingFields, totals: _Totals) -> UsageInfo | None:
+    """Usage so far on every chunk, when `stream_options.continuous_usage_stats` asks (vLLM)."""
+    opts = req.stream_options
+    if opts is None or not opts.continuous_usage_stats:
+        return None
+    return fmt.usage(totals.prompt, totals.completion, totals.cached)
 
 
 def _completion_prompts(req: CompletionRequest) -> list[PromptType]:
