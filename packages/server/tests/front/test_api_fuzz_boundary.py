@@ -238,3 +238,22 @@ async def test_continuous_usage_stats_puts_usage_on_every_token_chunk(
     body["stream_options"] = {"include_usage": True}
     plain = _events((await http.post(path, json=body)).text)
     assert all(e["usage"] is None for e in plain if e["choices"])
+
+
+async def test_chat_echo_of_content_parts_is_their_text(http: httpx.AsyncClient) -> None:
+    parts = [{"type": "text", "text": "Sure,"}, {"type": "text", "text": "here"}]
+    body = {
+        "messages": [*USER, {"role": "assistant", "content": parts}],
+        "max_tokens": 2,
+        "echo": True,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    content = resp.json()["choices"][0]["message"]["content"]
+    # The parts joined as the template saw them, then the generated text; never a repr.
+    assert content.startswith("Sure,\nhere") and "'type'" not in content
+    stream = await http.post("/v1/chat/completions", json={**body, "stream": True})
+    deltas = [e["choices"][0]["delta"].get("content") for e in _events(stream.text) if e["choices"]]
+    assert "Sure,\nhere" in deltas

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from paged.scheduler import SamplingParams
 from paged.server.async_llm import AsyncLLM
-from paged.server.chat_utils import apply_chat_template
+from paged.server.chat_utils import apply_chat_template, normalize_messages
 from paged.server.collector import RequestOutputCollector
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import PromptType
@@ -253,7 +253,8 @@ class OpenAIServing:
         (stream,) = await self._submit(base_id, [prompt], params, req.priority, req.cache_salt)
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
-            echo = str(messages[-1].get("content") or "")
+            # The text the template saw: content parts joined, not the list's repr.
+            echo = normalize_messages(messages)[-1]["content"]
         top_k = req.top_logprobs or 0
         if req.stream:
             (stream,) = await peek_streams([stream], "messages")
