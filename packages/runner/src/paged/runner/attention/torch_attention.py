@@ -156,10 +156,17 @@ def paged_attention(
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         k = _gather(key_cache, block_table[r : r + 1], seq_len)
         v = _gather(value_cache, block_table[r : r + 1], seq_len)
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
-        mask = _key_mask(seq[r : r + 1], q_pos, seq_len, sliding_window)
-        o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        if q_len == seq_len and sliding_window is None:
+            # A whole prompt at once: plain causal attention. SDPA's is_causal
+            # skips the masked half instead of materialising a [q, q] mask.
+            o = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
+            mask = _key_mask(seq[r : r + 1], q_pos, seq_len, sliding_window)
+            o = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            )
         out[start : start + q_len] = o[0].transpose(0, 1).to(out.dtype)
     return out
