@@ -8,6 +8,7 @@ a wrongly rejected request or a malformed error before its fix.
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -257,3 +258,24 @@ async def test_chat_echo_of_content_parts_is_their_text(http: httpx.AsyncClient)
     stream = await http.post("/v1/chat/completions", json={**body, "stream": True})
     deltas = [e["choices"][0]["delta"].get("content") for e in _events(stream.text) if e["choices"]]
     assert "Sure,\nhere" in deltas
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-40, 1e-45])
+async def test_denormal_top_p_reaches_the_engine_as_a_float32_normal(
+    http: httpx.AsyncClient, fake_engine: Any, top_p: float
+) -> None:
+    # Found by schemathesis: 5e-324 is in (0, 1] but 0.0 in float32, and the
+    # runner's sampler then raised, killing the engine core (every later request 500).
+    resp = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "top_p": top_p})
+    assert resp.status_code == 200, resp.text
+    sent = fake_engine.added[0].sampling_params.top_p
+    assert sent > 0 and struct.unpack("f", struct.pack("f", sent))[0] > 0
+
+
+@pytest.mark.parametrize("top_p", [0.0, -1e-300, float("nan"), 1.0000001])
+async def test_out_of_range_top_p_is_still_rejected(
+    http: httpx.AsyncClient, fake_engine: Any, top_p: float
+) -> None:
+    raw = json.dumps({"prompt": "x", "top_p": top_p})
+    _assert_400(await _post_raw(http, "/v1/completions", raw), "top_p", "top_p")
+    assert fake_engine.added == []

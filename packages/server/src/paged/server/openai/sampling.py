@@ -11,6 +11,12 @@ from paged.server.openai.protocol import (
 )
 
 MAX_N = 128
+# The smallest normal float32. The runner samples in float32, where a top_p
+# like 5e-324 (valid: it is > 0) becomes 0.0, which the sampler refuses,
+# killing the engine core. Any top_p at or below the best token's probability
+# (>= 1/vocab) keeps just that token, so raising tiny values to this one
+# changes no result.
+_F32_TINY = 1.1754943508222875e-38
 
 
 def _check_common(req: SamplingFields) -> None:
@@ -45,13 +51,18 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+def _float32_top_p(top_p: float) -> float:
+    # Out-of-range values (<= 0, > 1, NaN) are left for SamplingParams to reject.
+    return _F32_TINY if 0.0 < top_p < _F32_TINY else top_p
+
+
 def _base(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     _check_common(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        top_p=1.0 if req.top_p is None else _float32_top_p(req.top_p),
         top_k=0 if req.top_k is None else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
         seed=req.seed,
