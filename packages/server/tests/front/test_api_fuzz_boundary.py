@@ -279,3 +279,12 @@ async def test_out_of_range_top_p_is_still_rejected(
     raw = json.dumps({"prompt": "x", "top_p": top_p})
     _assert_400(await _post_raw(http, "/v1/completions", raw), "top_p", "top_p")
     assert fake_engine.added == []
+
+
+@pytest.mark.parametrize("raw", ['"\\ud800"', "1" + "0" * 30, "[1, 2]", "null", '"text"'])
+async def test_a_body_that_is_not_an_object_is_a_plain_400(
+    http: httpx.AsyncClient, fake_engine: Any, raw: str
+) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        _assert_400(await _post_raw(http, path, raw), None, "valid dictionary or object")
+    assert fake_engine.added == []

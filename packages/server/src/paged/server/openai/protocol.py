@@ -43,6 +43,8 @@ def _check_raw(body: Any) -> None:
     of whatever walks it next (pydantic, jinja). Iterative, so the check
     itself cannot overflow.
     """
+    if not isinstance(body, dict):
+        return  # not an object: field validation says so, naming no param
     stack: list[tuple[Any, list[str | int]]] = [(body, [])]
     while stack:
         value, path = stack.pop()
