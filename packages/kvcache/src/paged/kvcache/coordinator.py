@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -33,7 +34,7 @@ from paged.kvcache.specs import (
 GroupBlocks = tuple[list[KVCacheBlock], ...]
 
 
-class KVCacheCoordinator:
+class KVCacheCoordinator(ABC):
     """Owns the block pool and one manager per group; prefix lookup in subclasses."""
 
     def __init__(
@@ -147,10 +148,11 @@ class KVCacheCoordinator:
     def has_request(self, request_id: str) -> bool:
         return any(request_id in m.req_to_blocks for m in self.single_type_managers)
 
+    @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> tuple[GroupBlocks, int]:
-        raise NotImplementedError
+        """Longest prefix every group can serve from the cache: (blocks per group, tokens)."""
 
 
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):

@@ -10,6 +10,7 @@ Invalid values raise `ValueError` naming the field.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 _DTYPE_SIZES: dict[str, int] = {
@@ -51,7 +52,7 @@ def _require_positive(name: str, value: int) -> None:
 
 
 @dataclass(frozen=True)
-class KVCacheSpec:
+class KVCacheSpec(ABC):
     """Base of all specs: every block covers `block_size` tokens."""
 
     block_size: int
@@ -60,8 +61,9 @@ class KVCacheSpec:
         _require_positive("block_size", self.block_size)
 
     @property
+    @abstractmethod
     def page_size_bytes(self) -> int:
-        raise NotImplementedError
+        """Bytes of one block of one layer."""
 
     def max_memory_usage_bytes(
         self, max_model_len: int, max_num_batched_tokens: int | None = None
