@@ -138,6 +138,18 @@ def paged_prefill(config: ModelConfig, length: int) -> float:
     return time.perf_counter() - start
 
 
+def paged_weight_bytes(config: ModelConfig) -> int:
+    """Bytes of paged's weights: parameters (tied ones once) plus any CPU panel copies."""
+    model = build_runner(config, 1, 64).model
+    assert isinstance(model, torch.nn.Module)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        panels = getattr(module, "cpu_panels", None)
+        if isinstance(panels, torch.Tensor):
+            total += panels.numel() * panels.element_size()
+    return total
+
+
 def load_hf(config: ModelConfig) -> Any:
     """transformers' model, weights read by transformers' own GGUF reader.
 
@@ -218,10 +230,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument(
+        "--cpu-weight-panels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="paged's panelled weight copies for 2+ rows (ModelConfig.cpu_weight_panels)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = ModelConfig.from_pretrained(None, max_model_len=max(args.prefill_len + 64, 512))
+    config = ModelConfig.from_pretrained(
+        None,
+        max_model_len=max(args.prefill_len + 64, 512),
+        cpu_weight_panels=args.cpu_weight_panels,
+    )
     hf = load_hf(config)
     decode: dict[str, Any] = {}
     for b in args.batch_sizes:
@@ -240,6 +262,11 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)",
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
+        "cpu_weight_panels": args.cpu_weight_panels,
+        "paged_weight_mib": round(paged_weight_bytes(config) / 2**20, 1),
+        "hf_weight_mib": round(
+            sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**20, 1
+        ),
         "prompt_len": args.prompt_len,
         "decode_steps_timed": args.steps,
         "decode_statistic": "median seconds per step, paged and HF steps alternated",

@@ -11,6 +11,7 @@ import torch
 from paged.kernels.ops import apply_top_k_top_p
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.sampler import Sampler, SamplingMetadata
+from paged.runner.sampler.sampler import count_nans
 from paged.scheduler.sampling_params import SamplingParams
 
 VOCAB = 16
@@ -48,6 +49,17 @@ def test_greedy_is_argmax_and_nans_counted() -> None:
     out = Sampler()(logits, b.make_sampling_metadata(np.arange(3)))
     assert out.sampled_token_ids[[0, 2]].tolist() == logits[[0, 2]].argmax(-1).tolist()
     assert out.num_nans.tolist() == [0, 4, 0]
+
+
+def test_nan_count_is_exact_with_infinities() -> None:
+    # +inf and -inf in one row sum to NaN without any NaN logit; a row with
+    # both and a NaN counts just the NaN.
+    logits = torch.zeros(4, VOCAB)
+    logits[0, 0], logits[0, 1] = float("inf"), float("-inf")
+    logits[1, 0], logits[1, 1], logits[1, 2] = float("inf"), float("-inf"), float("nan")
+    logits[3, 5:8] = float("nan")
+    assert count_nans(logits).tolist() == [0, 1, 0, 3]
+    assert count_nans(torch.zeros(0, VOCAB)).tolist() == []
 
 
 def test_temperature_distribution_matches_softmax() -> None:

@@ -114,6 +114,9 @@ class ModelConfig:
     device: str = "cpu"
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False  # True disables CUDA graphs
+    # float32 on CPU: keep a column-panel copy of each linear weight and of the
+    # LM head, faster for 2+ rows, twice the weight memory (layers/cpu_panels.py).
+    cpu_weight_panels: bool = True
 
     @property
     def dtype_name(self) -> str:
@@ -145,6 +148,7 @@ class ModelConfig:
         *,
         attention_backend: AttentionBackendName = "auto",
         enforce_eager: bool = False,
+        cpu_weight_panels: bool = True,
     ) -> ModelConfig:
         """Resolve `model` (None = the default SmolLM2 GGUF) and validate the settings."""
         if attention_backend not in ("auto", "torch", "triton"):
@@ -194,6 +198,7 @@ class ModelConfig:
             device=str(torch.device(device)),
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            cpu_weight_panels=cpu_weight_panels,
             **{k: v for k, v in fields.items() if k != "hf_config"},
         )
 

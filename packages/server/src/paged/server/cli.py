@@ -76,6 +76,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0, help="seed for sampling and hashing")
     m.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     m.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    m.add_argument(
+        "--cpu-weight-panels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="float32 on CPU: a second, panelled copy of the weights that makes batched "
+        "decode 10-20%% faster; --no-cpu-weight-panels halves weight memory",
+    )
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
     c.add_argument(
@@ -149,6 +156,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         seed=ns.seed,
         enforce_eager=ns.enforce_eager,
         attention_backend=ns.attention_backend,
+        cpu_weight_panels=ns.cpu_weight_panels,
     )
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged.runner.layers.cpu_panels import make_panels, panel_matmul, use_panels
 from paged.runner.layers.parallel import TPGroup
 
 
@@ -84,18 +85,35 @@ class ShardedLinear(nn.Module, ABC):
         self.bias: nn.Parameter | None = (
             _empty(bias_size or out_local, dtype=dtype, device=device) if bias else None
         )
+        # A column-panel copy of `weight` for multi-row CPU GEMMs, built after
+        # loading (layers/cpu_panels.py); None until then and after any reload.
+        self.cpu_panels: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
+
+    def build_cpu_panels(self) -> None:
+        """Keep a panelled copy of the loaded weight (CPU, 2+ rows run through it)."""
+        self.cpu_panels = make_panels(self.weight.detach())
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias), through the panels when they pay off."""
+        if use_panels(x, self.cpu_panels):
+            assert self.cpu_panels is not None
+            y = panel_matmul(x, self.cpu_panels, self.weight.shape[0])
+            return y if bias is None else y.add_(bias)
+        return F.linear(x, self.weight, bias)
 
     @abstractmethod
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         """Copy this rank's share of the full checkpoint tensor `loaded` into `name`."""
 
     def _param(self, name: str) -> nn.Parameter:
+        """The parameter a load_weight call writes; drops panels built from the old values."""
         param = self.weight if name == "weight" else self.bias
         if param is None or name not in ("weight", "bias"):
             raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
+        self.cpu_panels = None
         return param
 
 
@@ -141,7 +159,7 @@ class ColumnParallelLinear(ShardedLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self._matmul(x, self.bias)
         return self.tp.all_gather_last_dim(y) if self.gather_output else y
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
@@ -248,7 +266,7 @@ class RowParallelLinear(ShardedLinear):
         self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._matmul(x)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         # The bias is added after the sum so that it counts once, not tp times.

@@ -6,8 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from paged.runner.config import ModelConfig
+from paged.runner.layers.linear import ShardedLinear
+from paged.runner.layers.vocab_embedding import ParallelLMHead
 from paged.runner.loader.gguf_weights import iterate_gguf
 from paged.runner.loader.safetensors_weights import iterate_safetensors
 from paged.runner.models.interface import LoadableCausalLM
@@ -49,5 +52,24 @@ def load_model(
             f"model: the checkpoint at {str(model_config.weights_path)!r} lacks weights {shown}; "
             "it is incomplete or does not match config.json"
         )
+    if (
+        target.type == "cpu"
+        and model_config.cpu_weight_panels
+        and model_config.dtype == torch.float32
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{type(model).__name__} is not a torch.nn.Module")
+        build_cpu_panels(model)
     model.eval()
     return model
+
+
+def build_cpu_panels(model: nn.Module) -> None:
+    """Give every linear layer and the LM head its column-panel copy (layers/cpu_panels.py).
+
+    Measured for float32 only, hence only called for it. Call again after
+    changing weights: a load_weight call drops a layer's panels.
+    """
+    for module in model.modules():
+        if isinstance(module, (ShardedLinear, ParallelLMHead)):
+            module.build_cpu_panels()

@@ -60,6 +60,19 @@ def compute_logprobs_tensors(
     return LogprobsTensors(token_ids=token_ids, logprobs=values, ranks=ranks)
 
 
+def count_nans(logits: torch.Tensor) -> torch.Tensor:
+    """NaNs per row, [S] int64.
+
+    A row sum is NaN whenever the row holds a NaN (or both infinities), so one
+    cheap reduction clears the common case; only suspicious rows are counted.
+    """
+    counts = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    suspicious = torch.isnan(logits.sum(dim=-1))
+    if bool(suspicious.any()):
+        counts[suspicious] = torch.isnan(logits[suspicious]).sum(dim=-1)
+    return counts
+
+
 class Sampler:
     """Stateless: all per-request state lives in `SamplingMetadata`; never mutates `logits`."""
 
@@ -72,7 +85,7 @@ class Sampler:
                 f"logits must be [num_rows={metadata.num_rows}, vocab], got {tuple(logits.shape)}"
             )
         logits = logits.to(torch.float32)
-        num_nans = torch.isnan(logits).sum(dim=-1)
+        num_nans = count_nans(logits)
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
         if (
             not metadata.no_penalties
