@@ -138,16 +138,15 @@ def paged_prefill(config: ModelConfig, length: int) -> float:
     return time.perf_counter() - start
 
 
-def paged_weight_bytes(config: ModelConfig) -> int:
-    """Bytes of paged's weights: parameters (tied ones once) plus any CPU panel copies."""
+def paged_weights(config: ModelConfig) -> tuple[int, bool]:
+    """Bytes of paged's weights (parameters, tied ones once, plus any CPU panel
+    copies), and whether the panels were built."""
     model = build_runner(config, 1, 64).model
     assert isinstance(model, torch.nn.Module)
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for module in model.modules():
-        panels = getattr(module, "cpu_panels", None)
-        if isinstance(panels, torch.Tensor):
-            total += panels.numel() * panels.element_size()
-    return total
+    found = [getattr(m, "cpu_panels", None) for m in model.modules()]
+    panels = [p for p in found if isinstance(p, torch.Tensor)]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(p.numel() * p.element_size() for p in panels), bool(panels)
 
 
 def load_hf(config: ModelConfig) -> Any:
@@ -232,9 +231,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument(
         "--cpu-weight-panels",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="paged's panelled weight copies for 2+ rows (ModelConfig.cpu_weight_panels)",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="paged's panelled weight copies for 2-128 rows (ModelConfig.cpu_weight_panels)",
     )
     args = parser.parse_args()
     if args.threads:
@@ -256,6 +255,7 @@ def main() -> None:
             "ratio_paged_over_hf": round(hf_s / paged_s, 3),
         }
     paged_p = paged_prefill(config, args.prefill_len)
+    weight_bytes, panels_built = paged_weights(config)
     hf_p = hf_prefill(hf, args.prefill_len)
     result = {
         "bench": "runner",
@@ -263,7 +263,8 @@ def main() -> None:
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
         "cpu_weight_panels": args.cpu_weight_panels,
-        "paged_weight_mib": round(paged_weight_bytes(config) / 2**20, 1),
+        "cpu_weight_panels_built": panels_built,
+        "paged_weight_mib": round(weight_bytes / 2**20, 1),
         "hf_weight_mib": round(
             sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**20, 1
         ),

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged.runner.config import ModelConfig
+from paged.runner.config import CpuWeightPanels, ModelConfig
 from paged.runner.layers.cpu_panels import (
     MAX_ROWS,
     TARGET_PANEL_WIDTH,
@@ -29,6 +29,8 @@ from paged.runner.layers.linear import (
 from paged.runner.layers.parallel import TPGroup
 from paged.runner.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from paged.runner.loader import load_model
+from paged.runner.loader import loader as loader_module
+from paged.runner.loader.loader import available_host_memory, cpu_panel_bytes
 
 F32 = torch.float32
 
@@ -114,15 +116,52 @@ def test_qkv_with_bias_and_tied_head_through_panels() -> None:
     torch.testing.assert_close(head.compute_logits(h[:1]), h[:1] @ table.T)
 
 
-@pytest.mark.parametrize("panels", [True, False])
-def test_loader_builds_panels_when_configured(
-    tiny_checkpoint: Callable[..., Path], panels: bool
+def _panel_state(model: torch.nn.Module) -> set[bool]:
+    modules = [m for m in model.modules() if isinstance(m, (ShardedLinear, ParallelLMHead))]
+    assert any(isinstance(m, ParallelLMHead) for m in modules)
+    return {m.cpu_panels is not None for m in modules}
+
+
+@pytest.mark.parametrize(
+    ("mode", "available", "built"),
+    [
+        ("on", 0, True),
+        ("off", 1 << 40, False),
+        ("auto", 1 << 40, True),
+        ("auto", 1024, False),  # the copy would not fit in a quarter of this
+        ("auto", None, False),  # no /proc/meminfo: do not guess
+    ],
+)
+def test_loader_builds_panels_per_mode_and_memory(
+    tiny_checkpoint: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: CpuWeightPanels,
+    available: int | None,
+    built: bool,
+) -> None:
+    monkeypatch.setattr(loader_module, "available_host_memory", lambda: available)
+    path = tiny_checkpoint("llama")
+    model = load_model(ModelConfig.from_pretrained(str(path), cpu_weight_panels=mode), "cpu")
+    assert isinstance(model, torch.nn.Module)
+    assert _panel_state(model) == {built}
+    assert 0 < cpu_panel_bytes(model) < 1 << 30
+
+
+def test_panels_are_float32_only_and_the_mode_is_checked(
+    tiny_checkpoint: Callable[..., Path],
 ) -> None:
     path = tiny_checkpoint("llama")
-    model = load_model(ModelConfig.from_pretrained(str(path), cpu_weight_panels=panels), "cpu")
+    config = ModelConfig.from_pretrained(str(path), dtype="bfloat16", cpu_weight_panels="on")
+    model = load_model(config, "cpu")
     assert isinstance(model, torch.nn.Module)
-    linears = [m for m in model.modules() if isinstance(m, ShardedLinear)]
-    assert linears
-    assert all((m.cpu_panels is not None) == panels for m in linears)
-    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
-    assert heads and all((m.cpu_panels is not None) == panels for m in heads)
+    assert _panel_state(model) == {False}
+    with pytest.raises(ValueError, match="cpu_weight_panels"):
+        ModelConfig.from_pretrained(str(path), cpu_weight_panels="yes")  # type: ignore[arg-type]
+
+
+def test_available_host_memory_reads_meminfo() -> None:
+    available = available_host_memory()
+    if Path("/proc/meminfo").exists():
+        assert available is not None and available > 0
+    else:
+        assert available is None

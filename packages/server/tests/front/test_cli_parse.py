@@ -23,7 +23,7 @@ def test_engine_options_map_to_engine_args() -> None:
             "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
             "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "-tp", "2",
             "--dtype", "bfloat16", "--seed", "3", "--device", "cpu", "--served-model-name", "x",
-            "--api-key", "k", "--port", "9000", "--host", "0.0.0.0", "--no-cpu-weight-panels",
+            "--api-key", "k", "--port", "9000", "--host", "0.0.0.0", "--cpu-weight-panels", "off",
         ]
     )  # fmt: skip
     a = engine_args_from(ns)
@@ -34,7 +34,7 @@ def test_engine_options_map_to_engine_args() -> None:
     assert not a.enable_chunked_prefill and not a.enable_prefix_caching
     assert (a.tensor_parallel_size, a.dtype, a.seed, a.device) == (2, "bfloat16", 3, "cpu")
     assert a.model_name() == "x" and ns.api_key == "k" and (ns.host, ns.port) == ("0.0.0.0", 9000)
-    assert not a.cpu_weight_panels
+    assert a.cpu_weight_panels == "off"
 
 
 @pytest.mark.parametrize(
@@ -93,8 +93,10 @@ def test_bad_model_path_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_engine_config_carries_the_model_options() -> None:
     config = EngineArgs(
-        device="cpu", max_model_len=256, enforce_eager=True, cpu_weight_panels=False
+        device="cpu", max_model_len=256, enforce_eager=True, cpu_weight_panels="off"
     ).create_engine_config()
     model = config.model_config
     assert (model.device, model.max_model_len, model.enforce_eager) == ("cpu", 256, True)
-    assert not model.cpu_weight_panels  # the default (True) is checked by test_serve_defaults
+    assert model.cpu_weight_panels == "off"
+    with pytest.raises(ValueError, match="cpu_weight_panels"):
+        EngineArgs(device="cpu", cpu_weight_panels="yes").create_engine_config()

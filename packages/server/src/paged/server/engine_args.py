@@ -41,7 +41,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     attention_backend: str = "auto"
-    cpu_weight_panels: bool = True
+    cpu_weight_panels: str = "auto"  # "auto" | "on" | "off"
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -77,7 +77,7 @@ class EngineArgs:
             device=device,
             attention_backend=self.attention_backend,  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager,
-            cpu_weight_panels=self.cpu_weight_panels,
+            cpu_weight_panels=self.cpu_weight_panels,  # type: ignore[arg-type]
         )
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu":

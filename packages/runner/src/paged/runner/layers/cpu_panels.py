@@ -15,8 +15,10 @@ With one row the plain layout is faster (a GEMV over the wide matrix: about
 blocking is as good while the output permute costs extra, so a layer keeps
 its plain weight too and picks per call. The cost is a second copy of every
 linear weight (and of the LM head) on CPU: SmolLM2-135M takes 1026 MiB
-instead of 513. `ModelConfig.cpu_weight_panels=False`
-(`--no-cpu-weight-panels`) turns the panels off to save that memory.
+instead of 513. `ModelConfig.cpu_weight_panels` (`--cpu-weight-panels`) is
+"auto" by default: the loader builds the panels only when they take at most a
+quarter of the host's available memory, so a large model is never pushed into
+swap for them; "on" and "off" force the choice.
 """
 
 from __future__ import annotations

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from paged.runner.config import ModelConfig
+from paged.runner.config import CpuWeightPanels, ModelConfig
 from paged.runner.layers.linear import ShardedLinear
 from paged.runner.layers.vocab_embedding import ParallelLMHead
 from paged.runner.loader.gguf_weights import iterate_gguf
 from paged.runner.loader.safetensors_weights import iterate_safetensors
 from paged.runner.models.interface import LoadableCausalLM
 from paged.runner.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -52,16 +55,51 @@ def load_model(
             f"model: the checkpoint at {str(model_config.weights_path)!r} lacks weights {shown}; "
             "it is incomplete or does not match config.json"
         )
-    if (
-        target.type == "cpu"
-        and model_config.cpu_weight_panels
-        and model_config.dtype == torch.float32
-    ):
+    if target.type == "cpu" and model_config.dtype == torch.float32:
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(model).__name__} is not a torch.nn.Module")
-        build_cpu_panels(model)
+        if _want_cpu_panels(model_config.cpu_weight_panels, model):
+            build_cpu_panels(model)
     model.eval()
     return model
+
+
+def _panelled_modules(model: nn.Module) -> list[ShardedLinear | ParallelLMHead]:
+    return [m for m in model.modules() if isinstance(m, (ShardedLinear, ParallelLMHead))]
+
+
+def cpu_panel_bytes(model: nn.Module) -> int:
+    """Memory the panel copies of `model` take (before any zero-padding)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in _panelled_modules(model))
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where there is no such file."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _want_cpu_panels(mode: CpuWeightPanels, model: nn.Module) -> bool:
+    if mode != "auto":
+        return mode == "on"
+    # A second copy of a large model's weights could push the host into swap
+    # or the OOM killer; "auto" takes the speed-up only when it is cheap.
+    need, available = cpu_panel_bytes(model), available_host_memory()
+    wanted = available is not None and need <= available // 4
+    logger.info(
+        "CPU weight panels %s: they take %.0f MiB, %s MiB of memory available "
+        "(auto builds them when they fit in a quarter of it)",
+        "built" if wanted else "skipped",
+        need / 2**20,
+        "unknown" if available is None else f"{available / 2**20:.0f}",
+    )
+    return wanted
 
 
 def build_cpu_panels(model: nn.Module) -> None:
@@ -70,6 +108,5 @@ def build_cpu_panels(model: nn.Module) -> None:
     Measured for float32 only, hence only called for it. Call again after
     changing weights: a load_weight call drops a layer's panels.
     """
-    for module in model.modules():
-        if isinstance(module, (ShardedLinear, ParallelLMHead)):
-            module.build_cpu_panels()
+    for module in _panelled_modules(model):
+        module.build_cpu_panels()
