@@ -136,3 +136,24 @@ def test_prefix_cache_hits_match_hf(tiny_checkpoint: Callable[..., Path]) -> Non
     assert max(hits) >= 16, hits
     for rid, prompt in prompts.items():
         assert tokens[rid] == hf_greedy(path, prompt, n), rid
+
+
+@pytest.mark.slow
+def test_hybrid_sliding_and_full_layers_match_hf(tiny_checkpoint: Callable[..., Path]) -> None:
+    """Qwen2 with a sliding-window layer and a full one: two KV cache groups, two block tables."""
+    path = tiny_checkpoint("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    prompts = prompts_for(3, [19, 5, 12])
+    n = 34
+    with UniProcExecutor(engine_config(path, max_num_seqs=3, max_num_batched_tokens=16)) as ex:
+        specs = ex.get_kv_cache_specs()
+        assert {type(s).__name__ for s in specs.values()} == {
+            "FullAttentionSpec",
+            "SlidingWindowSpec",
+        }
+        tokens, steps = generate(
+            ex, prompts, n, num_blocks=40, max_num_seqs=3, max_num_batched_tokens=16
+        )
+    groups = {len(r.block_ids) for so in steps for r in so.scheduled_new_reqs}
+    assert groups == {2}, groups
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == hf_greedy(path, prompt, n), rid

@@ -9,9 +9,11 @@ For R requests with q_r scheduled tokens each (T = sum q_r), in batch order:
     seq_lens         num_computed + q_r
     slot_mapping     block_table[row, pos // B] * B + pos % B
 
-The block table copy is issued first so it overlaps the CPU work after it
-(on CUDA; on CPU the "copy" is free). A request samples when this step
-reaches the end of its known tokens; a partial prefill chunk does not.
+The block table copies (one per KV cache group) are issued first so they
+overlap the CPU work after them (on CUDA; on CPU the "copy" is free). Every
+group gets its own slot mapping and metadata; the token layout is shared.
+A request samples when this step reaches the end of its known tokens; a
+partial prefill chunk does not.
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64, device
     positions: torch.Tensor  # [T] int64, device
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata  # KV cache group 0's
     num_tokens: int
     req_ids: list[str]  # batch order
     sampling_rows: npt.NDArray[np.int64]  # batch rows that sample
     logits_indices: torch.Tensor  # [S] token index (into T) whose hidden state is sampled
     num_scheduled: npt.NDArray[np.int32]
     prompt_logprobs: list[PromptLogprobsSpan] = field(default_factory=list)
+    # One per KV cache group (hybrid models): same token layout, each group's
+    # own block table and slot mapping. [attn_metadata] for one group.
+    group_metadata: list[AttentionMetadata] = field(default_factory=list)
 
     @property
     def is_uniform_decode(self) -> bool:
@@ -85,10 +90,8 @@ def prepare_inputs(
     """Fill `buffers` for this step and return the device views plus sampling bookkeeping."""
     req_ids = batch.req_ids
     num_reqs = len(req_ids)
-    block_table = batch.block_table[0]
-    if len(batch.block_table) != 1:
-        raise ValueError("the runner supports one KV cache group (hybrid models are missing)")
-    block_table_gpu = block_table.commit_block_table(num_reqs)  # overlaps the CPU work below
+    tables = list(batch.block_table.block_tables)  # one per KV cache group
+    tables_gpu = [t.commit_block_table(num_reqs) for t in tables]  # overlap the CPU work below
 
     num_sched = np.fromiter(
         (num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=num_reqs
@@ -118,8 +121,10 @@ def prepare_inputs(
     flat = req_indices.astype(np.int64) * batch.max_model_len + positions
     buffers.input_ids.np[:total] = batch.token_ids_cpu.reshape(-1)[flat]
 
-    block_table.compute_slot_mapping(req_indices, positions)
-    slot_mapping = block_table.commit_slot_mapping(total)
+    slot_mappings = []
+    for table in tables:
+        table.compute_slot_mapping(req_indices, positions)
+        slot_mappings.append(table.commit_slot_mapping(total))
     qsl = buffers.query_start_loc.np
     qsl[0] = 0
     qsl[1 : num_reqs + 1] = cu
@@ -128,26 +133,32 @@ def prepare_inputs(
     samples = seq_lens == known
     sampling_rows = rows[samples].astype(np.int64)
     logits_indices = torch.from_numpy(cu[samples] - 1).to(batch.device, non_blocking=True)
-    metadata = builder.build(
-        num_reqs=num_reqs,
-        num_actual_tokens=total,
-        query_start_loc=buffers.query_start_loc.copy_to_gpu(num_reqs + 1),
-        seq_lens=buffers.seq_lens.copy_to_gpu(num_reqs),
-        block_table=block_table_gpu,
-        slot_mapping=slot_mapping,
-        max_query_len=int(num_sched.max()) if num_reqs else 0,
-        max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-    )
+    query_start_loc = buffers.query_start_loc.copy_to_gpu(num_reqs + 1)
+    seq_lens_gpu = buffers.seq_lens.copy_to_gpu(num_reqs)
+    group_metadata = [
+        builder.build(
+            num_reqs=num_reqs,
+            num_actual_tokens=total,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_gpu,
+            block_table=table_gpu,
+            slot_mapping=slot_mapping,
+            max_query_len=int(num_sched.max()) if num_reqs else 0,
+            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+        )
+        for table_gpu, slot_mapping in zip(tables_gpu, slot_mappings, strict=True)
+    ]
     return StepInputs(
         input_ids=buffers.input_ids.copy_to_gpu(total),
         positions=buffers.positions.copy_to_gpu(total),
-        attn_metadata=metadata,
+        attn_metadata=group_metadata[0],
         num_tokens=total,
         req_ids=req_ids,
         sampling_rows=sampling_rows,
         logits_indices=logits_indices,
         num_scheduled=num_sched,
         prompt_logprobs=_prompt_logprob_spans(batch, req_ids, computed, num_sched, cu),
+        group_metadata=group_metadata,
     )
 
 

@@ -12,6 +12,7 @@ the order of the model's `kv_cache_specs()`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,23 +68,50 @@ def allocate_kv_caches(
     layer_order: Mapping[str, Any],
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer, in `layer_order`'s order."""
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError(
-            f"kv_cache_config: {len(kv_cache_config.kv_cache_groups)} KV cache groups; the "
-            "runner supports one (hybrid attention models are not supported yet)"
-        )
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        raise ValueError(f"kv_cache_config: spec {type(spec).__name__} is not an attention spec")
-    missing = [name for name in layer_order if name not in group.layer_names]
+    """One zeroed cache tensor per layer, in `layer_order`'s order.
+
+    Each `KVCacheTensor` is one buffer; the layers in its `shared_by` (one per
+    KV cache group in hybrid models, e.g. a full-attention and a sliding-window
+    layer) view the same memory, each with its own group's spec. Sharing is
+    safe because the block pool hands every block to one group at a time.
+    """
+    spec_of: dict[str, AttentionSpec] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(
+                f"kv_cache_config: spec {type(spec).__name__} is not an attention spec"
+            )
+        for name in group.layer_names:
+            spec_of[name] = spec
+    missing = [name for name in layer_order if name not in spec_of]
     if missing:
         raise ValueError(f"kv_cache_config: layers {missing} have no KV cache group")
+    caches: dict[str, torch.Tensor] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        buffer = torch.zeros(tensor.size, dtype=torch.uint8, device=device)
+        for name in tensor.shared_by:
+            if name not in spec_of:
+                raise ValueError(f"kv_cache_config: tensor shared by unknown layer {name!r}")
+            caches[name] = _layer_view(buffer, spec_of[name], kv_cache_config.num_blocks, name)
+    without = [name for name in layer_order if name not in caches]
+    if without:
+        raise ValueError(f"kv_cache_config: layers {without} have no KV cache tensor")
+    return [caches[name] for name in layer_order]
+
+
+def _layer_view(
+    buffer: torch.Tensor, spec: AttentionSpec, num_blocks: int, name: str
+) -> torch.Tensor:
+    """`buffer` seen as one layer's [2, num_blocks, block_size, heads, head_size] cache."""
     dtype = _TORCH_DTYPES.get(spec.dtype)
     if dtype is None:
         raise ValueError(f"kv_cache_config: dtype {spec.dtype!r} is not supported")
-    shape = kv_cache_shape(
-        kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
-    )
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in layer_order]
+    shape = kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > buffer.numel():
+        raise ValueError(
+            f"kv_cache_config: layer {name!r} needs {nbytes} bytes for {num_blocks} blocks, "
+            f"its tensor has {buffer.numel()}"
+        )
+    return buffer[:nbytes].view(dtype).view(shape)

@@ -72,24 +72,26 @@ class ModelRunner:
         self.max_num_tokens = scheduler_limits.max_num_batched_tokens
         self.max_model_len = model_config.max_model_len
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = self._make_batch(cache_config.block_size)
+        self.input_batch = self._make_batch([cache_config.block_size])
         self.buffers = InputBuffers(self.max_num_tokens, self.max_num_reqs, self.device)
         self.attn_backend = select_attention_backend(self.device, model_config.attention_backend)
         self.builder = self.attn_backend.get_builder()
         self.sampler = Sampler()
         self.model: CausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # Hybrid models: the KV cache group of each attention layer (None: one group).
+        self.layer_groups: list[int] | None = None
         self.cuda_graphs: CudaGraphRunner | None = None
         self._pending: _ExecuteState | None = None
 
-    def _make_batch(self, block_size: int) -> InputBatch:
+    def _make_batch(self, block_sizes: list[int]) -> InputBatch:
         return InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_tokens,
             device=self.device,
             vocab_size=self.model_config.vocab_size,
-            block_sizes=[block_size],
+            block_sizes=block_sizes,
             eos_token_ids=self.model_config.eos_token_ids,
         )
 
@@ -133,16 +135,25 @@ class ModelRunner:
         )
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate the cache tensors and size the block tables to the groups' block size."""
+        """Allocate the cache tensors; one block table per KV cache group, sized to its blocks.
+
+        Hybrid models (full and sliding-window layers) get several groups; each
+        layer then reads and writes its cache through its own group's table.
+        """
         model = self._require_model()
         specs = model.kv_cache_specs(self.cache_config.block_size)
         self.kv_caches = allocate_kv_caches(kv_cache_config, specs, self.device)
-        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        if block_size != self.input_batch.block_table[0].allocation_block_size:
+        groups = kv_cache_config.kv_cache_groups
+        group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        self.layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
+        block_sizes = [group.kv_cache_spec.block_size for group in groups]
+        current = [t.allocation_block_size for t in self.input_batch.block_table.block_tables]
+        if block_sizes != current:
             if self.requests:
                 raise RuntimeError("initialize_kv_cache must run before any request")
-            self.input_batch = self._make_batch(block_size)
-        if self.device.type == "cuda" and not self.model_config.enforce_eager:
+            self.input_batch = self._make_batch(block_sizes)
+        # CUDA graphs capture one group's metadata; hybrid models run eagerly.
+        if self.device.type == "cuda" and not self.model_config.enforce_eager and len(groups) == 1:
             self.capture_cuda_graphs()
 
     def capture_cuda_graphs(self) -> None:
@@ -198,7 +209,10 @@ class ModelRunner:
             and graphs.padded_size(meta.num_reqs) is not None
         ):
             return graphs.run(inputs.input_ids, inputs.positions, meta)
-        ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches)
+        layer_metadata = None
+        if self.layer_groups is not None:
+            layer_metadata = [inputs.group_metadata[g] for g in self.layer_groups]
+        ctx = ForwardContext(meta, self.kv_caches, layer_metadata)
         return model.forward(inputs.input_ids, inputs.positions, ctx)
 
     @torch.inference_mode()

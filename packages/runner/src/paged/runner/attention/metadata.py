@@ -16,6 +16,7 @@ Request r's q_r new tokens are the last q_r of its s_r tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,18 @@ class ForwardContext:
     tokens treated as one sequence.
     kv_caches[i] belongs to the i-th attention layer, in the order of the
     model's `kv_cache_specs()`.
+    layer_metadata, for hybrid models with several KV cache groups, gives
+    layer i the metadata of its group (its own block table and slot mapping;
+    the token layout is the same for every group). None: every layer uses
+    attn_metadata.
     """
 
     attn_metadata: AttentionMetadata | None
     kv_caches: list[torch.Tensor] = field(default_factory=list)
+    layer_metadata: Sequence[AttentionMetadata] | None = None
+
+    def metadata_for(self, layer_idx: int) -> AttentionMetadata | None:
+        """The attention metadata layer `layer_idx` reads and writes its cache with."""
+        if self.layer_metadata is None:
+            return self.attn_metadata
+        return self.layer_metadata[layer_idx]

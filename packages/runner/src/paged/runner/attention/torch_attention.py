@@ -53,18 +53,20 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> to
     return kv.transpose(1, 2)
 
 
-# One decode-step mask serves every layer of a step: the last one built is kept,
-# keyed by the identity and version of the step's seq_lens tensor (a fresh slice
-# per step; an in-place change bumps its version) and the mask parameters.
-_decode_mask: list[tuple[torch.Tensor, int, int, int | None, torch.Tensor]] = []
+# One decode-step mask serves every layer of a step with the same window: the
+# masks of the latest step are kept, keyed by the identity and version of the
+# step's seq_lens tensor (a fresh slice per step; an in-place change bumps its
+# version) and the mask parameters. Hybrid models (full and sliding layers)
+# need one per window.
+_decode_masks: list[tuple[torch.Tensor, int, int, int | None, torch.Tensor]] = []
+_MAX_DECODE_MASKS = 4
 
 
 def _decode_key_mask(
     seq_lens: torch.Tensor, num_keys: int, sliding_window: int | None
 ) -> torch.Tensor:
     """_key_mask for one decode query per request (query position seq_len - 1), cached."""
-    if _decode_mask:
-        seq, version, keys, window, mask = _decode_mask[0]
+    for seq, version, keys, window, mask in _decode_masks:
         if (
             seq is seq_lens
             and version == seq_lens._version
@@ -74,7 +76,10 @@ def _decode_key_mask(
             return mask
     seq = seq_lens.long()
     mask = _key_mask(seq, (seq - 1)[:, None], num_keys, sliding_window)
-    _decode_mask[:] = [(seq_lens, seq_lens._version, num_keys, sliding_window, mask)]
+    if _decode_masks and _decode_masks[-1][0] is not seq_lens:
+        _decode_masks.clear()  # a new step: the old masks are dead
+    _decode_masks.append((seq_lens, seq_lens._version, num_keys, sliding_window, mask))
+    del _decode_masks[:-_MAX_DECODE_MASKS]
     return mask
 
 

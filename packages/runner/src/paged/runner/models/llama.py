@@ -23,7 +23,7 @@ from torch import nn
 from paged.kvcache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from paged.runner.attention.backends import select_attention_backend
 from paged.runner.attention.layer import Attention
-from paged.runner.attention.metadata import ForwardContext
+from paged.runner.attention.metadata import AttentionMetadata, ForwardContext
 from paged.runner.config import ModelConfig
 from paged.runner.layers.activation import get_gated_activation
 from paged.runner.layers.layernorm import RMSNorm
@@ -93,7 +93,7 @@ class LlamaAttention(nn.Module):
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         kv_cache: torch.Tensor | None,
-        ctx: ForwardContext,
+        attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -103,7 +103,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
-        attn_out = self.attn(q, k, v.contiguous(), kv_cache, ctx.attn_metadata)
+        attn_out = self.attn(q, k, v.contiguous(), kv_cache, attn_metadata)
         out: torch.Tensor = self.o_proj(attn_out)
         return out
 
@@ -147,7 +147,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor | None,
-        ctx: ForwardContext,
+        attn_metadata: AttentionMetadata | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
@@ -156,7 +156,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm.forward_with_residual(
                 hidden_states, residual
             )
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, ctx)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm.forward_with_residual(
             hidden_states, residual
         )
@@ -187,11 +187,18 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 f"ctx.kv_caches has {len(ctx.kv_caches)} tensors for {len(self.layers)} layers"
             )
+        if ctx.layer_metadata is not None and len(ctx.layer_metadata) != len(self.layers):
+            raise ValueError(
+                f"ctx.layer_metadata has {len(ctx.layer_metadata)} entries for "
+                f"{len(self.layers)} layers"
+            )
         hidden_states = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             kv_cache = ctx.kv_caches[i] if ctx.kv_caches else None
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, ctx)
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, kv_cache, ctx.metadata_for(i)
+            )
         assert residual is not None  # at least one layer
         hidden_states, _ = self.norm.forward_with_residual(hidden_states, residual)
         return hidden_states

@@ -1,0 +1,60 @@
+"""allocate_kv_caches: one view per layer; hybrid groups share each buffer; clear errors."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from paged.kvcache import KVCacheTensor, get_kv_cache_config
+from paged.kvcache.specs import FullAttentionSpec, SlidingWindowSpec
+from paged.runner.kv_cache_setup import allocate_kv_caches
+
+CPU = torch.device("cpu")
+
+
+def _specs() -> dict[str, FullAttentionSpec | SlidingWindowSpec]:
+    full = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+    window = SlidingWindowSpec(
+        block_size=4, num_kv_heads=2, head_size=8, dtype="float32", sliding_window=8
+    )
+    return {"l0": full, "l1": window, "l2": full, "l3": window}
+
+
+def test_single_group_gets_one_buffer_per_layer() -> None:
+    specs = {name: FullAttentionSpec(4, 2, 8, "float32") for name in ("a", "b")}
+    config = get_kv_cache_config(specs, 1 << 16)
+    caches = allocate_kv_caches(config, specs, CPU)
+    assert [c.shape for c in caches] == [(2, config.num_blocks, 4, 2, 8)] * 2
+    assert caches[0].data_ptr() != caches[1].data_ptr()
+    assert all(c.dtype == torch.float32 and not c.any() for c in caches)
+
+
+def test_hybrid_groups_share_each_buffer_between_one_layer_per_group() -> None:
+    specs = _specs()
+    config = get_kv_cache_config(specs, 1 << 16)
+    assert len(config.kv_cache_groups) == 2
+    caches = dict(zip(specs, allocate_kv_caches(config, specs, CPU), strict=True))
+    for tensor in config.kv_cache_tensors:
+        assert len(tensor.shared_by) == 2
+        first, second = (caches[name] for name in tensor.shared_by)
+        assert first.data_ptr() == second.data_ptr()  # one buffer, two groups
+    assert len({c.data_ptr() for c in caches.values()}) == 2
+    assert {c.shape for c in caches.values()} == {(2, config.num_blocks, 4, 2, 8)}
+
+
+def test_allocation_errors_name_the_problem() -> None:
+    specs = _specs()
+    config = get_kv_cache_config(specs, 1 << 16)
+    with pytest.raises(ValueError, match=r"layers \['extra'\] have no KV cache group"):
+        allocate_kv_caches(config, {**specs, "extra": specs["l0"]}, CPU)
+    lonely = replace(config, kv_cache_tensors=config.kv_cache_tensors[:1])
+    with pytest.raises(ValueError, match="have no KV cache tensor"):
+        allocate_kv_caches(lonely, specs, CPU)
+    small = replace(config, kv_cache_tensors=[KVCacheTensor(64, ["l0", "l1"])])
+    with pytest.raises(ValueError, match=r"needs \d+ bytes"):
+        allocate_kv_caches(small, {"l0": specs["l0"], "l1": specs["l1"]}, CPU)
+    ghost = replace(config, kv_cache_tensors=[*config.kv_cache_tensors, KVCacheTensor(64, ["x"])])
+    with pytest.raises(ValueError, match="unknown layer 'x'"):
+        allocate_kv_caches(ghost, specs, CPU)
