@@ -32,13 +32,28 @@ def reshape_and_cache(
     """Same contract as paged.kernels.reference.reshape_and_cache (slots -1 skipped)."""
     n = slot_mapping.shape[0]
     key, value = key[:n], value[:n]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if _has_padding(slot_mapping):
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
     flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+
+
+# Every layer of a step writes through the same slot_mapping tensor; whether
+# it holds -1 padding slots is checked once per step (keyed like the masks).
+_padding_check: list[tuple[torch.Tensor, int, bool]] = []
+
+
+def _has_padding(slot_mapping: torch.Tensor) -> bool:
+    if _padding_check:
+        slots, version, padded = _padding_check[0]
+        if slots is slot_mapping and version == slot_mapping._version:
+            return padded
+    padded = bool((slot_mapping < 0).any())
+    _padding_check[:] = [(slot_mapping, slot_mapping._version, padded)]
+    return padded
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -122,13 +137,10 @@ def paged_attention(
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or max_seq_len == 0:
         return out
-    if (
-        max_query_len == 1
-        and query.shape[0] == num_reqs
-        and int(query_start_loc[num_reqs]) == num_reqs
-    ):
-        # Pure decode: q_len <= 1 per request and R queries in all, so every
-        # request has exactly one, in request order; no row bookkeeping needed.
+    if max_query_len == 1 and query.shape[0] == num_reqs:
+        # Pure decode: q_len <= 1 per request and R queries in all (the query
+        # rows are query_start_loc[R] tokens), so every request has exactly
+        # one, in request order; no row bookkeeping needed.
         q = query.unsqueeze(2)  # [R, Hq, 1, D]
         k = _gather(key_cache, block_table, max_seq_len)
         v = _gather(value_cache, block_table, max_seq_len)
