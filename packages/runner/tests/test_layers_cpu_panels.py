@@ -114,6 +114,12 @@ def test_qkv_with_bias_and_tied_head_through_panels() -> None:
     h = torch.randn(4, 16)
     torch.testing.assert_close(head.compute_logits(h), h @ table.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(head.compute_logits(h[:1]), h[:1] @ table.T)
+    untied = ParallelLMHead(1000, 16, tp=TPGroup(), dtype=F32)
+    untied.load_weight("weight", table, None)
+    untied.build_cpu_panels()
+    untied.load_weight("weight", -table, None)
+    assert untied.cpu_panels is None
+    torch.testing.assert_close(untied.compute_logits(h), -(h @ table.T), rtol=1e-5, atol=1e-5)
 
 
 def _panel_state(model: torch.nn.Module) -> set[bool]:

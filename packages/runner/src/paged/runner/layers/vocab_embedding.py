@@ -80,8 +80,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     cpu_panels: torch.Tensor | None = None  # see ShardedLinear.cpu_panels
 
     def build_cpu_panels(self) -> None:
-        """Keep a panelled copy of the (possibly tied) weight for multi-row CPU logits."""
+        """Keep a panelled copy of the (possibly tied) weight for multi-row CPU logits.
+
+        A tied head shares the embedding's weight: rebuild after reloading it.
+        """
         self.cpu_panels = make_panels(self.weight.detach())
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        super().load_weight(name, loaded, shard_id)
+        self.cpu_panels = None  # built from the old values
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if use_panels(hidden_states, self.cpu_panels):
