@@ -63,10 +63,9 @@ class Attention(nn.Module):
             return self._forward_no_cache(q, k, v).reshape(num_tokens, -1)
         n = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        slots = attn_metadata.slot_mapping
-        if slots.shape[0] != n:  # keep the step's tensor itself when possible: the
-            slots = slots[:n]  # backends cache per-step facts keyed by its identity
-        self.kernels.reshape_and_cache(k[:n], v[:n], key_cache, value_cache, slots)
+        self.kernels.reshape_and_cache(
+            k[:n], v[:n], key_cache, value_cache, attn_metadata.slot_mapping[:n]
+        )
         out = torch.zeros_like(q) if n < num_tokens else torch.empty_like(q)
         self.kernels.paged_attention(
             q[:n],

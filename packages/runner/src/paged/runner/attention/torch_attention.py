@@ -32,28 +32,13 @@ def reshape_and_cache(
     """Same contract as paged.kernels.reference.reshape_and_cache (slots -1 skipped)."""
     n = slot_mapping.shape[0]
     key, value = key[:n], value[:n]
-    if _has_padding(slot_mapping):
-        valid = slot_mapping >= 0
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
     flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
-
-
-# Every layer of a step writes through the same slot_mapping tensor; whether
-# it holds -1 padding slots is checked once per step (keyed like the masks).
-_padding_check: list[tuple[torch.Tensor, int, bool]] = []
-
-
-def _has_padding(slot_mapping: torch.Tensor) -> bool:
-    if _padding_check:
-        slots, version, padded = _padding_check[0]
-        if slots is slot_mapping and version == slot_mapping._version:
-            return padded
-    padded = bool((slot_mapping < 0).any())
-    _padding_check[:] = [(slot_mapping, slot_mapping._version, padded)]
-    return padded
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -68,12 +53,11 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> to
     return kv.transpose(1, 2)
 
 
-# One decode-step mask serves every layer of a step with the same window: the
-# masks of the latest step are kept, keyed by the identity and version of the
-# step's seq_lens tensor (a fresh slice per step; an in-place change bumps its
-# version) and the mask parameters. Hybrid models (full and sliding layers)
-# need one per window.
-_decode_masks: list[tuple[torch.Tensor, int, int, int | None, torch.Tensor]] = []
+# One decode-step mask serves every layer of a step with the same window and
+# key count. The masks of the latest seq_lens are kept and matched by value (a
+# copy is compared, not the tensor's identity, which callers may reuse and
+# refill); hybrid models (full and sliding layers) need one per window.
+_decode_masks: list[tuple[torch.Tensor, int, int | None, torch.Tensor]] = []
 _MAX_DECODE_MASKS = 4
 
 
@@ -81,21 +65,22 @@ def _decode_key_mask(
     seq_lens: torch.Tensor, num_keys: int, sliding_window: int | None
 ) -> torch.Tensor:
     """_key_mask for one decode query per request (query position seq_len - 1), cached."""
-    for seq, version, keys, window, mask in _decode_masks:
-        if (
-            seq is seq_lens
-            and version == seq_lens._version
-            and keys == num_keys
-            and window == sliding_window
-        ):
-            return mask
+    same_step = bool(_decode_masks) and _same_values(_decode_masks[-1][0], seq_lens)
+    if same_step:
+        for _, keys, window, mask in _decode_masks:
+            if keys == num_keys and window == sliding_window:
+                return mask
+    else:
+        _decode_masks.clear()  # a new step: the old masks are dead
     seq = seq_lens.long()
     mask = _key_mask(seq, (seq - 1)[:, None], num_keys, sliding_window)
-    if _decode_masks and _decode_masks[-1][0] is not seq_lens:
-        _decode_masks.clear()  # a new step: the old masks are dead
-    _decode_masks.append((seq_lens, seq_lens._version, num_keys, sliding_window, mask))
+    _decode_masks.append((seq_lens.clone(), num_keys, sliding_window, mask))
     del _decode_masks[:-_MAX_DECODE_MASKS]
     return mask
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
 def _key_mask(
