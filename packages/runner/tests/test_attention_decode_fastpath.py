@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paged.kernels import reference
 from paged.runner.attention import torch_attention
@@ -50,3 +52,81 @@ def test_decode_mask_cache_sees_writes_that_bypass_torch() -> None:
             expected = reference.paged_attention(q, caches[0], caches[1], *args, **kwargs)
             got = torch_attention.paged_attention(q, caches[0], caches[1], *args, **kwargs)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 60), min_size=1, max_size=5),
+    window=st.integers(1, 20),
+    block_size=st.sampled_from([1, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_windowed_decode_gathers_only_the_window(
+    lens: list[int], window: int, block_size: int, seed: int
+) -> None:
+    """Decode with a window shorter than the context equals the reference, even when
+    the blocks before each window hold garbage (freed and reused by other requests)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max(lens) // block_size)
+    num_blocks = len(lens) * width + 1
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    table = perm[: len(lens) * width].view(len(lens), width).to(torch.int32)
+    caches = [torch.randn(num_blocks, block_size, 2, 8, generator=gen) for _ in range(2)]
+    q = torch.randn(len(lens), 4, 8, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    starts = torch.arange(len(lens) + 1, dtype=torch.int32)
+    args = (table, starts, seq_lens, 8**-0.5)
+    kwargs: dict[str, Any] = {
+        "max_query_len": 1,
+        "max_seq_len": max(lens),
+        "sliding_window": window,
+    }
+    expected = reference.paged_attention(q, caches[0], caches[1], *args, **kwargs)
+    # Blocks wholly before a request's window may be reused by others: poison them.
+    for r, n in enumerate(lens):
+        for b in range(max(0, n - window) // block_size):
+            for cache in caches:
+                cache[table[r, b]] = float("nan")
+    got = torch_attention.paged_attention(q, caches[0], caches[1], *args, **kwargs)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(st.integers(1, 60), st.integers(1, 6)).map(lambda t: (t[0], min(t[0], t[1]))),
+        min_size=1,
+        max_size=5,
+    ),
+    window=st.integers(1, 20),
+    block_size=st.sampled_from([1, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_windowed_mixed_batch_skips_blocks_before_the_window(
+    reqs: list[tuple[int, int]], window: int, block_size: int, seed: int
+) -> None:
+    """Prefill chunks and decodes together: blocks wholly before a request's first
+    query's window are never read (poisoned with NaN here), results equal the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [n for n, _ in reqs]
+    q_lens = [q for _, q in reqs]
+    width = -(-max(lens) // block_size)
+    num_blocks = len(lens) * width + 1
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    table = perm[: len(lens) * width].view(len(lens), width).to(torch.int32)
+    caches = [torch.randn(num_blocks, block_size, 2, 8, generator=gen) for _ in range(2)]
+    q = torch.randn(sum(q_lens), 4, 8, generator=gen)
+    starts = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    args = (table, starts, torch.tensor(lens, dtype=torch.int32), 8**-0.5)
+    kwargs: dict[str, Any] = {
+        "max_query_len": max(q_lens),
+        "max_seq_len": max(lens),
+        "sliding_window": window,
+    }
+    expected = reference.paged_attention(q, caches[0], caches[1], *args, **kwargs)
+    for r, (n, q_len) in enumerate(reqs):
+        for b in range(max(0, n - q_len - window + 1) // block_size):
+            for cache in caches:
+                cache[table[r, b]] = float("nan")
+    got = torch_attention.paged_attention(q, caches[0], caches[1], *args, **kwargs)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -6,7 +6,10 @@ fewer, larger ops, which is what makes the CPU backend usable:
 
     decode rows (q_len == 1): gather every request's K/V through its block
         table at once -> [R, S, Hkv, D], one SDPA call with a key mask
-        (key < seq_len, and inside the sliding window).
+        (key < seq_len, and inside the sliding window). With a sliding
+        window shorter than the context, only the blocks that hold each
+        request's window are gathered (the scheduler may already have freed
+        and reused the older ones).
     prefill/chunk rows (q_len > 1): one SDPA call per such request (few per
         step; batching them would pad every chunk to the longest one).
 
@@ -79,15 +82,50 @@ def _decode_key_mask(
     return mask
 
 
+def _window_blocks(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ids [R, W] covering each decode query's window, and its key mask [R, 1, 1, W*B].
+
+    The query sits at position seq_len - 1 and sees keys k with
+    seq_len - window <= k < seq_len: at most ceil(window / B) + 1 blocks from
+    the one holding seq_len - window. Columns past the table's width (short
+    requests) repeat its last entry; their positions are >= seq_len, masked.
+    """
+    seq = seq_lens.long()
+    first_block = (seq - window).clamp(min=0) // block_size  # [R]
+    num_blocks = -(-window // block_size) + 1
+    cols = first_block[:, None] + torch.arange(num_blocks, device=seq.device)
+    ids = block_table.gather(1, cols.clamp(max=block_table.shape[1] - 1))
+    k_pos = first_block[:, None] * block_size + torch.arange(
+        num_blocks * block_size, device=seq.device
+    )
+    allowed = (k_pos < seq[:, None]) & (k_pos >= (seq - window)[:, None])
+    return ids, allowed[:, None, None, :]
+
+
+def _gather_ids(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[N, B, Hkv, D] rows `ids` [R, W] -> [R, Hkv, W*B, D]."""
+    kv = cache.index_select(0, ids.reshape(-1))  # [R * W, B, Hkv, D]
+    return kv.view(ids.shape[0], -1, *cache.shape[2:]).transpose(1, 2)
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
 
 
 def _key_mask(
-    seq_lens: torch.Tensor, q_pos: torch.Tensor, num_keys: int, sliding_window: int | None
+    seq_lens: torch.Tensor,
+    q_pos: torch.Tensor,
+    num_keys: int,
+    sliding_window: int | None,
+    key_start: int = 0,
 ) -> torch.Tensor:
-    """Allowed keys: bool [R, 1, Q, S] from per-row query positions q_pos [R, Q]."""
-    k_pos = torch.arange(num_keys, device=seq_lens.device)
+    """Allowed keys: bool [R, 1, Q, S] from per-row query positions q_pos [R, Q].
+
+    The S keys are positions key_start .. key_start + S - 1.
+    """
+    k_pos = torch.arange(key_start, key_start + num_keys, device=seq_lens.device)
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]
     allowed &= k_pos[None, None, :] < seq_lens[:, None, None]
     if sliding_window is not None:
@@ -127,9 +165,15 @@ def paged_attention(
         # rows are query_start_loc[R] tokens), so every request has exactly
         # one, in request order; no row bookkeeping needed.
         q = query.unsqueeze(2)  # [R, Hq, 1, D]
-        k = _gather(key_cache, block_table, max_seq_len)
-        v = _gather(value_cache, block_table, max_seq_len)
-        mask = _decode_key_mask(seq_lens, max_seq_len, sliding_window)
+        block_size = key_cache.shape[1]
+        if sliding_window is not None and max_seq_len >= sliding_window + block_size:
+            ids, mask = _window_blocks(block_table, seq_lens, block_size, sliding_window)
+            k = _gather_ids(key_cache, ids)
+            v = _gather_ids(value_cache, ids)
+        else:
+            k = _gather(key_cache, block_table, max_seq_len)
+            v = _gather(value_cache, block_table, max_seq_len)
+            mask = _decode_key_mask(seq_lens, max_seq_len, sliding_window)
         o = F.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -146,9 +190,17 @@ def paged_attention(
     if decode.numel():
         rows = starts[decode]
         q = query[rows].unsqueeze(2)  # [r, Hq, 1, D]
-        k = _gather(key_cache, block_table[decode], max_seq_len)
-        v = _gather(value_cache, block_table[decode], max_seq_len)
-        mask = _key_mask(seq[decode], (seq[decode] - 1)[:, None], max_seq_len, sliding_window)
+        block_size = key_cache.shape[1]
+        if sliding_window is not None and max_seq_len >= sliding_window + block_size:
+            ids, mask = _window_blocks(
+                block_table[decode], seq_lens[decode], block_size, sliding_window
+            )
+            k = _gather_ids(key_cache, ids)
+            v = _gather_ids(value_cache, ids)
+        else:
+            k = _gather(key_cache, block_table[decode], max_seq_len)
+            v = _gather(value_cache, block_table[decode], max_seq_len)
+            mask = _key_mask(seq[decode], (seq[decode] - 1)[:, None], max_seq_len, sliding_window)
         o = F.scaled_dot_product_attention(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -156,8 +208,15 @@ def paged_attention(
     for r in prefill:
         start, q_len, seq_len = int(starts[r]), int(q_lens[r]), int(seq[r])
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-        k = _gather(key_cache, block_table[r : r + 1], seq_len)
-        v = _gather(value_cache, block_table[r : r + 1], seq_len)
+        # With a window, skip the blocks before the first query's window (the
+        # scheduler may have freed and reused them).
+        first_block = 0
+        if sliding_window is not None:
+            first_block = max(0, seq_len - q_len - sliding_window + 1) // key_cache.shape[1]
+        key_start = first_block * key_cache.shape[1]
+        table = block_table[r : r + 1, first_block:]
+        k = _gather(key_cache, table, seq_len - key_start)
+        v = _gather(value_cache, table, seq_len - key_start)
         if q_len == seq_len and sliding_window is None:
             # A whole prompt at once: plain causal attention. SDPA's is_causal
             # skips the masked half instead of materialising a [q, q] mask.
@@ -166,7 +225,7 @@ def paged_attention(
             )
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
-            mask = _key_mask(seq[r : r + 1], q_pos, seq_len, sliding_window)
+            mask = _key_mask(seq[r : r + 1], q_pos, seq_len - key_start, sliding_window, key_start)
             o = F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
             )
