@@ -4,9 +4,10 @@ Decode: B requests with a `--prompt-len` prompt each are prefilled, then
 `--steps` greedy decode steps are timed, paged and HF alternately, and the
 median step is reported (paged: execute_model + sample_tokens, i.e. input
 preparation, forward, logits and sampling; HF: one forward with a
-DynamicCache plus argmax). Prefill: one `--prefill-len` prompt, timed once
-each. Prints one JSON line: steps/s and tokens/s per batch size, the prefill
-time, and the ratio paged/HF (> 1 means paged is faster).
+DynamicCache plus argmax). Prefill: one `--prefill-len` prompt, timed
+`--prefill-runs` times, paged and HF alternately, median. Prints one JSON
+line: steps/s and tokens/s per batch size, the prefill time, and the ratio
+paged/HF (> 1 means paged is faster).
 
     .venv/bin/python benchmarks/runner_bench.py
     .venv/bin/python benchmarks/runner_bench.py --batch-sizes 1 8 --steps 3 --prefill-len 512
@@ -129,13 +130,22 @@ def paged_decoder(config: ModelConfig, batch: int, prompt_len: int, steps: int) 
     return driver
 
 
-def paged_prefill(config: ModelConfig, length: int) -> float:
-    runner = build_runner(config, 1, length)
+def interleaved_prefill(
+    config: ModelConfig, hf: Any, length: int, runs: int
+) -> tuple[float, float]:
+    """Median seconds for one `length`-token prefill (paged, HF), timed alternately `runs` times."""
+    runner = build_runner(config, runs + 1, length)
     driver = Driver(runner)
     driver.prefill({"w": list(range(10, 42))}, 64, length)  # warm-up
-    start = time.perf_counter()
-    driver.prefill({"p": [(j * 13) % 1000 + 10 for j in range(length)]}, length + 1, length)
-    return time.perf_counter() - start
+    hf_prefill(hf, 32)  # warm-up
+    prompt = [(j * 13) % 1000 + 10 for j in range(length)]
+    paged_times, hf_times = [], []
+    for i in range(runs):
+        start = time.perf_counter()
+        driver.prefill({f"p{i}": prompt}, length + 1, length)
+        paged_times.append(time.perf_counter() - start)
+        hf_times.append(hf_prefill(hf, length))
+    return statistics.median(paged_times), statistics.median(hf_times)
 
 
 def paged_weights(config: ModelConfig) -> tuple[int, bool]:
@@ -214,7 +224,7 @@ def interleaved_decode(
 
 @torch.inference_mode()
 def hf_prefill(model: Any, length: int) -> float:
-    model(torch.arange(10, 42).unsqueeze(0))  # warm-up
+    """Seconds for one HF forward over a `length`-token prompt, plus the next-token argmax."""
     ids = torch.tensor([[(j * 13) % 1000 + 10 for j in range(length)]])
     start = time.perf_counter()
     out = model(ids, use_cache=True)
@@ -228,6 +238,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--prefill-runs", type=int, default=3, help="alternated; median")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument(
         "--cpu-weight-panels",
@@ -254,9 +265,8 @@ def main() -> None:
             "hf_tokens_per_s": round(b / hf_s, 2),
             "ratio_paged_over_hf": round(hf_s / paged_s, 3),
         }
-    paged_p = paged_prefill(config, args.prefill_len)
+    paged_p, hf_p = interleaved_prefill(config, hf, args.prefill_len, args.prefill_runs)
     weight_bytes, panels_built = paged_weights(config)
-    hf_p = hf_prefill(hf, args.prefill_len)
     result = {
         "bench": "runner",
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)",
@@ -274,6 +284,8 @@ def main() -> None:
         "decode": decode,
         "prefill": {
             "tokens": args.prefill_len,
+            "runs": args.prefill_runs,
+            "statistic": "median seconds, paged and HF runs alternated",
             "paged_s": round(paged_p, 3),
             "paged_tokens_per_s": round(args.prefill_len / paged_p, 1),
             "hf_s": round(hf_p, 3),
