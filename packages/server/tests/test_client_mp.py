@@ -168,7 +168,11 @@ def test_unencodable_output_kills_the_engine_loudly(
         client.add_request(request_factory("a", [1], max_tokens=3))
         with pytest.raises(EngineDeadError, match="cannot encode its output"):
             client.get_output(timeout=30)
-        client._engine.process.join(timeout=30)
+        # The client's monitor thread reaps the process too; a join racing it
+        # can return before the exit code is recorded, so wait for the code.
+        deadline = time.monotonic() + 30
+        while client._engine.process.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert client._engine.process.exitcode == 1
     finally:
         client.shutdown()

@@ -321,9 +321,22 @@ def run_engine_core(
     finally:
         _close(input_socket)
         _close(output_socket)
-        ctx.term()
+        if not _terminate(ctx):
+            # A socket still held by a stuck thread makes term() wait forever;
+            # the frontend already has our last message (or never will).
+            logger.warning("ZMQ context did not terminate; exiting without it")
+            logging.shutdown()
+            os._exit(exit_code)
         if exit_code:
             sys.exit(exit_code)
+
+
+def _terminate(ctx: zmq.Context[Any]) -> bool:
+    """ctx.term(), bounded: it flushes queued messages for up to the linger time."""
+    term = threading.Thread(target=ctx.term, name="EngineCoreZmqTerm", daemon=True)
+    term.start()
+    term.join(timeout=_LINGER_MS / 1000 + 2.0)
+    return not term.is_alive()
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:
