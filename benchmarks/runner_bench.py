@@ -131,10 +131,12 @@ def paged_decoder(config: ModelConfig, batch: int, prompt_len: int, steps: int) 
 
 
 def interleaved_prefill(
-    config: ModelConfig, hf: Any, length: int, runs: int
+    runner: ModelRunner, hf: Any, length: int, runs: int
 ) -> tuple[float, float]:
-    """Median seconds for one `length`-token prefill (paged, HF), timed alternately `runs` times."""
-    runner = build_runner(config, runs + 1, length)
+    """Median seconds for one `length`-token prefill (paged, HF), timed alternately `runs` times.
+
+    `runner` needs room for `runs` + 1 requests of `length` tokens.
+    """
     driver = Driver(runner)
     driver.prefill({"w": list(range(10, 42))}, 64, length)  # warm-up
     hf_prefill(hf, 32)  # warm-up
@@ -148,10 +150,10 @@ def interleaved_prefill(
     return statistics.median(paged_times), statistics.median(hf_times)
 
 
-def paged_weights(config: ModelConfig) -> tuple[int, bool]:
+def paged_weights(runner: ModelRunner) -> tuple[int, bool]:
     """Bytes of paged's weights (parameters, tied ones once, plus any CPU panel
     copies), and whether the panels were built."""
-    model = build_runner(config, 1, 64).model
+    model = runner.model
     assert isinstance(model, torch.nn.Module)
     found = [getattr(m, "cpu_panels", None) for m in model.modules()]
     panels = [p for p in found if isinstance(p, torch.Tensor)]
@@ -265,8 +267,9 @@ def main() -> None:
             "hf_tokens_per_s": round(b / hf_s, 2),
             "ratio_paged_over_hf": round(hf_s / paged_s, 3),
         }
-    paged_p, hf_p = interleaved_prefill(config, hf, args.prefill_len, args.prefill_runs)
-    weight_bytes, panels_built = paged_weights(config)
+    prefill_runner = build_runner(config, args.prefill_runs + 1, args.prefill_len)
+    weight_bytes, panels_built = paged_weights(prefill_runner)
+    paged_p, hf_p = interleaved_prefill(prefill_runner, hf, args.prefill_len, args.prefill_runs)
     result = {
         "bench": "runner",
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from paged.scheduler import (
     LogprobsLists,
     SchedulerStats,
 )
+from paged.server.async_llm import AsyncLLM
 
 CORPUS = [
     "hello world the quick brown fox jumps over the lazy dog",
@@ -239,3 +240,11 @@ def fake_engine() -> FakeEngine:
 def engine_cls() -> type[FakeEngine]:
     """The fake engine class, for tests that need their own script."""
     return FakeEngine
+
+
+@pytest.fixture
+async def llm(tokenizer: Any, fake_engine: Any) -> AsyncIterator[AsyncLLM]:
+    """An AsyncLLM over the fake engine (the OpenAI API tests' frontend)."""
+    engine = AsyncLLM(fake_engine, tokenizer, max_model_len=128)
+    yield engine
+    engine.shutdown()

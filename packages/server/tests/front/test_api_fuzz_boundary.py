@@ -24,13 +24,6 @@ JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture
-async def llm(tokenizer: Any, fake_engine: Any) -> AsyncIterator[AsyncLLM]:
-    engine = AsyncLLM(fake_engine, tokenizer, max_model_len=128)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture
 async def http(llm: AsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
     app = build_app(llm, model_name=MODEL)
     transport = httpx.ASGITransport(app=app)

@@ -19,13 +19,6 @@ MODEL = "tiny"
 
 
 @pytest.fixture
-async def llm(tokenizer: Any, fake_engine: Any) -> AsyncIterator[AsyncLLM]:
-    engine = AsyncLLM(fake_engine, tokenizer, max_model_len=128)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture
 def stats() -> PrometheusStatLogger:
     return PrometheusStatLogger(MODEL)
 

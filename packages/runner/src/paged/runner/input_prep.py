@@ -47,16 +47,20 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64, device
     positions: torch.Tensor  # [T] int64, device
-    attn_metadata: AttentionMetadata  # KV cache group 0's
+    # One per KV cache group (hybrid models have several): the same token
+    # layout, each group's own block table and slot mapping.
+    group_metadata: list[AttentionMetadata]
     num_tokens: int
     req_ids: list[str]  # batch order
     sampling_rows: npt.NDArray[np.int64]  # batch rows that sample
     logits_indices: torch.Tensor  # [S] token index (into T) whose hidden state is sampled
     num_scheduled: npt.NDArray[np.int32]
     prompt_logprobs: list[PromptLogprobsSpan] = field(default_factory=list)
-    # One per KV cache group (hybrid models): same token layout, each group's
-    # own block table and slot mapping. [attn_metadata] for one group.
-    group_metadata: list[AttentionMetadata] = field(default_factory=list)
+
+    @property
+    def attn_metadata(self) -> AttentionMetadata:
+        """KV cache group 0's metadata: the whole step's, for single-group models."""
+        return self.group_metadata[0]
 
     @property
     def is_uniform_decode(self) -> bool:
@@ -151,14 +155,13 @@ def prepare_inputs(
     return StepInputs(
         input_ids=buffers.input_ids.copy_to_gpu(total),
         positions=buffers.positions.copy_to_gpu(total),
-        attn_metadata=group_metadata[0],
+        group_metadata=group_metadata,
         num_tokens=total,
         req_ids=req_ids,
         sampling_rows=sampling_rows,
         logits_indices=logits_indices,
         num_scheduled=num_sched,
         prompt_logprobs=_prompt_logprob_spans(batch, req_ids, computed, num_sched, cu),
-        group_metadata=group_metadata,
     )
 
 
