@@ -60,6 +60,23 @@ def test_priority_order_then_arrival() -> None:
     assert [q.pop_request().request_id for _ in range(4)] == ["early-hi", "late-hi", "mid", "lo"]
 
 
+def test_priority_ties_broken_by_request_id_as_vllm() -> None:
+    # vLLM's Request.__lt__: (priority, arrival_time, request_id); string order, so "r10" < "r9".
+    q = PriorityRequestQueue()
+    for rid in ("r9", "b", "r10", "a"):
+        q.add_request(req(rid, 1, 2.0))
+    q.add_request(req("z", 0, 2.0))
+    assert [q.pop_request().request_id for _ in range(5)] == ["z", "a", "b", "r10", "r9"]
+
+
+def test_priority_same_id_falls_back_to_insertion_order() -> None:
+    q = PriorityRequestQueue()
+    first, second = req("x", 0, 1.0), req("x", 0, 1.0)
+    q.add_request(first)
+    q.add_request(second)
+    assert q.pop_request() is first and q.pop_request() is second
+
+
 def test_remove_and_empty_errors() -> None:
     for q in (FCFSRequestQueue(), PriorityRequestQueue()):
         a, b = req("a"), req("b")
@@ -94,6 +111,6 @@ def test_priority_queue_pops_sorted_after_removals(
     gone = data.draw(st.sets(st.sampled_from(range(len(reqs))))) if reqs else set()
     q.remove_requests([reqs[i] for i in gone])
     popped = [q.pop_request() for _ in range(len(q))]
-    keys = [(r.priority, r.arrival_time) for r in popped]
+    keys = [(r.priority, r.arrival_time, r.request_id) for r in popped]
     assert keys == sorted(keys)
     assert {r.request_id for r in popped} == {f"r{i}" for i in range(len(reqs)) if i not in gone}

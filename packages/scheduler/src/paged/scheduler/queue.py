@@ -1,4 +1,4 @@
-"""Waiting queues: FCFS (a deque) and priority (a heap on (priority, arrival, seq)).
+"""Waiting queues: FCFS (a deque) and priority (a heap on (priority, arrival, id, seq)).
 
 Both satisfy `RequestQueue`. `prepend_request` puts a request where it is
 served next: the head of the deque for FCFS (a preempted request resumes
@@ -79,25 +79,35 @@ class FCFSRequestQueue:
 
 
 class PriorityRequestQueue:
-    """Lowest `(priority, arrival_time)` first; ties broken by insertion order."""
+    """Lowest `(priority, arrival_time, request_id)` first, as vLLM's `Request.__lt__`.
+
+    Ties on all three (only possible for two live requests with one id) fall
+    back to insertion order, where vLLM compares `id()`: deterministic here.
+    """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._heap: list[tuple[int, float, str, int, Request]] = []
         self._seq = itertools.count()
 
     def add_request(self, request: Request) -> None:
-        entry = (request.priority, request.arrival_time, next(self._seq), request)
+        entry = (
+            request.priority,
+            request.arrival_time,
+            request.request_id,
+            next(self._seq),
+            request,
+        )
         heapq.heappush(self._heap, entry)
 
     def pop_request(self) -> Request:
         if not self._heap:
             raise IndexError("pop from an empty queue")
-        return heapq.heappop(self._heap)[3]
+        return heapq.heappop(self._heap)[4]
 
     def peek_request(self) -> Request:
         if not self._heap:
             raise IndexError("peek from an empty queue")
-        return self._heap[0][3]
+        return self._heap[0][4]
 
     def prepend_request(self, request: Request) -> None:
         self.add_request(request)
@@ -112,7 +122,7 @@ class PriorityRequestQueue:
     def remove_requests(self, requests: Iterable[Request]) -> None:
         gone = {id(r) for r in requests}
         if gone:
-            self._heap = [e for e in self._heap if id(e[3]) not in gone]
+            self._heap = [e for e in self._heap if id(e[4]) not in gone]
             heapq.heapify(self._heap)
 
     def __bool__(self) -> bool:
@@ -123,10 +133,10 @@ class PriorityRequestQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """Requests in service order (sorts a copy; for inspection, not the hot path)."""
-        return (e[3] for e in sorted(self._heap))
+        return (e[4] for e in sorted(self._heap))
 
     def __contains__(self, request: object) -> bool:
-        return any(e[3] is request for e in self._heap)
+        return any(e[4] is request for e in self._heap)
 
 
 def create_request_queue(policy: SchedulingPolicy) -> RequestQueue:
