@@ -259,3 +259,38 @@ def test_finished_id_reported_in_next_scheduler_output() -> None:
     assert so.finished_req_ids == ["b"] and so.total_num_scheduled_tokens == 0
     sched.update_from_output(so, ModelRunnerOutput())
     assert not sched.has_requests()
+
+
+def _self_preemption_run(c_joins_after_first_step: bool) -> list[SchedulerOutput]:
+    """Block size 4, 4 usable blocks, priority policy; a (priority 1) then c (priority 0)."""
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=64, policy="priority")
+    runner = FakeRunner()
+    sched.add_request(make_request("a", 4, max_tokens=20, priority=1))
+    if not c_joins_after_first_step:
+        sched.add_request(make_request("c", 4, max_tokens=20, priority=0))
+    outs = [step(sched, runner)]
+    if c_joins_after_first_step:
+        sched.add_request(make_request("c", 4, max_tokens=20, priority=0))
+    outs += [step(sched, runner) for _ in range(5)]
+    return outs
+
+
+def test_priority_request_preempting_itself_ends_the_running_pass_as_vllm() -> None:
+    # running = [a, c]: a is one token ahead, so it reaches a block boundary first with
+    # no block free; it is the largest (priority, arrival), so it preempts itself. vLLM
+    # (scheduler.py: `if preempted_req == request: break` then `if new_blocks is None:
+    # break`) ends the whole running pass there: c, behind a with a better priority,
+    # is not scheduled this step, and no waiting request is admitted (a step that
+    # preempted). The step is empty; c resumes next step.
+    outs = _self_preemption_run(c_joins_after_first_step=True)
+    assert [dict(o.num_scheduled_tokens) for o in outs[:5]] == [
+        {"a": 4}, {"a": 1, "c": 4}, {"a": 1, "c": 1}, {"a": 1, "c": 1}, {"a": 1, "c": 1},
+    ]  # fmt: skip
+    assert dict(outs[5].num_scheduled_tokens) == {} and outs[5].preempted_req_ids == ["a"]
+
+
+def test_priority_victim_behind_the_asking_request_frees_its_blocks() -> None:
+    # Same sizes, both added together: running = [c, a]; c asks first and the victim a
+    # is another request, so c gets a's freed block in the same step.
+    outs = _self_preemption_run(c_joins_after_first_step=False)
+    assert dict(outs[5].num_scheduled_tokens) == {"c": 1} and outs[5].preempted_req_ids == ["a"]

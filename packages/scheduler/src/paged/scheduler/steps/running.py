@@ -5,7 +5,11 @@ model): each request asks for `num_tokens_with_spec - num_computed_tokens`
 tokens, cut by `long_prefill_token_threshold`, the remaining budget and
 `max_model_len`. When `allocate_slots` finds no blocks, requests are
 preempted (see preemption.py) until it succeeds or the asking request itself
-was the victim; in that case the phase ends.
+was the victim; in that case the phase ends, as in vLLM (`break`, not
+`continue`): under the priority policy the requests after it in running order
+(better priorities, admitted later) get nothing this step, and the step may be
+empty. vLLM's own reasoning: with no block for this request the later ones
+would mostly fail too, preempting more for nothing.
 """
 
 from __future__ import annotations
