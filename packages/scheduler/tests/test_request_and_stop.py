@@ -127,6 +127,37 @@ def test_scheduler_config_rejects(kwargs: dict[str, object], field: str) -> None
         SchedulerConfig(**kwargs)  # type: ignore[arg-type]
 
 
+def test_scheduler_config_budget_below_max_num_seqs_rejected_with_vllms_message() -> None:
+    # vLLM's SchedulerConfig.verify_max_model_len, word for word.
+    with pytest.raises(ValueError) as e:
+        SchedulerConfig(max_model_len=64, max_num_seqs=300, max_num_batched_tokens=256)
+    assert str(e.value) == (
+        "max_num_batched_tokens (256) must be greater than or equal to max_num_seqs (300)."
+    )
+    SchedulerConfig(max_model_len=64, max_num_seqs=256, max_num_batched_tokens=256)  # equal: ok
+
+
+def test_scheduler_config_chunked_prefill_off_message_is_vllms() -> None:
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens \(2048\) is smaller than "
+                       r"max_model_len \(4096\)\. This effectively limits"):  # fmt: skip
+        SchedulerConfig(max_model_len=4096, enable_chunked_prefill=False)
+
+
+def test_scheduler_config_long_prefill_threshold_above_max_model_len_accepted_as_vllm() -> None:
+    # vLLM rejects it only with max_num_partial_prefills > 1 (not an option here); with
+    # its default of 1 the threshold is accepted and simply never binds.
+    c = SchedulerConfig(max_model_len=64, long_prefill_token_threshold=100)
+    assert c.long_prefill_token_threshold == 100
+
+
+def test_scheduler_config_warns_when_budget_exceeds_seqs_times_len(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="paged.scheduler.config"):
+        SchedulerConfig(max_model_len=8, max_num_seqs=2, max_num_batched_tokens=17)
+    assert "max_num_batched_tokens (17) exceeds max_num_seqs * max_model_len (16)" in caplog.text
+
+
 def test_scheduler_config_encoder_defaults() -> None:
     c = SchedulerConfig(max_model_len=64, max_num_batched_tokens=512)
     assert c.resolved_encoder_cache_size == 512

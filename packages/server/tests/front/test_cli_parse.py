@@ -100,3 +100,28 @@ def test_engine_config_carries_the_model_options() -> None:
     assert model.cpu_weight_panels == "off"
     with pytest.raises(ValueError, match="cpu_weight_panels"):
         EngineArgs(device="cpu", cpu_weight_panels="yes").create_engine_config()
+
+
+def test_scheduler_limits_vllm_rejects_fail_in_create_engine_config() -> None:
+    args = EngineArgs(device="cpu", max_num_seqs=300, max_num_batched_tokens=256)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(256\) must be greater"):
+        args.create_engine_config()
+
+
+def test_serve_with_bad_scheduler_limits_is_a_clean_error_before_any_spawn(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import paged.server.engine.client as client
+
+    def no_spawn(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the engine core was started with limits it rejects")
+
+    monkeypatch.setattr(client, "AsyncMPClient", no_spawn)
+    argv = ["serve", "--device", "cpu", "--max-num-seqs", "300", "--max-num-batched-tokens", "256"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    expected = (
+        "paged serve: error: max_num_batched_tokens (256) must be greater than or equal to "
+        "max_num_seqs (300)."
+    )
+    assert expected in err and "Traceback" not in err

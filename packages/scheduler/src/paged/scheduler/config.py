@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
 from paged.scheduler.sampling_params import DEFAULT_MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -58,11 +61,38 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 0 or None, got {value}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        self._check_limits_against_each_other()
+
+    def _check_limits_against_each_other(self) -> None:
+        """vLLM's `SchedulerConfig.verify_max_model_len`: same conditions, order and messages.
+
+        vLLM also rejects `long_prefill_token_threshold > max_model_len`, but only
+        with `max_num_partial_prefills > 1`, an option paged does not have; with
+        vLLM's default of 1 it accepts it (the threshold then never binds), so
+        paged accepts it too.
+        """
+        batched, seqs = self.max_num_batched_tokens, self.max_num_seqs
+        model_len = self.max_model_len
+        if not self.enable_chunked_prefill and batched < model_len:
             # Without chunking a prompt must fit one step, or it could never run.
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is False"
+                f"max_num_batched_tokens ({batched}) is smaller than max_model_len "
+                f"({model_len}). This effectively limits the maximum sequence length to "
+                "max_num_batched_tokens and makes paged reject longer sequences. Please "
+                "increase max_num_batched_tokens or decrease max_model_len."
+            )
+        if batched < seqs:
+            # Every running request needs at least one token of budget to decode.
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be greater than or equal to "
+                f"max_num_seqs ({seqs})."
+            )
+        if batched > seqs * model_len:
+            logger.warning(
+                "max_num_batched_tokens (%d) exceeds max_num_seqs * max_model_len (%d). "
+                "This may lead to unexpected behavior.",
+                batched,
+                seqs * model_len,
             )
 
     @property

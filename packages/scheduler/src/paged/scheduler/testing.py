@@ -51,9 +51,12 @@ def make_scheduler(num_blocks: int = 64, *, max_model_len: int = 256, **kwargs: 
         "encoder_cache_size",
         "num_lookahead_tokens",
     }
-    config = SchedulerConfig(
-        max_model_len=max_model_len, **{k: v for k, v in kwargs.items() if k in sched_keys}
-    )
+    limits = {k: v for k, v in kwargs.items() if k in sched_keys}
+    if "max_num_seqs" not in limits:
+        # SchedulerConfig's default (256), capped by the token budget as vLLM requires
+        # (max_num_batched_tokens >= max_num_seqs), so small-budget tests stay valid.
+        limits["max_num_seqs"] = min(256, limits.get("max_num_batched_tokens", 2048))
+    config = SchedulerConfig(max_model_len=max_model_len, **limits)
     rest = {k: v for k, v in kwargs.items() if k not in sched_keys}
     rest.setdefault("hash_seed", 0)
     return Scheduler(config, kv_config(num_blocks), BLOCK_SIZE, **rest)

@@ -82,7 +82,7 @@ class EngineArgs:
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu":
             kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        return EngineConfig(
+        config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -99,6 +99,13 @@ class EngineArgs:
             ),
             seed=self.seed,
         )
+        # Build the scheduler's config now, in the caller's process, so that limits it
+        # rejects (vLLM's SchedulerConfig checks) fail here with a message rather than
+        # inside the engine core process after it was spawned.
+        from paged.server.engine.core import scheduler_config_from
+
+        scheduler_config_from(config)
+        return config
 
 
 def tokenizer_path(config: EngineConfig, override: str | None = None) -> str:
