@@ -3,7 +3,9 @@
 Workloads: N running requests all decoding (N = 64, 256, 1024), and a mixed
 step (256 decodes plus new prompts filling the rest of the token budget).
 The runner's answer is precomputed, so only scheduler time is measured.
-Prints one JSON line: microseconds per step and per request, median of runs.
+Prints one JSON line: microseconds per step and per request, and the two
+halves of a step (`schedule_us`, `update_us`: schedule() and
+update_from_output() apart), each the median over runs of per-run medians.
 
     .venv/bin/python benchmarks/scheduler_bench.py [--runs 3] [--steps 200]
 """
@@ -42,8 +44,8 @@ def request(i: int, prompt_len: int) -> EngineCoreRequest:
     )
 
 
-def step(sched: Scheduler, token: int) -> float:
-    """CPU seconds the scheduler spends on one step (the fake runner excluded).
+def step(sched: Scheduler, token: int) -> tuple[float, float]:
+    """CPU seconds of schedule() and of update_from_output() in one step (runner excluded).
 
     CPU time, not wall time: benchmarks here share a loaded machine, and the
     scheduler is single-threaded pure Python, so its CPU time is its cost.
@@ -59,20 +61,31 @@ def step(sched: Scheduler, token: int) -> float:
     t2 = time.process_time()
     sched.update_from_output(so, mro)
     t3 = time.process_time()
-    return (t1 - t0) + (t3 - t2)
+    return t1 - t0, t3 - t2
 
 
-def decode_bench(n: int, steps: int) -> float:
+Timing = tuple[float, float, float]  # medians over steps: whole step, schedule, update
+
+
+def medians(times: list[tuple[float, float]]) -> Timing:
+    return (
+        statistics.median(a + b for a, b in times),
+        statistics.median(a for a, _ in times),
+        statistics.median(b for _, b in times),
+    )
+
+
+def decode_bench(n: int, steps: int) -> Timing:
     sched = make_scheduler(num_blocks=n * 40 + 16, max_num_seqs=n, budget=max(8192, n))
     for i in range(n):
         sched.add_request(request(i, 128))
     while len(sched.state.running) < n or sched.state.waiting:  # prefill everything first
         step(sched, 7)
     times = [step(sched, 7 + (k % 5)) for k in range(steps)]
-    return statistics.median(times)
+    return medians(times)
 
 
-def mixed_bench(steps: int) -> float:
+def mixed_bench(steps: int) -> Timing:
     n = 256
     sched = make_scheduler(num_blocks=30_000, max_num_seqs=1024, budget=2048)
     for i in range(n):
@@ -87,7 +100,19 @@ def mixed_bench(steps: int) -> float:
             sched.add_request(request(next_id, 512))
             next_id += 1
         times.append(step(sched, 7 + (k % 5)))
-    return statistics.median(times)
+    return medians(times)
+
+
+def summarize(per_run: list[Timing], n: int | None = None) -> dict[str, float]:
+    step_us, sched_us, update_us = (
+        statistics.median(t[i] for t in per_run) * 1e6 for i in range(3)
+    )
+    out = {"us_per_step": round(step_us, 1)}
+    if n is not None:
+        out["us_per_request"] = round(step_us / n, 2)
+    out["schedule_us"] = round(sched_us, 1)
+    out["update_us"] = round(update_us, 1)
+    return out
 
 
 def main() -> None:
@@ -97,12 +122,11 @@ def main() -> None:
     args = parser.parse_args()
     result: dict[str, object] = {"bench": "scheduler_step", "runs": args.runs, "unit": "us"}
     for n in (64, 256, 1024):
-        per_run = [decode_bench(n, args.steps) for _ in range(args.runs)]
-        med = statistics.median(per_run) * 1e6
-        result[f"decode_{n}"] = {"us_per_step": round(med, 1), "us_per_request": round(med / n, 2)}
-    per_run = [mixed_bench(args.steps) for _ in range(args.runs)]
-    med = statistics.median(per_run) * 1e6
-    result["mixed_256_decode_plus_prefill"] = {"us_per_step": round(med, 1)}
+        result[f"decode_{n}"] = summarize(
+            [decode_bench(n, args.steps) for _ in range(args.runs)], n
+        )
+    mixed = [mixed_bench(args.steps) for _ in range(args.runs)]
+    result["mixed_256_decode_plus_prefill"] = summarize(mixed)
     print(json.dumps(result))
 
 

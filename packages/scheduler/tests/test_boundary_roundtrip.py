@@ -183,3 +183,19 @@ def test_finish_reason_str_and_finished_flag() -> None:
         request_id="r", new_token_ids=[], finish_reason=FinishReason.ABORT
     ).finished
     assert not EngineCoreOutput(request_id="r", new_token_ids=[1]).finished
+
+
+def test_engine_core_output_field_order_is_what_update_builds_positionally() -> None:
+    # update.update_requests builds EngineCoreOutput positionally (the hot path); a
+    # reordered or inserted field must fail here, not mislabel every output.
+    assert EngineCoreOutput.__struct_fields__ == (
+        "request_id",
+        "new_token_ids",
+        "new_logprobs",
+        "new_prompt_logprobs",
+        "finish_reason",
+        "stop_reason",
+        "finish_detail",
+        "kv_transfer_params",
+        "num_cached_tokens",
+    )

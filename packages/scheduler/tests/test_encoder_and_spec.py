@@ -194,3 +194,19 @@ def test_structured_output_hook_masks_and_rejects() -> None:
     assert out.finish_reason is FinishReason.ERROR and "grammar" in (out.finish_detail or "")
     assert grammar.removed == ["a"]
     assert make_scheduler().get_grammar_bitmask(so) is None
+
+
+def test_grammar_sees_a_stop_token_and_its_rejection_wins() -> None:
+    # The tokens are appended before the grammar is asked, stop token included; a
+    # rejected EOS turns the STOP finish into ERROR (update_requests' fast path kept this).
+    grammar = FakeGrammar(banned=-1)
+    sched = make_scheduler(structured_output=grammar)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", distinct(1, 4), max_tokens=5, eos=77))
+    so = sched.schedule()
+    mro = runner.execute(so)
+    mro = ModelRunnerOutput(req_ids=mro.req_ids, sampled_token_ids=[[77]])
+    grammar.banned = 77
+    (out,) = all_outputs(sched.update_from_output(so, mro))
+    assert grammar.seen == [("a", [77])]
+    assert out.new_token_ids == [77] and out.finish_reason is FinishReason.ERROR

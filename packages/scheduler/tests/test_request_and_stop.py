@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paged.kvcache.hashing import get_request_block_hasher, init_none_hash, sha256
+from paged.kvcache.ids import BlockHash
 from paged.scheduler.boundary import FinishReason
 from paged.scheduler.config import SchedulerConfig
 from paged.scheduler.request import (
@@ -32,6 +33,35 @@ def test_status_sets_are_explicit_and_disjoint() -> None:
     assert finish_reason_of(RequestStatus.FINISHED_IGNORED) is FinishReason.LENGTH
     assert finish_reason_of(RequestStatus.FINISHED_ERROR) is FinishReason.ERROR
     assert finish_reason_of(RequestStatus.FINISHED_ABORTED) is FinishReason.ABORT
+
+
+def test_decode_appends_hash_exactly_the_blocks_a_fresh_request_would() -> None:
+    # Appends that cannot complete a block skip the hasher call (it publishes its
+    # block size); the chain must still equal hashing the whole sequence at once.
+    init_none_hash(sha256, 0)
+    hasher = get_request_block_hasher(4, sha256)
+    r = Request("r", [1, 2, 3], SamplingParams(), None, max_model_len=64, block_hasher=hasher)
+    for token in range(10, 24):
+        r.append_output_token_ids(token)
+        fresh = Request(
+            "f", list(r.all_token_ids), SamplingParams(), None, max_model_len=64,
+            block_hasher=hasher,
+        )  # fmt: skip
+        assert r.block_hashes == fresh.block_hashes
+    assert len(r.block_hashes) == 17 // 4
+
+
+def test_a_hasher_without_block_size_is_called_on_every_append() -> None:
+    calls: list[int] = []
+
+    def plain_hasher(request: Request) -> list[BlockHash]:
+        calls.append(request.num_tokens)
+        return []
+
+    r = Request("r", [1, 2], SamplingParams(), None, max_model_len=64, block_hasher=plain_hasher)
+    r.append_output_token_ids(3)
+    r.append_output_token_ids([4, 5])
+    assert calls == [2, 3, 5]
 
 
 def test_block_hashes_grow_incrementally() -> None:

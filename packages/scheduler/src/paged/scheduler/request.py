@@ -84,6 +84,7 @@ class Request:
 
     __slots__ = (
         "_block_hasher",
+        "_hash_block_size",
         "_output_token_ids",
         "all_token_ids",
         "arrival_time",
@@ -159,6 +160,9 @@ class Request:
         self.num_preemptions = 0
         self.num_nans_in_logits = 0
         self._block_hasher = block_hasher
+        # paged.kvcache's hasher publishes its block size so appends that cannot
+        # complete a block skip the call (most decode steps); 0: always call.
+        self._hash_block_size: int = getattr(block_hasher, "block_size", 0)
         self.block_hashes: list[BlockHash] = []
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
@@ -212,8 +216,11 @@ class Request:
         else:
             self._output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        hasher = self._block_hasher
+        if hasher is not None and len(self.all_token_ids) >= self._hash_block_size * (
+            len(self.block_hashes) + 1
+        ):
+            self.block_hashes.extend(hasher(self))
 
     # -- views paged.kvcache and the encoder cache read ------------------------
     @property

@@ -16,9 +16,10 @@ from paged.scheduler.request import Request, RequestStatus
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Update `request.status`/`stop_reason` if its last token ends it; True if it did."""
     params = request.sampling_params
+    tokens = request.all_token_ids
     num_output = request.num_output_tokens
     if num_output >= params.min_tokens:
-        last = request.all_token_ids[-1]
+        last = tokens[-1]
         if last == request.eos_token_id and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
@@ -26,7 +27,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True
-    if num_output >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_output >= request.max_tokens or len(tokens) >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False

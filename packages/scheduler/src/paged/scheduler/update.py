@@ -18,7 +18,7 @@ from paged.scheduler.boundary import (
     SchedulerOutput,
 )
 from paged.scheduler.remote_kv import connector_finished, release_blocks
-from paged.scheduler.request import Request, RequestStatus
+from paged.scheduler.request import FINISHED_STATUSES, Request, RequestStatus, finish_reason_of
 from paged.scheduler.state import SchedulerState
 from paged.scheduler.stop import check_stop
 from paged.scheduler.structured_output import StructuredOutputProvider
@@ -90,47 +90,61 @@ def update_requests(
     failed_kv_load: set[str],
     structured: StructuredOutputProvider | None,
 ) -> StepResults:
-    results = StepResults()
+    """Fold `mro` into the scheduled requests; the outputs to send, per client.
+
+    The hot path is a decode step of a few hundred RUNNING requests sampling one
+    token each, so the loop avoids per-request work that cannot apply: RUNNING
+    is tested by identity before the finished-status set (hashing an Enum is a
+    Python-level call), the finish reason is looked up only for requests that
+    stopped, and outputs are built positionally.
+    """
+    outputs: dict[int, list[EngineCoreOutput]] = {}
     requests = state.requests
     max_model_len = state.config.max_model_len
     index = {req_id: i for i, req_id in enumerate(mro.req_ids)}
     sampled = mro.sampled_token_ids
     spec = so.scheduled_spec_decode_tokens
     nans = mro.num_nans_in_logits
+    logprobs_by_id = mro.logprobs
+    prompt_logprobs_by_id = mro.prompt_logprobs
     stopped_running: set[str] = set()
     stopped_preempted: list[Request] = []
     running_status = RequestStatus.RUNNING
     for req_id in so.num_scheduled_tokens:
         request = requests.get(req_id)
-        if request is None or request.is_finished():
+        if request is None:
+            continue  # freed while the step ran
+        running = request.status is running_status
+        if not running and request.status in FINISHED_STATUSES:
             continue  # finished (e.g. aborted) while the step ran
-        if req_id in failed_kv_load:
+        if failed_kv_load and req_id in failed_kv_load:
             continue  # recomputed from the last valid block next step
         i = index.get(req_id)
         generated = sampled[i] if i is not None else []
-        running = request.status is running_status
         if running:
             drafts = spec.get(req_id) if spec else None
             if drafts and generated:
                 # One bonus token plus the accepted drafts came back.
                 request.num_computed_tokens -= len(drafts) + 1 - len(generated)
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens < len(request.all_token_ids):
                 generated = []  # a partial prefill chunk samples nothing
         # else: preempted after this step was scheduled (pipelined steps). As in
         # vLLM its sampled tokens are kept; it recomputes them with the rest.
-        stopped = False
-        new_tokens: list[int] = []
         if nans and nans.get(req_id, 0) > 0:
-            request.status = RequestStatus.FINISHED_ERROR
-            request.num_nans_in_logits = nans[req_id]
-            request.finish_detail = f"{nans[req_id]} NaN values in the logits"
-            stopped = True
+            new_tokens, stopped = _fail_on_nans(request, nans[req_id])
+        elif len(generated) == 1:  # the decode case, without append_and_check's loop
+            request.append_output_token_ids(generated[0])
+            new_tokens, stopped = generated, check_stop(request, max_model_len)
         elif generated:
             new_tokens, stopped = append_and_check(request, generated, max_model_len)
-            if structured is not None and not structured.accept_tokens(req_id, new_tokens):
-                request.status = RequestStatus.FINISHED_ERROR
-                request.finish_detail = "sampled token rejected by the grammar"
-                stopped = True
+        else:
+            new_tokens, stopped = [], False
+        if (
+            structured is not None
+            and new_tokens
+            and _grammar_rejects(structured, request, req_id, new_tokens)
+        ):
+            stopped = True  # checked even after a stop token, as the tokens were appended
         kv_params = None
         if stopped:
             if running:
@@ -138,25 +152,47 @@ def update_requests(
             else:
                 stopped_preempted.append(request)
             kv_params = free_request(state, request)
-        prompt_logprobs = mro.prompt_logprobs.get(req_id) if mro.prompt_logprobs else None
+        prompt_logprobs = prompt_logprobs_by_id.get(req_id) if prompt_logprobs_by_id else None
         if new_tokens or stopped or prompt_logprobs is not None or kv_params is not None:
-            logprobs = mro.logprobs.get(req_id) if mro.logprobs else None
-            results.add(
-                request.client_index,
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_tokens,
-                    new_logprobs=_trim_logprobs(logprobs, len(new_tokens)),
-                    new_prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason,
-                    finish_detail=request.finish_detail,
-                    kv_transfer_params=kv_params,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                ),
+            logprobs = logprobs_by_id.get(req_id) if logprobs_by_id else None
+            if logprobs is not None:
+                logprobs = _trim_logprobs(logprobs, len(new_tokens))
+            cached = request.num_cached_tokens
+            output = EngineCoreOutput(  # positional: field order of EngineCoreOutput
+                req_id,
+                new_tokens,
+                logprobs,
+                prompt_logprobs,
+                finish_reason_of(request.status) if stopped else None,
+                request.stop_reason,
+                request.finish_detail,
+                kv_params,
+                cached if cached > 0 else 0,
             )
+            bucket = outputs.get(request.client_index)
+            if bucket is None:
+                outputs[request.client_index] = [output]
+            else:
+                bucket.append(output)
     if stopped_running:
         state.running = [r for r in state.running if r.request_id not in stopped_running]
     if stopped_preempted:
         state.waiting.remove_requests(stopped_preempted)
-    return results
+    return StepResults(outputs)
+
+
+def _fail_on_nans(request: Request, num_nans: int) -> tuple[list[int], bool]:
+    request.status = RequestStatus.FINISHED_ERROR
+    request.num_nans_in_logits = num_nans
+    request.finish_detail = f"{num_nans} NaN values in the logits"
+    return [], True
+
+
+def _grammar_rejects(
+    structured: StructuredOutputProvider, request: Request, req_id: str, tokens: list[int]
+) -> bool:
+    if structured.accept_tokens(req_id, tokens):
+        return False
+    request.status = RequestStatus.FINISHED_ERROR
+    request.finish_detail = "sampled token rejected by the grammar"
+    return True
