@@ -96,7 +96,8 @@ def update_requests(
     token each, so the loop avoids per-request work that cannot apply: RUNNING
     is tested by identity before the finished-status set (hashing an Enum is a
     Python-level call), the finish reason is looked up only for requests that
-    stopped, and outputs are built positionally.
+    stopped, and outputs are built positionally. The loop stays one function on
+    purpose: a helper call per request costs ~10% of a 256-decode update.
     """
     outputs: dict[int, list[EngineCoreOutput]] = {}
     requests = state.requests
