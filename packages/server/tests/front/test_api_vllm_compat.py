@@ -183,6 +183,16 @@ def test_cors_flags_take_vllm_json_lists() -> None:
     assert default == CorsConfig() and not default.enabled
 
 
+def test_cors_options_without_origins_warn_that_cors_stays_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ns = build_parser().parse_args(["serve", "--allow-credentials"])
+    with caplog.at_level(logging.WARNING, logger="paged.server.openai.cors"):
+        config = cors_config_from(ns)
+    assert not config.enabled
+    assert "CORS stays off" in caplog.text
+
+
 @pytest.mark.parametrize("value", ["*", '"*"', '{"a": 1}', "[1]", "[not json"])
 def test_cors_flags_reject_what_is_not_a_json_list_of_strings(
     value: str, capsys: pytest.CaptureFixture[str]
