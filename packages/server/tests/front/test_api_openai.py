@@ -205,7 +205,6 @@ BAD_CHAT: list[tuple[dict[str, Any], int, str | None]] = [
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 3.0}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, 400, "top_p"),
-    ({"messages": [{"role": "user", "content": "x"}], "bogus": 1}, 400, "bogus"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x" * 300}]}, 400, "prompt"),

@@ -36,9 +36,29 @@ def _content_text(content: object, where: str) -> str:
                 raise InvalidRequestError(f"{where}.content[{j}].text", "must be a string")
             parts.append(text)
         return "\n".join(parts)
-    if content is None:
-        return ""
     raise InvalidRequestError(f"{where}.content", "must be a string or a list of text parts")
+
+
+def _may_omit_content(message: Mapping[str, Any]) -> bool:
+    # OpenAI: an assistant message's content is "required unless tool_calls
+    # or function_call is specified"; every other role needs content (a null
+    # user or system content is a 400 there, not an empty turn).
+    return message.get("role") == "assistant" and bool(
+        message.get("tool_calls") or message.get("function_call")
+    )
+
+
+def _message_text(message: Mapping[str, Any], where: str) -> str:
+    content = message.get("content")
+    if content is not None:
+        return _content_text(content, where)
+    if _may_omit_content(message):
+        return ""
+    raise InvalidRequestError(
+        f"{where}.content",
+        f"Invalid value for '{where}.content': expected a string or a list of text parts, "
+        "got null (only an assistant message with tool_calls may omit its content)",
+    )
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
@@ -53,7 +73,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             raise InvalidRequestError(
                 f"{where}.role", f"role must be one of {', '.join(VALID_ROLES)}; got {role!r}"
             )
-        out.append({"role": str(role), "content": _content_text(message.get("content"), where)})
+        out.append({"role": str(role), "content": _message_text(message, where)})
     return out
 
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from paged.server.engine_args import EngineArgs, parse_bytes
+from paged.server.metrics_names import METRICS_PREFIXES
+from paged.server.openai.cors import add_cors_args, cors_config_from
 
 logger = logging.getLogger("paged.server.cli")
 
@@ -204,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $PAGED_API_KEY; unset = no key)",
     )
     h.add_argument("--served-model-name", help="the name clients pass as `model`")
+    h.add_argument(
+        "--metrics-prefix",
+        default="paged",
+        choices=list(METRICS_PREFIXES),
+        help="publish /metrics as paged:* (default) or exactly as vLLM's vllm:* metrics "
+        "(names, labels, buckets) for vLLM dashboards and routers",
+    )
+    add_cors_args(serve)
 
     gen = sub.add_parser(
         "generate",
@@ -241,7 +251,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "serve":
             from paged.server.serve import run_server
 
-            run_server(args, host=ns.host, port=ns.port, api_key=ns.api_key, log_level=ns.log_level)
+            run_server(
+                args,
+                host=ns.host,
+                port=ns.port,
+                api_key=ns.api_key,
+                log_level=ns.log_level,
+                cors=cors_config_from(ns),
+                metrics_prefix=ns.metrics_prefix,
+            )
             return 0
         if ns.command == "generate":
             return _generate(args, ns)

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from paged.server.engine_args import EngineArgs, tokenizer_path
+
+if TYPE_CHECKING:
+    from paged.server.openai.cors import CorsConfig
 
 logger = logging.getLogger("paged.server.serve")
 
 
 def run_server(
-    args: EngineArgs, *, host: str, port: int, api_key: str | None, log_level: str = "info"
+    args: EngineArgs,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    log_level: str = "info",
+    cors: CorsConfig | None = None,
+    metrics_prefix: str = "paged",
 ) -> None:
     import uvicorn
 
@@ -18,9 +29,11 @@ def run_server(
     from paged.server.engine.client import AsyncMPClient
     from paged.server.engine.core import make_engine_core_factory
     from paged.server.metrics import PrometheusStatLogger
+    from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
     from paged.server.tokenizer import load_tokenizer
 
+    naming = metrics_naming(metrics_prefix)  # a bad prefix fails before the model loads
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -45,7 +58,7 @@ def run_server(
             info.num_gpu_blocks * info.block_size,
         )
         name = args.model_name()
-        stats = PrometheusStatLogger(name)
+        stats = PrometheusStatLogger(name, naming=naming)
         llm = AsyncLLM(
             client,
             tokenizer,
@@ -56,7 +69,12 @@ def run_server(
             stat_loggers=[stats],
         )
         app = build_app(
-            llm, model_name=name, model_root=mc.model, api_key=api_key, stat_logger=stats
+            llm,
+            model_name=name,
+            model_root=mc.model,
+            api_key=api_key,
+            stat_logger=stats,
+            cors=cors,
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",

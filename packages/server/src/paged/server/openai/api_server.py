@@ -3,7 +3,8 @@
 `build_app(llm, ...)` wires routes to an `AsyncLLM`; `paged serve` runs it
 under uvicorn. Every error leaves as OpenAI's schema
 `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (wrong
-types, unknown fields, out-of-range values, prompts that do not fit), 401 for
+types, out-of-range values, prompts that do not fit; unknown fields are
+ignored with a warning, as vLLM does), 401 for
 a missing or wrong API key, 404 for an unknown model or route, 500 when the
 engine fails, and /health answers 503 once the engine is dead.
 """
@@ -30,6 +31,7 @@ from paged.server.chat_utils import apply_chat_template
 from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
 from paged.server.metrics import PrometheusStatLogger
+from paged.server.openai.cors import CorsConfig, install_cors
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -82,8 +84,6 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         return error_response(
             400, "We could not parse the JSON body of your request. Send valid JSON."
         )
-    if kind == "extra_forbidden":
-        return error_response(400, f"Unrecognized request argument supplied: {param}", param)
     if kind in ("invalid_unicode", "int_out_of_range", "too_deep"):
         ctx = err.get("ctx") or {}
         param = str(ctx.get("param") or "") or None
@@ -127,7 +127,6 @@ class ApiKeyAndMetricsMiddleware:
             if self.api_key is not None and path.startswith("/v1"):
                 headers = dict(scope.get("headers") or [])
                 auth = headers.get(b"authorization", b"").decode("latin-1")
-                expected = f"Bearer {self.api_key}"
                 if not auth:
                     resp = error_response(
                         401,
@@ -136,7 +135,7 @@ class ApiKeyAndMetricsMiddleware:
                     )
                     await resp(scope, receive, counting_send)
                     return
-                if not hmac.compare_digest(auth.encode(), expected.encode()):
+                if not _key_matches(auth, self.api_key):
                     resp = error_response(
                         401, "Incorrect API key provided.", code="invalid_api_key"
                     )
@@ -146,6 +145,20 @@ class ApiKeyAndMetricsMiddleware:
         finally:
             if self.metrics is not None:
                 self.metrics.http_requests.labels(path, str(status_holder["status"])).inc()
+
+
+def _key_matches(authorization: str, api_key: str) -> bool:
+    """`Authorization: <scheme> <key>` carries `api_key` with the Bearer scheme.
+
+    The scheme is case-insensitive (RFC 7235 section 2.1, as vLLM checks it):
+    `bearer KEY` and `BEARER KEY` are accepted. The key is compared in
+    constant time.
+    """
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # The header was decoded as latin-1, so this gives back its raw bytes.
+    return hmac.compare_digest(token.strip(" ").encode("latin-1"), api_key.encode())
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -179,8 +192,12 @@ def build_app(
     model_root: str | None = None,
     api_key: str | None = None,
     stat_logger: PrometheusStatLogger | None = None,
+    cors: CorsConfig | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app serving `llm` under the name `model_name`."""
+    """The OpenAI-compatible app serving `llm` under the name `model_name`.
+
+    `cors`: cross-origin access for browsers; None or no origins = no CORS headers.
+    """
     app = FastAPI(
         title="paged",
         version=_version(),
@@ -276,6 +293,7 @@ def build_app(
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(stat_logger.registry), media_type=CONTENT_TYPE_LATEST)
 
+    install_cors(app, cors)  # last: the outermost middleware
     return app
 
 

@@ -1,26 +1,41 @@
 """OpenAI-compatible request and response models (pydantic, served by FastAPI).
 
-Requests are strict (`extra="forbid"`, no type coercion) like the official
-API, which answers 400 to unknown parameters and wrong types. vLLM's extra
-sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`, ...) are accepted too; the `openai` client
-sends them through `extra_body`.
+Known fields are typed strictly (no coercion: a wrong type is a 400), but
+unknown fields are ignored with a logged warning, as vLLM does: clients send
+other servers' extras (llama.cpp's `cache_prompt`, newer OpenAI fields) and
+must not fail on them. vLLM's extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are
+accepted too; the `openai` client sends them through `extra_body`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidatorFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger(__name__)
 
 # Integers travel to the engine core as msgspec ints (int64/uint64) and into
 # torch; anything beyond int64 is a 400 here, not an OverflowError (500) later.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_DEPTH = 64
+# The ignored-fields warning names at most this many fields, each cut to this
+# length: the names come from the client and must not flood the log.
+_MAX_LOGGED_FIELDS = 16
+_MAX_LOGGED_NAME = 64
 
 
 def random_id(prefix: str) -> str:
@@ -85,8 +100,34 @@ def _range(lo: float, hi: float) -> dict[str, Any]:
     return {"minimum": lo, "maximum": hi}
 
 
+def _ignored_fields_note(unknown: list[str]) -> str:
+    shown = [repr(k[:_MAX_LOGGED_NAME]) for k in sorted(unknown)[:_MAX_LOGGED_FIELDS]]
+    more = len(unknown) - len(shown)
+    return "{" + ", ".join(shown) + (f", ... {more} more" if more > 0 else "") + "}"
+
+
 class StrictRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """A request object: known fields strictly typed, unknown ones ignored and logged.
+
+    vLLM's `OpenAIBaseModel` behaviour (it uses `extra="allow"` and logs "The
+    following fields were present in the request but ignored"); here the
+    extras are dropped (`extra="ignore"`) since nothing downstream reads them.
+    """
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        result = handler(data)  # validation errors come first: a bad body is a 400
+        if isinstance(data, dict):
+            unknown = [str(k) for k in data if k not in cls.model_fields]
+            if unknown:
+                logger.warning(
+                    "The following fields were present in the request but ignored: %s",
+                    _ignored_fields_note(unknown),
+                )
+        return result
 
 
 class TopLevelRequest(StrictRequest):
