@@ -55,7 +55,10 @@ def sliding(window_blocks: int, block_size: int = BS) -> SlidingWindowSpec:
 
 
 def mamba(block_size: int = BS) -> MambaSpec:
-    return MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=("float32",))
+    # These scenarios cache every full mamba block: vLLM's "all" mode.
+    return MambaSpec(
+        block_size=block_size, shapes=((1, 1),), dtypes=("float32",), mamba_cache_mode="all"
+    )
 
 
 def config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
