@@ -110,6 +110,8 @@ def test_eviction_on_reuse_and_events_order() -> None:
             parent_block_hash=None,
             token_ids=list(range(8)),
             block_size=BS,
+            extra_keys=[None, None],
+            group_idx=0,
         )
     ]
     pool.free_blocks(reversed(blocks))
@@ -119,7 +121,7 @@ def test_eviction_on_reuse_and_events_order() -> None:
     new = pool.get_new_blocks(1)
     pool.cache_full_blocks(r2, new, 0, 1, BS, 0)
     events = pool.take_events()
-    assert events[0] == BlockRemoved(block_hashes=[r.block_hashes[1]])
+    assert events[0] == BlockRemoved(block_hashes=[r.block_hashes[1]], group_idx=0)
     assert isinstance(events[1], BlockStored) and events[1].block_hashes == [r2.block_hashes[0]]
     assert pool.get_cached_block(r.block_hashes[1], [0]) is None
     assert pool.get_cached_block(r.block_hashes[0], [0]) == [blocks[0]]
@@ -137,7 +139,7 @@ def test_evict_blocks_explicit() -> None:
     assert blocks[0].block_hash is not None  # validated before any change
     pool.evict_blocks({1, 3})
     assert blocks[0].block_hash is None and blocks[1].block_hash is not None
-    assert pool.take_events() == [BlockRemoved(block_hashes=[r.block_hashes[0]])]
+    assert pool.take_events() == [BlockRemoved(block_hashes=[r.block_hashes[0]], group_idx=0)]
     assert blocks[0].ref_cnt == 1  # still in use
     pool.check_integrity()
 

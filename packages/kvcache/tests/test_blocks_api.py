@@ -26,6 +26,7 @@ class PlainRequest:
     num_computed_tokens: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     lora_name: str | None = None
+    lora_path: str | None = None
     cache_salt: str | None = None
     mm_features: tuple[()] = ()
     skip_reading_prefix_cache: bool = False

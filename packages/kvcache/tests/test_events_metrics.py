@@ -40,7 +40,7 @@ def test_events_through_manager(make_manager: MakeManager, make_request: MakeReq
     new = kvm.allocate_slots(r1, 5, n, hits)
     assert new is not None and new.get_block_ids() == ([4, 3],)
     events = kvm.take_events()
-    assert events[0] == BlockRemoved(block_hashes=[r0.block_hashes[2]])
+    assert events[0] == BlockRemoved(block_hashes=[r0.block_hashes[2]], group_idx=0)
     assert isinstance(events[1], BlockStored)
     assert events[1].block_hashes == [r1.block_hashes[2]]
     assert events[1].parent_block_hash == r1.block_hashes[1]

@@ -139,27 +139,26 @@ def test_cache_salt_only_in_block_zero_but_changes_chain() -> None:
     r = SimpleRequest("r", range(8), None, cache_salt="tenant")
     keys0, _ = generate_block_hash_extra_keys(r, 0, 4)
     keys1, _ = generate_block_hash_extra_keys(r, 4, 8)
-    assert keys0 == ("tenant",) and keys1 is None
+    assert keys0 == (("salt", "tenant"),) and keys1 is None
     # Block 1's hash is the plain chain continued from the salted block 0.
     assert salted[1] == hash_block_tokens(sha256, salted[0], [4, 5, 6, 7])
 
 
 def test_lora_enters_every_block() -> None:
     r = SimpleRequest("r", range(8), None, lora_name="ad")
-    assert generate_block_hash_extra_keys(r, 4, 8)[0] == ("ad",)
+    assert generate_block_hash_extra_keys(r, 4, 8)[0] == (("lora", "ad", None),)
     lora = hashes(range(8), lora_name="ad")
-    assert lora[1] == hash_block_tokens(sha256, lora[0], [4, 5, 6, 7], ("ad",))
-    # vLLM's keys are plain strings: a LoRA name and a salt with the same text
-    # give block 0 the same key; the LoRA name alone enters block 1.
-    assert hashes(range(4), lora_name="x") == hashes(range(4), cache_salt="x")
-    assert hashes(range(8), lora_name="x")[1] != hashes(range(8), cache_salt="x")[1]
+    assert lora[1] == hash_block_tokens(sha256, lora[0], [4, 5, 6, 7], (("lora", "ad", None),))
+    # Parts are tagged by source: a LoRA name and a salt with the same text
+    # never share a key, not even block 0's.
+    assert hashes(range(4), lora_name="x") != hashes(range(4), cache_salt="x")
 
 
 def test_mm_identifier_enters_overlapping_blocks_with_relative_offset() -> None:
     img = Feat("img-A", Pos(offset=2, length=5))  # tokens [2, 7): blocks 0 and 1
     r = SimpleRequest("r", range(12), None, mm_features=[img])
-    assert generate_block_hash_extra_keys(r, 0, 4) == ((("img-A", 2),), 0)
-    assert generate_block_hash_extra_keys(r, 4, 8) == ((("img-A", -2),), 1)
+    assert generate_block_hash_extra_keys(r, 0, 4) == ((("mm", "img-A", 2),), 0)
+    assert generate_block_hash_extra_keys(r, 4, 8) == ((("mm", "img-A", -2),), 1)
     assert generate_block_hash_extra_keys(r, 8, 12, 1) == (None, 1)
     with_img = hashes(range(12), mm_features=[img])
     other_img = hashes(range(12), mm_features=[Feat("img-B", Pos(2, 5))])
@@ -216,7 +215,7 @@ def test_fast_hasher_paths_match_generic_encoding() -> None:
         return sha256(("custom", obj))
 
     r = SimpleRequest("r", range(4), get_request_block_hasher(BS, custom), cache_salt="s")
-    assert r.block_hashes == [hash_block_tokens(custom, None, [0, 1, 2, 3], ("s",))]
+    assert r.block_hashes == [hash_block_tokens(custom, None, [0, 1, 2, 3], (("salt", "s"),))]
 
 
 def test_simple_request_appends_many_tokens() -> None:

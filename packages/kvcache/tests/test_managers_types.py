@@ -116,7 +116,8 @@ def test_chunked_local_counts_earlier_chunks_as_computed(
 def test_mamba_keeps_last_state_and_hits_rightmost(
     make_manager: MakeManager, make_request: MakeRequest
 ) -> None:
-    spec = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=("float32",))
+    # "all" mode: every full block is cached (the kernels write each block's state).
+    spec = MambaSpec(block_size=BS, shapes=((2, 8),), dtypes=("float32",), mamba_cache_mode="all")
     kvm = make_manager(9, spec)
     r0 = make_request("0", range(10))
     assert admit(kvm, r0) == ([1, 2, 3],)

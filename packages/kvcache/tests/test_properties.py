@@ -40,7 +40,8 @@ ATTN = {"num_kv_heads": 1, "head_size": 4, "dtype": "float16"}
 FULL = FullAttentionSpec(block_size=BS, **ATTN)  # type: ignore[arg-type]
 SW = SlidingWindowSpec(block_size=BS, sliding_window=6, **ATTN)  # type: ignore[arg-type]
 CHUNKED = ChunkedLocalAttentionSpec(block_size=BS, attention_chunk_size=8, **ATTN)  # type: ignore[arg-type]
-MAMBA = MambaSpec(block_size=BS, shapes=((2, 2),), dtypes=("float16",))
+MAMBA = MambaSpec(block_size=BS, shapes=((2, 2),), dtypes=("float16",), mamba_cache_mode="align")
+MAMBA_ALL = MambaSpec(block_size=BS, shapes=((2, 2),), dtypes=("float16",), mamba_cache_mode="all")
 FULL8 = FullAttentionSpec(block_size=8, **ATTN)  # type: ignore[arg-type]
 
 LAYOUTS: dict[str, tuple[KVCacheSpec, ...]] = {
@@ -48,6 +49,8 @@ LAYOUTS: dict[str, tuple[KVCacheSpec, ...]] = {
     "sliding": (SW,),
     "chunked": (CHUNKED,),
     "mamba": (MAMBA,),
+    "mamba_all": (MAMBA_ALL,),
+    "full+mamba": (FULL, MAMBA),
     "full+sliding": (FULL, SW),
     "full+sliding+chunked": (FULL, SW, CHUNKED),
     "full4+full8": (FULL, FULL8),
@@ -172,6 +175,11 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.twin.reset_prefix_cache() == (not self.running)
 
     @rule()
+    def new_step(self) -> None:
+        self.kvm.new_step_starts()
+        self.twin.new_step_starts()
+
+    @rule()
     def drain(self) -> None:
         self.kvm.take_events()
         stats = self.kvm.make_prefix_cache_stats()
@@ -225,6 +233,8 @@ TestFull = _machine_test("full")
 TestSliding = _machine_test("sliding")
 TestChunked = _machine_test("chunked")
 TestMamba = _machine_test("mamba")
+TestMambaAll = _machine_test("mamba_all")
+TestFullMamba = _machine_test("full+mamba")
 TestFullSliding = _machine_test("full+sliding")
 TestThreeTypes = _machine_test("full+sliding+chunked")
 TestTwoBlockSizes = _machine_test("full4+full8")

@@ -55,7 +55,10 @@ def sliding(window_blocks: int, block_size: int = BS) -> SlidingWindowSpec:
 
 
 def mamba(block_size: int = BS) -> MambaSpec:
-    return MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=("float32",))
+    # These scenarios cache every full mamba block: vLLM's "all" mode.
+    return MambaSpec(
+        block_size=block_size, shapes=((1, 1),), dtypes=("float32",), mamba_cache_mode="all"
+    )
 
 
 def config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
@@ -374,7 +377,7 @@ def features(positions: list[tuple[int, int]], ids: list[str]) -> list[Feature]:
 
 
 def test_mm_prefix_caching_hashes_and_hits() -> None:
-
+    # vLLM's keys and order; each part tagged by its source (as in vLLM 0.33).
     kvm = manager(11)
     # [T..T P0..P0] [P0..P0 T..T P1 P1] [P1 x16]
     common = list(range(10)) + [-1] * 6 + [-1] * 4 + list(range(10, 20)) + [-1] * 2 + [-1] * 16
@@ -386,9 +389,9 @@ def test_mm_prefix_caching_hashes_and_hits() -> None:
     h = r0.block_hashes
     assert len(h) == 3
     none = get_none_hash()
-    assert h[0] == sha256((none, tuple(tokens[:16]), (("aaa", 11),)))
-    assert h[1] == sha256((h[0], tuple(tokens[16:32]), (("aaa", -5), ("bbb", 14))))
-    assert h[2] == sha256((h[1], tuple(tokens[32:48]), (("bbb", -2),)))
+    assert h[0] == sha256((none, tuple(tokens[:16]), (("mm", "aaa", 11),)))
+    assert h[1] == sha256((h[0], tuple(tokens[16:32]), (("mm", "aaa", -5), ("mm", "bbb", 14))))
+    assert h[2] == sha256((h[1], tuple(tokens[32:48]), (("mm", "bbb", -2),)))
     new = kvm.allocate_slots(r0, 59, 0, hits)
     assert new is not None and new.get_block_ids() == ([1, 2, 3, 4],)
     r0.num_computed_tokens = 59
@@ -397,7 +400,7 @@ def test_mm_prefix_caching_hashes_and_hits() -> None:
     new = kvm.allocate_slots(r0, 5, 0, hits)
     assert new is not None and len(new.blocks[0]) == 0
     assert len(h) == 4
-    assert h[3] == sha256((h[2], tuple(tokens[48:] + [8] * 5), (("ccc", 0),)))
+    assert h[3] == sha256((h[2], tuple(tokens[48:] + [8] * 5), (("mm", "ccc", 0),)))
 
     tokens1 = common + [-1] * 7 + [200] * 5
     r1 = req("1", tokens1, mm_features=features([*common_pos, (48, 7)], ["aaa", "bbb", "ccc"]))
@@ -417,7 +420,7 @@ def test_cache_salt_in_block_zero_key_only() -> None:
     assert n == 0
     h = r0.block_hashes
     none = get_none_hash()
-    assert h[0] == sha256((none, tuple(tokens[:16]), ("salt1",)))
+    assert h[0] == sha256((none, tuple(tokens[:16]), (("salt", "salt1"),)))
     assert h[1] == sha256((h[0], tuple(tokens[16:32]), None))
     assert h[2] == sha256((h[1], tuple(tokens[32:48]), None))
     new = kvm.allocate_slots(r0, 59, 0, hits)
@@ -434,7 +437,7 @@ def test_cache_salt_in_block_zero_key_only() -> None:
     r2 = req("2", tokens1, cache_salt="salt2")
     hits, n = kvm.get_computed_blocks(r2)
     assert n == 0 and len(hits.blocks[0]) == 0
-    assert r2.block_hashes[0] == sha256((none, tuple(tokens1[:16]), ("salt2",)))
+    assert r2.block_hashes[0] == sha256((none, tuple(tokens1[:16]), (("salt", "salt2"),)))
     assert r2.block_hashes[1] == sha256((r2.block_hashes[0], tuple(tokens1[16:32]), None))
 
 
@@ -443,8 +446,8 @@ def test_lora_name_in_every_block_key() -> None:
     tokens = [*COMMON, 3]
     r0 = req("0", tokens, lora_name="adapter")
     h = r0.block_hashes
-    assert h[0] == sha256((get_none_hash(), tuple(tokens[:16]), ("adapter",)))
-    assert h[1] == sha256((h[0], tuple(tokens[16:32]), ("adapter",)))
+    assert h[0] == sha256((get_none_hash(), tuple(tokens[:16]), (("lora", "adapter", None),)))
+    assert h[1] == sha256((h[0], tuple(tokens[16:32]), (("lora", "adapter", None),)))
     kvm.allocate_slots(r0, 49)
     assert kvm.get_computed_blocks(req("1", tokens, lora_name="adapter"))[1] == 48
     assert kvm.get_computed_blocks(req("2", tokens))[1] == 0
@@ -487,6 +490,7 @@ def test_lookahead_slots_count_toward_blocks() -> None:
         block_hashes: tuple[BlockHash, ...] = ()
         num_computed_tokens = 0
         lora_name = None
+        lora_path = None
         cache_salt = None
         mm_features = ()
         skip_reading_prefix_cache = False

@@ -82,6 +82,7 @@ SAMPLES: list[Any] = [
         priority=-3,
         client_index=2,
         kv_transfer_params=KVP,
+        lora_path="/adapters/lora-a",
     ),
     NewRequestData(
         req_id="r1",

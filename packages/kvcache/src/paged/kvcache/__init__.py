@@ -48,6 +48,7 @@ from paged.kvcache.hashing import (
     hash_block_tokens,
     init_none_hash,
     need_extra_keys,
+    published_extra_keys,
     sha256,
     xxhash,
 )
@@ -168,6 +169,7 @@ __all__ = [
     "init_none_hash",
     "make_block_hash_with_group_id",
     "need_extra_keys",
+    "published_extra_keys",
     "sha256",
     "spec_manager_map",
     "unify_kv_cache_spec_page_size",

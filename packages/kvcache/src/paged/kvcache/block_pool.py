@@ -24,8 +24,19 @@ from paged.kvcache.errors import BlockStateError, KVCacheIntegrityError, NotEnou
 from paged.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from paged.kvcache.free_queue import FreeKVCacheBlockQueue
 from paged.kvcache.hash_map import BlockHashToBlockMap
-from paged.kvcache.hashing import BlockHashListWithBlockSize
-from paged.kvcache.ids import BlockHash, BlockHashWithGroupId, get_block_hash, group_id_suffix
+from paged.kvcache.hashing import (
+    BlockHashListWithBlockSize,
+    generate_block_hash_extra_keys,
+    need_extra_keys,
+    published_extra_keys,
+)
+from paged.kvcache.ids import (
+    BlockHash,
+    BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
+    group_id_suffix,
+)
 from paged.kvcache.metrics import KVCacheMetricsCollector
 from paged.kvcache.protocols import HashableRequest
 
@@ -136,21 +147,75 @@ class BlockPool:
                     new_hashes.append(block_hash)
             i += 1
         if events:
-            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=new_hashes,
-                    parent_block_hash=parent,
-                    token_ids=list(
-                        request.all_token_ids[
-                            num_cached_blocks * block_size : num_full_blocks * block_size
-                        ]
-                    ),
-                    block_size=block_size,
-                    lora_name=request.lora_name,
-                    kv_cache_group_id=kv_cache_group_id,
-                )
+            self._emit_block_stored(
+                request,
+                new_full_blocks,
+                block_hashes,
+                new_hashes,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
             )
+
+    def _emit_block_stored(
+        self,
+        request: HashableRequest,
+        new_full_blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        new_hashes: list[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=new_hashes,
+                parent_block_hash=parent,
+                token_ids=list(
+                    request.all_token_ids[
+                        num_cached_blocks * block_size : num_full_blocks * block_size
+                    ]
+                ),
+                block_size=block_size,
+                lora_name=request.lora_name,
+                extra_keys=self._stored_extra_keys(
+                    request, new_full_blocks, num_cached_blocks, block_size
+                ),
+                group_idx=kv_cache_group_id,
+            )
+        )
+
+    @staticmethod
+    def _stored_extra_keys(
+        request: HashableRequest,
+        new_full_blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        block_size: int,
+    ) -> list[tuple[object, ...] | None] | None:
+        """One entry per stored (non-null) block, parallel to `BlockStored.block_hashes`.
+
+        Recomputed from the request rather than kept from hashing: only the
+        event path pays for it. A request without extra keys gets one None per
+        block, as vLLM publishes it; None when no block was stored.
+        """
+        keys: list[tuple[object, ...] | None] = []
+        extra = need_extra_keys(request)
+        mm_idx = 0
+        start = num_cached_blocks * block_size
+        for blk in new_full_blocks:
+            if not blk.is_null:
+                if extra:
+                    tagged, mm_idx = generate_block_hash_extra_keys(
+                        request, start, start + block_size, mm_idx
+                    )
+                    keys.append(published_extra_keys(tagged))
+                else:
+                    keys.append(None)
+            start += block_size
+        return keys or None
 
     # -------------------------------------------------------------- allocation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -196,7 +261,11 @@ class BlockPool:
             return False
         block._block_hash = None
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(block_hashes=[get_block_hash(block_hash)]))
+            self.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[get_block_hash(block_hash)], group_idx=get_group_id(block_hash)
+                )
+            )
         return True
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:

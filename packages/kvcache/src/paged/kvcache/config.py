@@ -12,15 +12,16 @@ is laid out as `KVCacheTensor`s, each `num_blocks` pages long:
 - several page sizes: attention specs with a smaller page get a larger block
   size so that every page size equals the largest (this needs the largest to
   be a multiple of each); otherwise `ValueError`. Mamba pages cannot be
-  rescaled: pad them with `MambaSpec.page_size_padded`.
+  rescaled: pad them with `MambaSpec.page_size_padded`;
+- mamba specs in "align" or "all" cache mode then take the attention block size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from paged.kvcache.specs import KVCacheSpec, MambaSpec
+from paged.kvcache.specs import AttentionSpec, KVCacheSpec, MambaSpec
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,29 @@ def unify_kv_cache_spec_page_size(
     return unified
 
 
+def align_mamba_block_size(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """Give caching mamba layers ("align" / "all") the attention block size (vLLM's rule).
+
+    A mamba block is one state, whatever its block size; but prefix hits of a
+    hybrid model must end where both kinds of group can resume, and a small
+    mamba block size under a large attention block (page sizes unified by
+    scaling the attention block) caches states nobody can use. "none" mode
+    and models without attention layers are left as they are.
+    """
+    attn_block_sizes = [
+        s.block_size for s in kv_cache_specs.values() if isinstance(s, AttentionSpec)
+    ]
+    if not attn_block_sizes:
+        return dict(kv_cache_specs)
+    target = max(attn_block_sizes)
+    return {
+        name: replace(spec, block_size=target)
+        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "none"
+        else spec
+        for name, spec in kv_cache_specs.items()
+    }
+
+
 def _group_layers(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[KVCacheSpec, list[str]]:
     by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in kv_cache_specs.items():
@@ -127,6 +151,7 @@ def get_kv_cache_config(
     specs = dict(kv_cache_specs)
     if len({s.page_size_bytes for s in specs.values()}) > 1:
         specs = unify_kv_cache_spec_page_size(specs)
+    specs = align_mamba_block_size(specs)
     by_spec = _group_layers(specs)
     page_size = next(iter(specs.values())).page_size_bytes
 

@@ -208,6 +208,14 @@ def need_extra_keys(request: HashableRequest) -> bool:
     )
 
 
+# Source tags of the extra-key parts. Each part is a tuple whose first item names
+# its source, so parts from different sources never compare equal: a salt "x"
+# and a LoRA adapter named "x" give different keys (untagged strings would not).
+LORA_KEY_TAG = "lora"
+MM_KEY_TAG = "mm"
+SALT_KEY_TAG = "salt"
+
+
 def _first_mm_index(request: HashableRequest, start_token_idx: int) -> int:
     """Index of the first multimodal item whose span ends after `start_token_idx`."""
     feats = request.mm_features
@@ -230,7 +238,8 @@ def _gen_mm_extra_hash_keys(
     counts from the end, as in vLLM). An item overlapping the block
     contributes `(identifier, offset - start_token_idx)` (vLLM's key): the
     relative offset distinguishes the same image placed at different positions
-    inside otherwise identical blocks.
+    inside otherwise identical blocks. Keys come tagged: `("mm", identifier,
+    offset)`.
     """
     keys: list[object] = []
     feats = request.mm_features
@@ -242,7 +251,7 @@ def _gen_mm_extra_hash_keys(
         if offset >= end_token_idx:
             break  # this and later items start after the block
         if end > start_token_idx:
-            keys.append((feat.identifier, offset - start_token_idx))
+            keys.append((MM_KEY_TAG, feat.identifier, offset - start_token_idx))
         if end <= end_token_idx:
             idx += 1  # item finishes inside this block: later blocks skip it
         else:
@@ -253,26 +262,50 @@ def _gen_mm_extra_hash_keys(
 def generate_block_hash_extra_keys(
     request: HashableRequest, start_token_idx: int, end_token_idx: int, start_mm_idx: int = 0
 ) -> tuple[tuple[object, ...] | None, int]:
-    """Extra keys of the block `[start, end)`: LoRA name, mm items, cache salt.
+    """Extra keys of the block `[start, end)` as hashed: LoRA, mm items, cache salt.
 
-    vLLM's keys, in vLLM's order: the LoRA name (a str, every block), then one
-    `(identifier, relative offset)` tuple per overlapping mm item, then the
-    cache salt (a str, block 0 only). Returns None (not an empty tuple) when
-    there are none, and the next mm item index. As in vLLM, a LoRA name and a
-    salt are both plain strings, so block 0 of a LoRA request without salt and
-    of a salted request without LoRA get the same key when the two strings are
-    equal; every later block differs (the LoRA name enters them all).
+    Each part is tagged by its source, in vLLM's order: `("lora", name, path)`
+    (every block), one `("mm", identifier, relative offset)` per overlapping mm
+    item, `("salt", salt)` (block 0 only, and all later hashes through the
+    chain). The LoRA part holds the adapter's path as well as its name, so a
+    name re-pointed at new weights never reuses the old adapter's KV. Returns
+    None (not an empty tuple) when there are none, and the next mm item index.
+    `published_extra_keys` turns the result into vLLM's untagged event form.
     """
     keys: list[object] = []
     if request.lora_name is not None:
-        keys.append(request.lora_name)
+        keys.append((LORA_KEY_TAG, request.lora_name, request.lora_path))
     mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(
         request, start_token_idx, end_token_idx, start_mm_idx
     )
     keys.extend(mm_keys)
     if start_token_idx == 0 and request.cache_salt:
-        keys.append(request.cache_salt)
+        keys.append((SALT_KEY_TAG, request.cache_salt))
     return (tuple(keys) if keys else None), next_mm_idx
+
+
+def published_extra_keys(extra_keys: tuple[object, ...] | None) -> tuple[object, ...] | None:
+    """vLLM's untagged form of hashed extra keys, as `BlockStored.extra_keys` carries it.
+
+    `("lora", name, path)` -> `name`; `("mm", identifier, offset)` ->
+    `(identifier, offset)`; `("salt", salt)` -> `salt` (vLLM publishes the
+    LoRA name, not the path). Consumers that index vLLM's events read the
+    same shapes; the tags exist only inside the hash.
+    """
+    if extra_keys is None:
+        return None
+    out: list[object] = []
+    for part in extra_keys:
+        if not isinstance(part, tuple) or not part:
+            raise ValueError(f"extra_keys holds an untagged part {part!r}")
+        tag = part[0]
+        if tag in (LORA_KEY_TAG, SALT_KEY_TAG):
+            out.append(part[1])
+        elif tag == MM_KEY_TAG:
+            out.append(tuple(part[1:]))
+        else:
+            raise ValueError(f"extra_keys holds a part with unknown tag {tag!r}")
+    return tuple(out)
 
 
 RequestBlockHasher = Callable[[HashableRequest], list[BlockHash]]

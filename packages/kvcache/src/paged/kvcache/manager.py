@@ -306,6 +306,16 @@ class KVCacheManager:
                 manager.cache_blocks(request, num_tokens_to_cache)
         return result
 
+    def new_step_starts(self) -> None:
+        """Call once at the start of every scheduling step, before any `allocate_slots`.
+
+        Mamba groups cache a block when the step that writes its state is
+        allocated; until that step has run, no other request may start from
+        it (`allocate_slots` returns None for such a request, which then waits
+        a step, as in vLLM). Without this call those blocks stay unusable.
+        """
+        self.coordinator.new_step_starts()
+
     def free(self, request: KVCacheRequest) -> None:
         """Release all blocks of `request` (a no-op if it holds none)."""
         self.coordinator.free(request.request_id)

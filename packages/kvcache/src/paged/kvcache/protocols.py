@@ -47,6 +47,10 @@ class HashableRequest(Protocol):
     - `num_tokens`: `len(all_token_ids)` (kept separate because engines cache it).
     - `block_hashes`: hashes of the full blocks hashed so far, in order.
     - `lora_name`: the LoRA adapter's name, or None; enters every block's key.
+    - `lora_path`: where the adapter's weights were loaded from, or None;
+      enters every block's key with the name (vLLM keys both: a name
+      re-pointed at new weights must not reuse the old KV). Read only when
+      `lora_name` is set.
     - `cache_salt`: a per-tenant salt, or None; enters block 0's key only.
     - `mm_features`: multimodal items sorted by `mm_position.offset`; an item's
       identifier enters the key of every block its span overlaps.
@@ -63,6 +67,9 @@ class HashableRequest(Protocol):
 
     @property
     def lora_name(self) -> str | None: ...
+
+    @property
+    def lora_path(self) -> str | None: ...
 
     @property
     def cache_salt(self) -> str | None: ...

@@ -25,6 +25,7 @@ class SimpleRequest:
         "block_hashes",
         "cache_salt",
         "lora_name",
+        "lora_path",
         "mm_features",
         "num_computed_tokens",
         "num_preemptions",
@@ -39,6 +40,7 @@ class SimpleRequest:
         block_hasher: RequestBlockHasher | None = None,
         *,
         lora_name: str | None = None,
+        lora_path: str | None = None,
         cache_salt: str | None = None,
         mm_features: Sequence[MultiModalFeatureLike] = (),
         skip_reading_prefix_cache: bool = False,
@@ -48,6 +50,7 @@ class SimpleRequest:
         if not self.all_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.lora_name = lora_name
+        self.lora_path = lora_path
         self.cache_salt = cache_salt
         self.mm_features: Sequence[MultiModalFeatureLike] = tuple(
             sorted(mm_features, key=lambda f: f.mm_position.offset)

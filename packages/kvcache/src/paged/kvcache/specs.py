@@ -206,22 +206,35 @@ class CrossAttentionSpec(AttentionSpec):
     """Decoder-to-encoder attention: blocks sized by the encoder input, no prefix caching."""
 
 
+MAMBA_CACHE_MODES = ("none", "align", "all")
+
+
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
     """State-space layer: a fixed-size state per block instead of per-token K/V.
 
     `shapes[i]` / `dtypes[i]` describe the i-th state tensor of one block;
     `page_size_padded` lets a hybrid model pad the page to match attention
-    layers.
+    layers. `mamba_cache_mode` is vLLM's: "none" (no prefix caching of
+    states: a manager with caching on refuses it), "align" (one state block
+    per step, cached when the step's last token ends it) or "all" (every
+    full block cached: only right when the model's kernels write the state
+    at every block boundary).
     """
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     page_size_padded: int | None = None
     mamba_type: str = "mamba2"
+    mamba_cache_mode: str = "none"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, "
+                f"got {self.mamba_cache_mode!r}"
+            )
         if not self.shapes or len(self.shapes) != len(self.dtypes):
             raise ValueError(
                 f"shapes and dtypes must be non-empty and of equal length, got "

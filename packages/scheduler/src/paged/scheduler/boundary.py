@@ -67,6 +67,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, fro
     priority: int = 0  # lower value = scheduled earlier (priority policy)
     client_index: int = 0  # which frontend client gets the outputs
     kv_transfer_params: KVTransferParams | None = None
+    # Trailing and optional, so messages from senders without it still decode.
+    lora_path: str | None = None  # the adapter's weights; keyed with lora_request
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

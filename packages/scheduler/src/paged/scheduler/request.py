@@ -96,6 +96,7 @@ class Request:
         "kv_load_target_tokens",
         "kv_transfer_params",
         "lora_name",
+        "lora_path",
         "max_tokens",
         "mm_features",
         "num_cached_tokens",
@@ -126,6 +127,7 @@ class Request:
         client_index: int = 0,
         mm_features: Sequence[MultiModalFeatureSpec] | None = None,
         lora_name: str | None = None,
+        lora_path: str | None = None,
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         block_hasher: BlockHasher | None = None,
@@ -140,6 +142,7 @@ class Request:
         self.client_index = client_index
         self.mm_features: list[MultiModalFeatureSpec] = list(mm_features or ())
         self.lora_name = lora_name
+        self.lora_path = lora_path
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
         # max_tokens=None means "whatever max_model_len leaves after the prompt".
@@ -186,6 +189,7 @@ class Request:
             client_index=request.client_index,
             mm_features=request.mm_features,
             lora_name=request.lora_request,
+            lora_path=request.lora_path if request.lora_request is not None else None,
             cache_salt=request.cache_salt,
             kv_transfer_params=request.kv_transfer_params,
             block_hasher=block_hasher,

@@ -185,6 +185,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         state = self.state
         config = self.config
+        # Mamba states cached while the previous step was allocated are written now.
+        state.kv.new_step_starts()
         plan = StepPlan(StepBudget(config.max_num_batched_tokens, self.encoder_compute_budget))
         # vLLM: the threshold only matters when requests compete for the step.
         contended = len(state.running) + len(state.waiting) > 1

@@ -194,6 +194,9 @@ class SingleTypeKVCacheManager(ABC):
         if removed:
             self.block_pool.free_blocks(removed)
 
+    def new_step_starts(self) -> None:  # noqa: B027 - an optional hook, not abstract
+        """A scheduling step begins (see `KVCacheManager.new_step_starts`); no-op here."""
+
     # ------------------------------------------------------------------ queries
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks.get(request_id)
