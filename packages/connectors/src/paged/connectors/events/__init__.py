@@ -1,8 +1,8 @@
 """KV cache events published as vLLM does: ZMQ PUB + ROUTER replay, vLLM's msgpack layout.
 
-    engine core --publish(step events)--> EventPublisher --thread--> PUB  (topic, seq, batch)
-                                                                   ROUTER (replay from seq N)
-    KVEventSubscriber (SUB + DEALER) --> CachedBlockIndex (hashes the engine holds)
+engine core --publish(step events)--> EventPublisher --thread--> PUB  (topic, seq, batch)
+                                                               ROUTER (replay from seq N)
+KVEventSubscriber (SUB + DEALER) --> CachedBlockIndex (hashes the engine holds)
 """
 
 from paged.connectors.events.config import (

@@ -24,6 +24,7 @@ then `(-1 as 8 signed bytes, b"")`, the end-of-replay marker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -161,10 +162,9 @@ class ZmqEventPublisher:
         if self._stop.is_set():
             return
         self._stop.set()
-        try:
+        # On a full queue the thread still sees _stop after its next batch.
+        with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=self.SHUTDOWN_TIMEOUT_S)
-        except queue.Full:
-            pass  # the thread sees _stop after its next batch
         self._thread.join(timeout=self.SHUTDOWN_TIMEOUT_S + 1.0)
         if self._thread.is_alive():
             logger.warning("KV events: publisher thread did not stop in time")
@@ -208,7 +208,7 @@ class ZmqEventPublisher:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-            logger.warning("KV events: ignoring a malformed replay request (%d frames)", len(frames))
+            logger.warning("KV events: ignoring a malformed replay request")
             return
         identity, _, start_frame = frames
         start = decode_seq(start_frame)

@@ -136,7 +136,10 @@ class KVEventSubscriber:
         """Ask for batches `start..` and yield those below `until`, advancing `next_seq`."""
         if self._replay is None:
             return
-        self._replay.send_multipart((b"", encode_seq(start)))
+        try:
+            self._replay.send_multipart((b"", encode_seq(start)), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return  # the replay pipe is full: the publisher is not reading
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)

@@ -83,7 +83,7 @@ WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(EventBatch):
-    events: list[WireEvent]  # type: ignore[assignment]  # narrows vLLM's list[Any]
+    events: list[WireEvent]  # narrows EventBatch's list[Any], as vLLM's does
 
 
 def to_wire_event(event: KVKVCacheEvent, use_int_hashes: bool = True) -> WireEvent:
