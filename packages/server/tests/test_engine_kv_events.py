@@ -44,7 +44,7 @@ def pool_blocks(core: EngineCore) -> Counter[tuple[int | None, int | bytes]]:
     scheduler: Any = core.scheduler
     pool = scheduler.state.kv.block_pool
     return Counter(
-        (get_group_id(key), external_block_hash(get_block_hash(key)))  # type: ignore[arg-type]
+        (get_group_id(key), external_block_hash(get_block_hash(key)))
         for key, _ in pool.cached_block_hash_to_block.items()
     )
 

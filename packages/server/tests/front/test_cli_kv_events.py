@@ -1,4 +1,4 @@
-"""`--kv-events-config`: vLLM's JSON reaches EngineArgs; a bad one stops start-up with one message."""
+"""`--kv-events-config`: vLLM's JSON reaches EngineArgs; a bad one is one clear error."""
 
 from __future__ import annotations
 
