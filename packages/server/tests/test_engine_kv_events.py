@@ -7,6 +7,7 @@ hashes and must agree with the pool's own index after a random workload.
 from __future__ import annotations
 
 import random
+import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,7 +26,9 @@ from paged.connectors.events import (
 from paged.kvcache.ids import get_block_hash, get_group_id
 from paged.scheduler.boundary import EngineCoreRequest
 from paged.scheduler.sampling_params import SamplingParams
-from paged.server.engine.core import EngineCore
+from paged.server.engine.client import SyncMPClient
+from paged.server.engine.core import EngineCore, make_engine_core_factory
+from paged.server.engine.errors import EngineStartupError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -164,3 +167,41 @@ def test_without_config_no_events_are_recorded(
         assert core.scheduler.take_kv_cache_events() == []
     finally:
         core.shutdown()
+
+
+@pytest.mark.slow
+def test_engine_process_publishes_and_a_busy_endpoint_fails_startup(
+    tmp_path: Path, engine_config_factory: Any, fake_executor_cls: Any
+) -> None:
+    cfg = _config(tmp_path)
+    factory = make_engine_core_factory(
+        engine_config_factory(), fake_executor_cls, kv_events_config=cfg
+    )
+    client = SyncMPClient(factory, startup_timeout_s=60)
+    try:
+        with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint, topic=cfg.topic) as sub:
+            client.add_request(_request("a", list(range(1, 13)), 2))
+            finished = False
+            while not finished:
+                finished = any(o.finished for o in client.get_output(timeout=30).outputs)
+            index = CachedBlockIndex()
+            deadline = time.monotonic() + 30
+            while not index.blocks and time.monotonic() < deadline:
+                for _, batch in sub.poll(100) or sub.catch_up():
+                    index.apply(batch)
+            assert sum(index.hashes("GPU").values()) == 3  # three full blocks of 4 tokens
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            busy = KVEventsConfig(
+                enable_kv_cache_events=True,
+                endpoint=f"ipc://{tmp_path}/other",
+                replay_endpoint=f"tcp://127.0.0.1:{held.getsockname()[1]}",
+            )
+            bad = make_engine_core_factory(
+                engine_config_factory(), fake_executor_cls, kv_events_config=busy
+            )
+            with pytest.raises(EngineStartupError, match="KV events publisher cannot open"):
+                SyncMPClient(bad, startup_timeout_s=60)
+    finally:
+        client.shutdown()
