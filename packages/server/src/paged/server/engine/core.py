@@ -100,6 +100,9 @@ class EngineCore:
             engine_config
         )
         self._kv_events = kv_events_config is not None and kv_events_config.publishes
+        if self._kv_events and not engine_config.cache_config.enable_prefix_caching:
+            # As vLLM: events describe the prefix cache; without it none are produced.
+            logger.warning("KV cache events are enabled but prefix caching is off: none will come")
         try:
             self.kv_cache_config, kv_bytes = self._initialize_kv_caches(num_gpu_blocks_override)
             self.scheduler = self._make_scheduler(scheduler_class, structured_output, log_stats)
