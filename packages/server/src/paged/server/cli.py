@@ -48,6 +48,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _kv_events_config(text: str) -> Any:
+    from paged.connectors.events import KVEventsConfigError, parse_kv_events_config
+
+    try:
+        return parse_kv_events_config(text)
+    except KVEventsConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
@@ -107,6 +116,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="reuse KV blocks of shared prompt prefixes",
     )
+    c.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="publish KV cache events, as vLLM: e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'',
+    )
     s = parser.add_argument_group("scheduler")
     s.add_argument(
         "--max-num-seqs", type=_positive_int, default=256, help="most requests running at once"
@@ -160,6 +178,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enforce_eager=ns.enforce_eager,
         attention_backend=ns.attention_backend,
         cpu_weight_panels=ns.cpu_weight_panels,
+        kv_events_config=ns.kv_events_config,
     )
 
 

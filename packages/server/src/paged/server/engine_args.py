@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from paged.server.tokenizer import DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
+    from paged.connectors.events import KVEventsConfig
     from paged.runner.config import EngineConfig
 
 # On CPU there is no device memory to profile, so the KV cache gets a fixed
@@ -42,6 +43,8 @@ class EngineArgs:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     cpu_weight_panels: str = "auto"  # "auto" | "on" | "off"
+    # vLLM's --kv-events-config; goes to EngineCore itself, not into EngineConfig.
+    kv_events_config: KVEventsConfig | None = None
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -43,7 +43,9 @@ class LLM:
         args = EngineArgs(model=model, **engine_options)
         config = args.create_engine_config()
         tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
-        client = InprocClient.from_factory(make_engine_core_factory(config))
+        client = InprocClient.from_factory(
+            make_engine_core_factory(config, kv_events_config=args.kv_events_config)
+        )
         mc = config.model_config
         self._setup(
             client,

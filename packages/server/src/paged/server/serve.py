@@ -47,7 +47,7 @@ def run_server(
     )
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
     logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
-    client = AsyncMPClient(make_engine_core_factory(config))
+    client = AsyncMPClient(make_engine_core_factory(config, kv_events_config=args.kv_events_config))
     try:
         info = client.info
         logger.info(

@@ -18,6 +18,10 @@ Construction sizes the KV cache: the executor's per-layer specs and the byte
 budget (`CacheConfig.kv_cache_memory_bytes`, else the executor's measurement)
 go through `paged.kvcache.get_kv_cache_config`; the executor allocates it and
 the scheduler gets the same `KVCacheConfig`.
+
+With `kv_events_config` enabled, the core holds an `EventPublisher` (built
+here, stopped in `shutdown`) and, after each step that updated the
+scheduler, publishes the KV cache events that step produced as one batch.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from paged.connectors.events import EventPublisher, KVEventsConfig, make_event_publisher
 from paged.kvcache import KVCacheConfig, get_kv_cache_config
 from paged.runner.config import EngineConfig
 from paged.scheduler.boundary import (
@@ -84,6 +89,7 @@ class EngineCore:
         structured_output: StructuredOutputProvider | None = None,
         num_gpu_blocks_override: int | None = None,
         log_stats: bool = True,
+        kv_events_config: KVEventsConfig | None = None,
     ) -> None:
         if batch_queue_size < 1:
             raise ValueError(f"batch_queue_size must be >= 1, got {batch_queue_size}")
@@ -93,9 +99,15 @@ class EngineCore:
         self.model_executor = (executor_class or _default_executor_class(engine_config))(
             engine_config
         )
+        self._kv_events = kv_events_config is not None and kv_events_config.publishes
+        if self._kv_events and not engine_config.cache_config.enable_prefix_caching:
+            # As vLLM: events describe the prefix cache; without it none are produced.
+            logger.warning("KV cache events are enabled but prefix caching is off: none will come")
         try:
             self.kv_cache_config, kv_bytes = self._initialize_kv_caches(num_gpu_blocks_override)
             self.scheduler = self._make_scheduler(scheduler_class, structured_output, log_stats)
+            # Last: a busy endpoint fails start-up before the thread exists.
+            self.event_publisher: EventPublisher = make_event_publisher(kv_events_config)
         except BaseException:
             self.model_executor.shutdown()
             raise
@@ -141,6 +153,8 @@ class EngineCore:
         extra: dict[str, Any] = {}
         if structured_output is not None:
             extra["structured_output"] = structured_output
+        if self._kv_events:
+            extra["enable_kv_cache_events"] = True
         return (scheduler_class or Scheduler)(
             self.scheduler_config,
             self.kv_cache_config,
@@ -233,6 +247,7 @@ class EngineCore:
             model_output = self.model_executor.sample_tokens(self._grammar(scheduler_output))
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self._count_step(scheduler_output)
+        self._publish_kv_events()
         return outputs
 
     def step_with_batch_queue(self) -> dict[int, EngineCoreOutputs]:
@@ -260,6 +275,7 @@ class EngineCore:
         sampled, scheduler_output = self.batch_queue.pop()
         outputs = self.scheduler.update_from_output(scheduler_output, sampled.result())
         self._count_step(scheduler_output)
+        self._publish_kv_events()
         return outputs
 
     def _sample_after(
@@ -270,6 +286,13 @@ class EngineCore:
 
     def _grammar(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         return self.scheduler.get_grammar_bitmask(scheduler_output)
+
+    def _publish_kv_events(self) -> None:
+        """One batch with the events since the last call (none: nothing is sent)."""
+        if self._kv_events:
+            events = self.scheduler.take_kv_cache_events()
+            if events:
+                self.event_publisher.publish(events)
 
     def _count_step(self, scheduler_output: SchedulerOutput) -> None:
         self._num_steps += 1
@@ -285,7 +308,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block not in use; False while running requests hold blocks."""
-        return self.scheduler.reset_prefix_cache()
+        done = self.scheduler.reset_prefix_cache()
+        # An idle engine may not step again soon: send AllBlocksCleared now.
+        self._publish_kv_events()
+        return done
 
     def is_healthy(self) -> bool:
         try:
@@ -309,6 +335,7 @@ class EngineCore:
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
         self.batch_queue.clear()
+        self.event_publisher.shutdown()
         self.model_executor.shutdown()
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from paged.kvcache import KVCacheConfig, KVCacheSpec
+from paged.kvcache.events import KVCacheEvent
 from paged.scheduler.boundary import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -112,3 +113,7 @@ class SchedulerInterface(Protocol):
     def reset_prefix_cache(self) -> bool: ...
 
     def make_stats(self) -> SchedulerStats | None: ...
+
+    def take_kv_cache_events(self) -> Sequence[KVCacheEvent]:
+        """KV cache events (manager, then connector) since the last call; empty if disabled."""
+        ...

@@ -1,0 +1,207 @@
+"""EngineCore publishes the KV cache events of each step (fake executor, real scheduler).
+
+A subscriber that knows only the event stream rebuilds the cached block
+hashes and must agree with the pool's own index after a random workload.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from paged.connectors.events import (
+    CachedBlockIndex,
+    KVEventsConfig,
+    KVEventSubscriber,
+    NullEventPublisher,
+    ZmqEventPublisher,
+    external_block_hash,
+)
+from paged.kvcache.ids import get_block_hash, get_group_id
+from paged.scheduler.boundary import EngineCoreRequest
+from paged.scheduler.sampling_params import SamplingParams
+from paged.server.engine.client import SyncMPClient
+from paged.server.engine.core import EngineCore, make_engine_core_factory
+from paged.server.engine.errors import EngineStartupError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _config(tmp_path: Path) -> KVEventsConfig:
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/kv-pub",
+        replay_endpoint=f"ipc://{tmp_path}/kv-replay",
+        topic="kv-events",
+    )
+
+
+def pool_blocks(core: EngineCore) -> Counter[tuple[int | None, int | bytes]]:
+    """The pool's own cached blocks, as (group, published hash) with multiplicity."""
+    scheduler: Any = core.scheduler
+    pool = scheduler.state.kv.block_pool
+    return Counter(
+        (get_group_id(key), external_block_hash(get_block_hash(key)))
+        for key, _ in pool.cached_block_hash_to_block.items()
+    )
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        eos_token_id=None,
+        arrival_time=time.time(),
+    )
+
+
+def _random_workload(core: EngineCore, rng: random.Random, n: int, vocab: int) -> int:
+    """Requests sharing prefixes (hits), longer than the cache holds (evictions)."""
+    prefixes = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    steps = 0
+    for i in range(n):
+        prompt = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 24))]
+        core.add_request(_request(f"r{i}", prompt, rng.randrange(1, 6)))
+        if rng.random() < 0.5:
+            core.run_step()
+            steps += 1
+    while core.has_work():
+        core.run_step()
+        steps += 1
+    return steps
+
+
+def _drain(sub: KVEventSubscriber, index: CachedBlockIndex, until_seq: int) -> Counter[str]:
+    """Apply batches up to `until_seq`; returns how many events of each kind came."""
+    kinds: Counter[str] = Counter()
+    deadline = time.monotonic() + 30
+    while sub.next_seq < until_seq and time.monotonic() < deadline:
+        for _, batch in sub.poll(100):
+            index.apply(batch)
+            kinds.update(type(e).__name__ for e in batch.events)
+    assert sub.next_seq == until_seq, f"got {sub.next_seq} of {until_seq} batches"
+    return kinds
+
+
+@pytest.mark.parametrize("batch_queue_size", [1, 2])
+def test_subscriber_rebuilds_the_pools_cached_blocks(
+    tmp_path: Path, engine_config_factory: Any, fake_executor_cls: Any, batch_queue_size: int
+) -> None:
+    cfg = _config(tmp_path)
+    core = EngineCore(
+        engine_config_factory(kv_cache_memory_bytes=1 << 13),  # 32 blocks of 4 tokens
+        fake_executor_cls,
+        kv_events_config=cfg,
+        batch_queue_size=batch_queue_size,
+    )
+    live = KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint, topic=cfg.topic)
+    try:
+        publisher = core.event_publisher
+        assert isinstance(publisher, ZmqEventPublisher)
+        index = CachedBlockIndex()
+        rng = random.Random(batch_queue_size)
+        _random_workload(core, rng, 30, vocab=128)
+        assert publisher.next_seq > 5
+        kinds = _drain(live, index, publisher.next_seq)
+        assert kinds["BlockStored"] > 0 and kinds["BlockRemoved"] > 0  # the cache churned
+        expected = pool_blocks(core)
+        assert expected and index.hashes("GPU") == expected
+        assert index.num_unknown_removals == 0 and live.num_lost == 0
+
+        # reset on an idle engine goes out at once, without another step.
+        assert core.reset_prefix_cache()
+        assert _drain(live, index, publisher.next_seq) == Counter(AllBlocksCleared=1)
+        assert index.hashes("GPU") == Counter() == pool_blocks(core)
+
+        _random_workload(core, rng, 10, vocab=128)
+        _drain(live, index, publisher.next_seq)
+        assert index.hashes("GPU") == pool_blocks(core)
+
+        # A subscriber joining now rebuilds the same state from replay alone.
+        with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint, topic=cfg.topic) as late:
+            late_index = CachedBlockIndex()
+            for _, batch in late.catch_up():
+                late_index.apply(batch)
+            assert late.next_seq == publisher.next_seq
+            assert late_index.hashes("GPU") == pool_blocks(core)
+    finally:
+        live.close()
+        core.shutdown()
+
+
+def test_one_batch_per_step_with_events(
+    tmp_path: Path, engine_config_factory: Any, fake_executor_cls: Any
+) -> None:
+    cfg = _config(tmp_path)
+    core = EngineCore(engine_config_factory(), fake_executor_cls, kv_events_config=cfg)
+    try:
+        publisher = core.event_publisher
+        assert isinstance(publisher, ZmqEventPublisher)
+        core.add_request(_request("a", list(range(1, 13)), 2))  # 3 full blocks of 4
+        core.run_step()  # prefill: stores blocks 0..2
+        assert publisher.next_seq == 1
+        core.run_step()  # decode 1 token: no new full block, no batch
+        assert publisher.next_seq == 1
+        while core.has_work():
+            core.run_step()
+        assert publisher.next_seq == 1
+    finally:
+        core.shutdown()
+
+
+def test_without_config_no_events_are_recorded(
+    engine_config_factory: Any, fake_executor_cls: Any
+) -> None:
+    core = EngineCore(engine_config_factory(), fake_executor_cls)
+    try:
+        assert isinstance(core.event_publisher, NullEventPublisher)
+        core.add_request(_request("a", list(range(1, 13)), 2))
+        core.run_step()
+        assert core.scheduler.take_kv_cache_events() == []
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.slow
+def test_engine_process_publishes_and_a_busy_endpoint_fails_startup(
+    tmp_path: Path, engine_config_factory: Any, fake_executor_cls: Any
+) -> None:
+    cfg = _config(tmp_path)
+    factory = make_engine_core_factory(
+        engine_config_factory(), fake_executor_cls, kv_events_config=cfg
+    )
+    client = SyncMPClient(factory, startup_timeout_s=60)
+    try:
+        with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint, topic=cfg.topic) as sub:
+            client.add_request(_request("a", list(range(1, 13)), 2))
+            finished = False
+            while not finished:
+                finished = any(o.finished for o in client.get_output(timeout=30).outputs)
+            index = CachedBlockIndex()
+            deadline = time.monotonic() + 30
+            while not index.blocks and time.monotonic() < deadline:
+                for _, batch in sub.poll(100) or sub.catch_up():
+                    index.apply(batch)
+            assert sum(index.hashes("GPU").values()) == 3  # three full blocks of 4 tokens
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            busy = KVEventsConfig(
+                enable_kv_cache_events=True,
+                endpoint=f"ipc://{tmp_path}/other",
+                replay_endpoint=f"tcp://127.0.0.1:{held.getsockname()[1]}",
+            )
+            bad = make_engine_core_factory(
+                engine_config_factory(), fake_executor_cls, kv_events_config=busy
+            )
+            with pytest.raises(EngineStartupError, match="KV events publisher cannot open"):
+                SyncMPClient(bad, startup_timeout_s=60)
+    finally:
+        client.shutdown()
