@@ -204,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $PAGED_API_KEY; unset = no key)",
     )
     h.add_argument("--served-model-name", help="the name clients pass as `model`")
+    h.add_argument(
+        "--max-request-body-size",
+        type=_byte_size,
+        default="16MiB",
+        metavar="BYTES",
+        help="larger request bodies get a 413 before they are read (default 16MiB)",
+    )
 
     gen = sub.add_parser(
         "generate",
@@ -241,7 +248,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "serve":
             from paged.server.serve import run_server
 
-            run_server(args, host=ns.host, port=ns.port, api_key=ns.api_key, log_level=ns.log_level)
+            run_server(
+                args,
+                host=ns.host,
+                port=ns.port,
+                api_key=ns.api_key,
+                log_level=ns.log_level,
+                max_request_body_bytes=ns.max_request_body_size,
+            )
             return 0
         if ns.command == "generate":
             return _generate(args, ns)

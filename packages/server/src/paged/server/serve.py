@@ -10,7 +10,13 @@ logger = logging.getLogger("paged.server.serve")
 
 
 def run_server(
-    args: EngineArgs, *, host: str, port: int, api_key: str | None, log_level: str = "info"
+    args: EngineArgs,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None,
+    log_level: str = "info",
+    max_request_body_bytes: int = 16 * 2**20,
 ) -> None:
     import uvicorn
 
@@ -56,7 +62,12 @@ def run_server(
             stat_loggers=[stats],
         )
         app = build_app(
-            llm, model_name=name, model_root=mc.model, api_key=api_key, stat_logger=stats
+            llm,
+            model_name=name,
+            model_root=mc.model,
+            api_key=api_key,
+            stat_logger=stats,
+            max_request_body_bytes=max_request_body_bytes,
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",
