@@ -30,6 +30,7 @@ from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
 from paged.server.metrics import PrometheusStatLogger
 from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
+from paged.server.openai.lifespan import engine_lifespan
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -190,6 +191,7 @@ def build_app(
         title="paged",
         version=_version(),
         description="OpenAI-compatible API of the paged inference engine",
+        lifespan=engine_lifespan(llm),
     )
     serving = OpenAIServing(llm, model_name)
     # Added first, so it runs inside the key check and the response counter.
