@@ -18,7 +18,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 
-from paged.scheduler import SamplingParams
+from paged.scheduler import SamplingParams, SchedulerStats
 from paged.server.client_protocols import AsyncEngineClient
 from paged.server.collector import RequestOutputCollector
 from paged.server.engine.errors import EngineDeadError
@@ -220,7 +220,12 @@ class AsyncLLM:
     def _fail(self, error: EngineDeadError) -> None:
         logger.error("engine is dead: %s", error)
         self._dead = error
-        self.output_processor.propagate_error(error)
+        stats = IterationStats()
+        self.output_processor.propagate_error(error, stats)
+        # A dead engine runs, queues and caches nothing: zero its gauges, which
+        # would otherwise keep its last report (the in-flight requests) forever.
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(SchedulerStats(), stats)
 
     def shutdown(self) -> None:
         if self._output_handler is not None:
