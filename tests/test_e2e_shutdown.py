@@ -98,6 +98,7 @@ def test_sigterm_with_requests_in_flight_stops_the_engine(
     while _alive(engine_pid) and time.monotonic() - signalled < 4 * GONE_WITHIN_S:
         time.sleep(0.1)
     lived = time.monotonic() - signalled
+    print(f"engine gone {lived:.2f}s after SIGTERM")
     try:
         assert not _alive(engine_pid), f"the engine outlived the server:\n{server.log()}"
         assert lived < GONE_WITHIN_S, f"the engine lived {lived:.1f}s after SIGTERM"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from paged.server.engine_args import EngineArgs, tokenizer_path
+from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("paged.server.serve")
 
@@ -16,7 +17,7 @@ def run_server(
     port: int,
     api_key: str | None,
     log_level: str = "info",
-    max_request_body_bytes: int = 16 * 2**20,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> None:
     import uvicorn
 
