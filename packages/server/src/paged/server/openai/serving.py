@@ -160,8 +160,10 @@ class OpenAIServing:
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(body.model)
-        ids = self.llm.input_processor.check_token_ids(body.tokens, "tokens")
-        text = await self.llm.offload.run(len(ids), self.llm.tokenizer.decode, ids)
+        size = len(body.tokens)
+        check = self.llm.input_processor.check_token_ids
+        ids = await self.llm.offload.run(size, check, body.tokens, "tokens")
+        text = await self.llm.offload.run(size, self.llm.tokenizer.decode, ids)
         return DetokenizeResponse(prompt=text)
 
     # -- completions -------------------------------------------------------------------
