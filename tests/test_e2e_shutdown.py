@@ -1,4 +1,4 @@
-"""End to end: stopping `paged serve` stops its engine process too.
+"""End to end: stopping `paged serve` stops its engine process too (SIGTERM or SIGKILL).
 
 On SIGTERM, uvicorn re-raises the signal once the app has shut down, so
 nothing after `uvicorn.run()` runs; the engine used to be left behind,
@@ -104,6 +104,32 @@ def test_sigterm_with_requests_in_flight_stops_the_engine(
         assert lived < GONE_WITHIN_S, f"the engine lived {lived:.1f}s after SIGTERM"
         server.process.wait(timeout=30)
         assert "stopping the engine" in server.log()
+    finally:
+        if _alive(engine_pid):
+            import os
+
+            os.kill(engine_pid, signal.SIGKILL)
+
+
+def test_sigkill_of_the_api_process_stops_a_busy_engine(
+    launch_server: Callable[..., LiveServer], tiny_model: Path
+) -> None:
+    server = launch_server(
+        str(tiny_model), "--max-model-len", str(CONTEXT), "--kv-cache-memory", "64MiB"
+    )
+    (engine_pid,) = server.engine_pids()
+    started = threading.Event()
+    threading.Thread(target=_stream_forever, args=(server.base_url, started), daemon=True).start()
+    assert started.wait(60), "generation never started"
+    server.process.send_signal(signal.SIGKILL)  # no cleanup runs in the API process
+    server.process.wait(timeout=30)
+    killed = time.monotonic()
+    while _alive(engine_pid) and time.monotonic() - killed < 30:
+        time.sleep(0.02)
+    lived = time.monotonic() - killed
+    print(f"busy engine gone {lived:.2f}s after its API process was killed")
+    try:
+        assert lived < 3.0, f"the engine lived {lived:.1f}s after its API process"
     finally:
         if _alive(engine_pid):
             import os
