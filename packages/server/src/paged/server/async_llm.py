@@ -18,13 +18,14 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 
-from paged.scheduler import SamplingParams
+from paged.scheduler import SamplingParams, SchedulerStats
 from paged.server.client_protocols import AsyncEngineClient
 from paged.server.collector import RequestOutputCollector
 from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import InputProcessor, PromptType
 from paged.server.metrics import StatLogger
+from paged.server.offload import BlockingWork, prompt_size
 from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
 from paged.server.parent import fan_out
@@ -60,6 +61,8 @@ class AsyncLLM:
             max_logprobs=max_logprobs,
         )
         self.output_processor = OutputProcessor(tokenizer)
+        # Tokenization and chat templates of large inputs run here, off the loop.
+        self.offload = BlockingWork()
         self.stat_loggers = list(stat_loggers)
         self._output_handler: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
@@ -94,16 +97,19 @@ class AsyncLLM:
         cache_salt: str | None = None,
     ) -> RequestOutputCollector:
         """Validate, register and submit one request; return its output collector."""
-        dead = self.dead_error
-        if dead is not None:
-            raise dead
-        if request_id in self.output_processor.parent_requests or (
-            request_id in self.output_processor.request_states
-        ):
-            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
-        request, prompt_text = self.input_processor.process_inputs(
-            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        self._check_can_add(request_id)
+        request, prompt_text = await self.offload.run(
+            prompt_size(prompt),
+            self.input_processor.process_inputs,
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
         )
+        # Checked again: the engine may have died, or the id been taken, while
+        # a large prompt was tokenized on the worker thread.
+        self._check_can_add(request_id)
         self._ensure_output_handler()
         queue = RequestOutputCollector(params.output_kind)
         parent, requests = fan_out(request)
@@ -112,6 +118,15 @@ class AsyncLLM:
         for req in requests:
             await self.engine_client.add_request_async(req)
         return queue
+
+    def _check_can_add(self, request_id: str) -> None:
+        dead = self.dead_error
+        if dead is not None:
+            raise dead
+        if request_id in self.output_processor.parent_requests or (
+            request_id in self.output_processor.request_states
+        ):
+            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
 
     async def generate(
         self,
@@ -205,9 +220,15 @@ class AsyncLLM:
     def _fail(self, error: EngineDeadError) -> None:
         logger.error("engine is dead: %s", error)
         self._dead = error
-        self.output_processor.propagate_error(error)
+        stats = IterationStats()
+        self.output_processor.propagate_error(error, stats)
+        # A dead engine runs, queues and caches nothing: zero its gauges, which
+        # would otherwise keep its last report (the in-flight requests) forever.
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(SchedulerStats(), stats)
 
     def shutdown(self) -> None:
         if self._output_handler is not None:
             self._output_handler.cancel()
+        self.offload.shutdown()
         self.engine_client.shutdown()

@@ -233,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(names, labels, buckets) for vLLM dashboards and routers",
     )
     add_cors_args(serve)
+    h.add_argument(
+        "--max-request-body-size",
+        type=_byte_size,
+        default="16MiB",
+        metavar="BYTES",
+        help="larger request bodies get a 413 before they are read (default 16MiB)",
+    )
 
     gen = sub.add_parser(
         "generate",
@@ -278,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log_level=ns.log_level,
                 cors=cors_config_from(ns),
                 metrics_prefix=ns.metrics_prefix,
+                max_request_body_bytes=ns.max_request_body_size,
             )
             return 0
         if ns.command == "generate":

@@ -130,7 +130,17 @@ class InputProcessor:
                 "for the completion. Please reduce the length of the prompt.",
             )
         if params.max_tokens is None:
-            return msgspec.structs.replace(params, max_tokens=room)
+            filled = msgspec.structs.replace(params, max_tokens=room)
+            # validate() checked min_tokens only against an explicit max_tokens;
+            # the default filled in here must pass the same check, or the engine
+            # core rejects the request (a 500 instead of the user's 400).
+            if filled.min_tokens > room:
+                raise InvalidRequestError(
+                    "min_tokens",
+                    f"min_tokens must be <= max_tokens={room} (what fits in the context "
+                    f"after the {prompt_len}-token prompt), got {filled.min_tokens}",
+                )
+            return filled
         if params.max_tokens > room:
             raise ContextLengthError(
                 "max_tokens",

@@ -164,11 +164,19 @@ class OutputProcessor:
                         self.parent_requests.pop(state.parent.request_id, None)
         return removed
 
-    def propagate_error(self, error: BaseException) -> None:
-        """Fail every in-flight request (the engine died): nothing may hang."""
-        for state in self.request_states.values():
+    def propagate_error(
+        self, error: BaseException, iteration_stats: IterationStats | None = None
+    ) -> None:
+        """Fail every in-flight request (the engine died): nothing may hang.
+
+        Each one is counted as finished with reason ERROR: the engine will
+        never report them, so the stats would otherwise show them forever.
+        """
+        now = time.time()
+        for state in list(self.request_states.values()):
             if state.queue is not None:
                 state.queue.put_error(error)
+            self._finish(state, FinishReason.ERROR, now, iteration_stats)
         self.request_states.clear()
         self.parent_requests.clear()
 

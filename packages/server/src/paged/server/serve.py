@@ -6,6 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from paged.server.engine_args import EngineArgs, tokenizer_path
+from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
     from paged.server.openai.cors import CorsConfig
@@ -22,6 +23,7 @@ def run_server(
     log_level: str = "info",
     cors: CorsConfig | None = None,
     metrics_prefix: str = "paged",
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> None:
     import uvicorn
 
@@ -75,6 +77,7 @@ def run_server(
             api_key=api_key,
             stat_logger=stats,
             cors=cors,
+            max_request_body_bytes=max_request_body_bytes,
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",

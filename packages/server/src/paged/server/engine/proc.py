@@ -12,9 +12,11 @@ one `EngineHandshake` on the input pair, `ok=False` with the error when
 building failed (bad model path, out of memory, ...), so the frontend raises
 one clear `EngineStartupError` instead of waiting forever.
 
-Exit: a SHUTDOWN message, the death of the frontend process (checked while
-idle), or SIGTERM. A crash inside the loop is reported as ENGINE_ERROR before
-the process exits with status 1.
+Exit: a SHUTDOWN message, SIGTERM, or the death of the frontend process,
+noticed within a second whether busy or idle (`ParentDeathWatcher`: the loop
+stops after the current step, a step that runs on is interrupted, and the
+process exits without flushing sockets nobody reads). A crash inside the
+loop is reported as ENGINE_ERROR before the process exits with status 1.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from paged.server.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from paged.server.engine.parent_watch import ParentDeathWatcher
 from paged.server.engine.serial import (
     Frame,
     MsgpackDecoder,
@@ -61,6 +64,10 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.1
 # How long closing sockets may wait to flush queued messages.
 _LINGER_MS = 2000
+# After the frontend died: how long the current step may still run before
+# SIGTERM interrupts it, and how long after that before a hard exit.
+_PARENT_DEATH_GRACE_S = 0.5
+_PARENT_DEATH_FORCE_S = 5.0
 
 _Output = tuple[EngineCoreOutputType, object]
 _STOP = object()
@@ -88,6 +95,13 @@ class EngineCoreProc:
         self._stop_input = threading.Event()
         self._shutdown_requested = False
         self._output_failed: BaseException | None = None
+        self._loop_done = threading.Event()
+        self._parent_watch = ParentDeathWatcher(self._on_parent_death)
+
+    @property
+    def parent_died(self) -> bool:
+        """True once the frontend process is gone (nothing left to report to)."""
+        return self._parent_watch.died.is_set()
 
     # ---- lifecycle ---------------------------------------------------------
     def run(self) -> None:
@@ -100,22 +114,43 @@ class EngineCoreProc:
         )
         input_thread.start()
         output_thread.start()
+        self._parent_watch.start()
         try:
-            self._busy_loop()
+            try:
+                self._busy_loop()
+            finally:
+                self._loop_done.set()
         except BaseException as exc:
+            if self.parent_died:
+                raise  # interrupted after the frontend died: nobody to report to
             logger.exception("engine core loop crashed")
             message = f"engine core crashed: {type(exc).__name__}: {exc}"
             error = EngineErrorMessage(message=message, traceback=traceback.format_exc())
             self._output_queue.put((EngineCoreOutputType.ENGINE_ERROR, error))
             raise
         finally:
+            self._parent_watch.stop()
             try:
                 self.core.shutdown()
             finally:
                 self._output_queue.put(_STOP)
-                output_thread.join(timeout=_LINGER_MS / 1000)
+                # With the frontend gone the output thread may be stuck sending.
+                output_thread.join(timeout=0 if self.parent_died else _LINGER_MS / 1000)
                 self._stop_input.set()
                 input_thread.join(timeout=1.0)
+
+    def _on_parent_death(self) -> None:
+        """Runs on the watcher thread: stop the loop, interrupting a step that runs on."""
+        logger.warning("frontend process is gone; engine core exits")
+        # Wakes an idle loop at once; a busy one reads it before its next step.
+        self._input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
+        if self._loop_done.wait(_PARENT_DEATH_GRACE_S):
+            return
+        logger.warning("engine step still running; interrupting it")
+        os.kill(os.getpid(), signal.SIGTERM)  # SystemExit in the main thread
+        if not self._loop_done.wait(_PARENT_DEATH_FORCE_S):
+            logging.shutdown()
+            os._exit(1)
 
     def _busy_loop(self) -> None:
         while not self._shutdown_requested:
@@ -314,10 +349,16 @@ def run_engine_core(
             return
         ready = EngineHandshake(ok=True, pid=os.getpid(), info=core.info)
         input_socket.send_multipart([EngineCoreRequestType.HANDSHAKE.value, *encoder.encode(ready)])
+        proc = EngineCoreProc(core, input_socket, output_socket)
         try:
-            EngineCoreProc(core, input_socket, output_socket).run()
+            proc.run()
         except BaseException:
             exit_code = 1
+        if proc.parent_died:
+            # The sockets' peer is gone: closing them would only wait out the
+            # linger on messages nobody will read.
+            logging.shutdown()
+            os._exit(0)
     finally:
         _close(input_socket)
         _close(output_socket)

@@ -27,11 +27,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from paged.server.async_llm import AsyncLLM
-from paged.server.chat_utils import apply_chat_template
 from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
 from paged.server.metrics import PrometheusStatLogger
+from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from paged.server.openai.cors import CorsConfig, install_cors
+from paged.server.openai.lifespan import engine_lifespan
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -54,6 +55,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+    413: {"model": ErrorResponse, "description": "Request body over the size limit"},
     500: {"model": ErrorResponse, "description": "Engine failure"},
 }
 
@@ -193,17 +195,22 @@ def build_app(
     api_key: str | None = None,
     stat_logger: PrometheusStatLogger | None = None,
     cors: CorsConfig | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `llm` under the name `model_name`.
 
     `cors`: cross-origin access for browsers; None or no origins = no CORS headers.
+    Bodies over `max_request_body_bytes` are refused with a 413.
     """
     app = FastAPI(
         title="paged",
         version=_version(),
         description="OpenAI-compatible API of the paged inference engine",
+        lifespan=engine_lifespan(llm),
     )
     serving = OpenAIServing(llm, model_name)
+    # Added first, so it runs inside the key check and the response counter.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)
     _install_error_handlers(app)
 
@@ -238,32 +245,11 @@ def build_app(
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        serving.check_model(body.model)
-        tok = llm.tokenizer
-        if (body.prompt is None) == (body.messages is None):
-            raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
-        if body.messages is not None:
-            text = apply_chat_template(
-                tok,
-                [m.model_dump(exclude_none=True) for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-            )
-            add_special = bool(body.add_special_tokens)
-        else:
-            text = body.prompt or ""
-            add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = tok.encode(text, add_special_tokens=add_special)
-        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return TokenizeResponse(
-            count=len(ids), max_model_len=llm.max_model_len, tokens=ids, token_strs=strs
-        )
+        return await serving.tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        serving.check_model(body.model)
-        llm.input_processor.check_token_ids(body.tokens, "tokens")
-        return DetokenizeResponse(prompt=llm.tokenizer.decode(body.tokens))
+        return await serving.detokenize(body)
 
     @app.get(
         "/health",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from paged.scheduler import SamplingParams
 from paged.server.async_llm import AsyncLLM
@@ -19,6 +20,7 @@ from paged.server.chat_utils import apply_chat_template, normalize_messages
 from paged.server.collector import RequestOutputCollector
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import PromptType
+from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
@@ -32,14 +34,19 @@ from paged.server.openai.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     random_id,
 )
 from paged.server.openai.sampling import chat_sampling_params, completion_sampling_params
 from paged.server.outputs import RequestOutput
+from paged.server.tokenizer import TokenizerLike
 from paged.server.utils import merge_async_iterators
 
 logger = logging.getLogger(__name__)
@@ -138,6 +145,26 @@ class OpenAIServing:
             await self.llm.abort([rid for rid, _ in submitted])
             raise
         return [self.llm.stream_outputs(rid, q) for rid, q in submitted]
+
+    # -- tokenizer endpoints ---------------------------------------------------------------
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
+        size = messages_size(messages) + len(body.prompt or "")
+        ids, strs = await self.llm.offload.run(size, _tokenize, self.llm.tokenizer, body, messages)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        size = len(body.tokens)
+        check = self.llm.input_processor.check_token_ids
+        ids = await self.llm.offload.run(size, check, body.tokens, "tokens")
+        text = await self.llm.offload.run(size, self.llm.tokenizer.decode, ids)
+        return DetokenizeResponse(prompt=text)
 
     # -- completions -------------------------------------------------------------------
     async def create_completion(
@@ -239,7 +266,9 @@ class OpenAIServing:
         self.check_model(req.model)
         params = chat_sampling_params(req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt_text = apply_chat_template(
+        prompt_text = await self.llm.offload.run(
+            messages_size(messages) + len(req.chat_template or ""),
+            apply_chat_template,
             self.llm.tokenizer,
             messages,
             add_generation_prompt=req.add_generation_prompt,
@@ -363,6 +392,26 @@ def _completion_prompts(req: CompletionRequest) -> list[PromptType]:
         elif isinstance(x, list):
             out.append(list(x))
     return out
+
+
+def _tokenize(
+    tok: TokenizerLike, body: TokenizeRequest, messages: list[dict[str, Any]]
+) -> tuple[list[int], list[str] | None]:
+    """/tokenize's blocking part: template (for messages), encode, token strings."""
+    if body.messages is not None:
+        text = apply_chat_template(
+            tok,
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        )
+        add_special = bool(body.add_special_tokens)
+    else:
+        text = body.prompt or ""
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+    ids = tok.encode(text, add_special_tokens=add_special)
+    strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return ids, strs
 
 
 def stream_error(e: Exception) -> str:
