@@ -12,6 +12,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from paged.scheduler import SchedulerStats
+from paged.server.kv_cache_metrics import KVCacheResidencyMetrics
 from paged.server.stats import IterationStats
 
 _LATENCY_BUCKETS = (
@@ -70,8 +71,20 @@ class StatLogger(Protocol):
 class PrometheusStatLogger:
     """Engine and request metrics for one served model."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        kv_cache_metrics: bool = False,
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        # Residency histograms exist only with --kv-cache-metrics (as in vLLM).
+        self.kv_residency = (
+            KVCacheResidencyMetrics(self.registry, model_name, "paged:")
+            if kv_cache_metrics
+            else None
+        )
         labels = ["model_name"]
         r = self.registry
         self.running = Gauge(
@@ -147,6 +160,8 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(m).inc(s.prefix_cache_stats.queries)
             self.prefix_hits.labels(m).inc(s.prefix_cache_stats.hits)
             self.preemptions.labels(m).inc(s.num_preempted_reqs)
+            if self.kv_residency is not None:
+                self.kv_residency.observe(s.kv_cache_eviction_events)
         if iteration_stats is not None:
             it = iteration_stats
             self.prompt_tokens.labels(m).inc(it.num_prompt_tokens)

@@ -21,6 +21,7 @@ def run_server(
     from paged.server.openai.api_server import build_app
     from paged.server.tokenizer import load_tokenizer
 
+    core_options = args.engine_core_options()  # bad options fail before the model loads
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -34,7 +35,7 @@ def run_server(
     )
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
     logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
-    client = AsyncMPClient(make_engine_core_factory(config))
+    client = AsyncMPClient(make_engine_core_factory(config, **core_options))
     try:
         info = client.info
         logger.info(
@@ -45,7 +46,7 @@ def run_server(
             info.num_gpu_blocks * info.block_size,
         )
         name = args.model_name()
-        stats = PrometheusStatLogger(name)
+        stats = PrometheusStatLogger(name, kv_cache_metrics=args.kv_cache_metrics)
         llm = AsyncLLM(
             client,
             tokenizer,
