@@ -1,4 +1,4 @@
-"""paged ModelRunner vs Hugging Face transformers forward, on CPU, default SmolLM2-135M GGUF.
+"""paged ModelRunner vs Hugging Face transformers forward, default SmolLM2-135M GGUF (CPU or CUDA).
 
 Decode: B requests with a `--prompt-len` prompt each are prefilled, then
 `--steps` greedy decode steps are timed, paged and HF alternately, and the
@@ -11,6 +11,7 @@ paged/HF (> 1 means paged is faster).
 
     .venv/bin/python benchmarks/runner_bench.py
     .venv/bin/python benchmarks/runner_bench.py --batch-sizes 1 8 --steps 3 --prefill-len 512
+    python benchmarks/runner_bench.py --device cuda   # Triton backend, CUDA graphs, bfloat16
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def build_runner(config: ModelConfig, max_seqs: int, max_tokens: int) -> ModelRu
         config,
         CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=1 << 30),
         SchedulerLimits(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens),
-        "cpu",
+        config.device,
     )
     runner.load_model()
     specs = runner.get_kv_cache_spec()
@@ -180,7 +181,14 @@ def load_hf(config: ModelConfig) -> Any:
     if unexpected or any(m != "lm_head.weight" for m in missing):
         raise RuntimeError(f"HF GGUF load mismatch: missing={missing} unexpected={unexpected}")
     model.tie_weights()
-    return model.eval()
+    # Same device and dtype as paged's model (bfloat16 on CUDA by default).
+    return model.to(device=config.device, dtype=config.dtype).eval()
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued CUDA work, so that wall-clock times cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class HFDecoder:
@@ -193,7 +201,9 @@ class HFDecoder:
         self.model = model
         ids = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]
         self.cache = DynamicCache()
-        out = model(torch.tensor(ids), past_key_values=self.cache, use_cache=True)
+        out = model(
+            torch.tensor(ids, device=model.device), past_key_values=self.cache, use_cache=True
+        )
         self.next = out.logits[:, -1].argmax(-1, keepdim=True)
         self.decode()
 
@@ -201,6 +211,7 @@ class HFDecoder:
     def decode(self) -> None:
         out = self.model(self.next, past_key_values=self.cache, use_cache=True)
         self.next = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync(self.next.device)
 
 
 def interleaved_decode(
@@ -227,10 +238,12 @@ def interleaved_decode(
 @torch.inference_mode()
 def hf_prefill(model: Any, length: int) -> float:
     """Seconds for one HF forward over a `length`-token prompt, plus the next-token argmax."""
-    ids = torch.tensor([[(j * 13) % 1000 + 10 for j in range(length)]])
+    ids = torch.tensor([[(j * 13) % 1000 + 10 for j in range(length)]], device=model.device)
+    sync(ids.device)
     start = time.perf_counter()
     out = model(ids, use_cache=True)
     out.logits[:, -1].argmax(-1)
+    sync(ids.device)
     return time.perf_counter() - start
 
 
@@ -248,6 +261,10 @@ def main() -> None:
         default="auto",
         help="paged's panelled weight copies for 2-128 rows (ModelConfig.cpu_weight_panels)",
     )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: Triton backend"
+    )
+    parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -255,6 +272,8 @@ def main() -> None:
         None,
         max_model_len=max(args.prefill_len + 64, 512),
         cpu_weight_panels=args.cpu_weight_panels,
+        device=args.device,
+        dtype=args.dtype,
     )
     hf = load_hf(config)
     decode: dict[str, Any] = {}
@@ -272,8 +291,8 @@ def main() -> None:
     paged_p, hf_p = interleaved_prefill(prefill_runner, hf, args.prefill_len, args.prefill_runs)
     result = {
         "bench": "runner",
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)",
-        "device": "cpu",
+        "model": f"SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to {config.dtype_name})",
+        "device": config.device,
         "torch_threads": torch.get_num_threads(),
         "cpu_weight_panels": args.cpu_weight_panels,
         "cpu_weight_panels_built": panels_built,

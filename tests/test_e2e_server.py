@@ -204,6 +204,12 @@ def _abort_count(server: LiveServer) -> float:
     raise AssertionError("no abort counter in /metrics")
 
 
+def test_no_kv_residency_histograms_without_the_flag(server: LiveServer) -> None:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    assert "paged:num_requests_running" in text  # the page is the real one
+    assert "kv_block_" not in text  # --kv-cache-metrics is off
+
+
 def test_client_disconnect_aborts_the_request(server: LiveServer) -> None:
     before = _abort_count(server)
     body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 400, "stream": True}

@@ -72,6 +72,18 @@ def test_head_sizes(triton_device: str, head_size: int) -> None:
     _check(batch)
 
 
+@pytest.mark.parametrize("block_size", [48, 528])
+def test_large_and_odd_block_sizes(triton_device: str, block_size: int) -> None:
+    # Why the runner never splits allocation blocks into kernel blocks (vLLM
+    # does for hybrid models' large attention blocks): any block size works,
+    # 528 being vLLM's kind of page-aligned hybrid block, 48 no power of two.
+    batch = make_paged_batch(
+        [7, 1, 2], [block_size + 9, 2 * block_size + 1, 5], num_heads=4, num_kv_heads=2,
+        head_size=16, block_size=block_size, device=triton_device,
+    )  # fmt: skip
+    _check(batch)
+
+
 @pytest.mark.parametrize(("window", "cap"), [(4, None), (None, 2.5), (7, 30.0)])
 def test_sliding_window_and_soft_cap(
     triton_device: str, window: int | None, cap: float | None

@@ -12,7 +12,6 @@ from paged.runner.block_table import (
     PAD_SLOT_ID,
     BlockTable,
     MultiGroupBlockTable,
-    map_to_kernel_blocks,
 )
 from paged.runner.buffers import CpuGpuBuffer
 
@@ -43,22 +42,6 @@ def test_slot_mapping_formula() -> None:
     dev = table.commit_slot_mapping(5, padded_num_tokens=8)
     assert dev.tolist() == [28, 31, 9, 22, 38, PAD_SLOT_ID, PAD_SLOT_ID, PAD_SLOT_ID]
     assert table.commit_block_table(2)[1, :2].tolist() == [5, 9]
-
-
-def test_kernel_block_mapping() -> None:
-    assert map_to_kernel_blocks([0, 1, 2], 2).tolist() == [0, 1, 2, 3, 4, 5]
-    assert map_to_kernel_blocks([3], 4).tolist() == [12, 13, 14, 15]
-    # Allocation blocks of 8 tokens, kernel blocks of 4.
-    table = BlockTable(8, 2, 2, 16, "cpu", kernel_block_size=4)
-    table.add_row([3, 1], 0)
-    assert table.row(0) == [6, 7, 2, 3]
-    pos = np.arange(16, dtype=np.int64)
-    slots = table.compute_slot_mapping(np.zeros(16, dtype=np.int32), pos)
-    # Same slots as with 8-token blocks: block b covers 8b .. 8b+7.
-    expected = [3 * 8 + p if p < 8 else 1 * 8 + p - 8 for p in range(16)]
-    assert slots.tolist() == expected
-    with pytest.raises(ValueError, match="kernel_block_size"):
-        BlockTable(8, 2, 2, 16, "cpu", kernel_block_size=3)
 
 
 def test_row_moves_and_errors() -> None:
@@ -95,15 +78,13 @@ def test_multi_group_fans_out() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     block_size=st.sampled_from([1, 2, 4, 16]),
-    split=st.sampled_from([1, 2]),
     rows=st.lists(st.lists(st.integers(0, 500), min_size=1, max_size=6), min_size=1, max_size=4),
     data=st.data(),
 )
 def test_slot_mapping_matches_naive(
-    block_size: int, split: int, rows: list[list[int]], data: st.DataObject
+    block_size: int, rows: list[list[int]], data: st.DataObject
 ) -> None:
-    kernel = max(block_size // split, 1)
-    table = BlockTable(block_size, len(rows), 6, 64, "cpu", kernel_block_size=kernel)
+    table = BlockTable(block_size, len(rows), 6, 64, "cpu")
     for i, ids in enumerate(rows):
         table.add_row(ids, i)
     req = data.draw(st.lists(st.integers(0, len(rows) - 1), min_size=1, max_size=64))

@@ -7,13 +7,12 @@ block ids. `BlockTable` keeps one row of block ids per batch slot and turns
     block_table_index = row * max_num_blocks_per_req + position // block_size
     slot              = block_table[block_table_index] * block_size + position % block_size
 
-When the allocation block is larger than the attention kernel's block
-(`kernel_block_size` divides `block_size`), each allocation block id `b` is
-stored as the kernel block ids `b * k .. b * k + k - 1` (k = block_size //
-kernel_block_size); the table and the slot formula then work in kernel
-blocks, so the kernels never learn about the allocation size:
-
-    allocation ids [0, 1, 2]  ->  kernel ids [0, 1, 2, 3, 4, 5]   (k = 2)
+The table holds the manager's block ids as they are: the attention kernels
+(torch and Triton) take any block size (a tile gathers each key through
+`position // block_size`), so no allocation block is split into smaller
+kernel blocks. vLLM splits them for hybrid models whose attention block is
+raised to the mamba state's page size beyond what FlashAttention supports;
+paged has neither that kernel constraint nor a hybrid model in the runner.
 
 `MultiGroupBlockTable` holds one `BlockTable` per KV cache group (hybrid
 models) and fans every row operation out to all of them.
@@ -32,21 +31,10 @@ from paged.runner.buffers import CpuGpuBuffer
 PAD_SLOT_ID = -1
 
 
-def map_to_kernel_blocks(
-    block_ids: Sequence[int], blocks_per_kv_block: int
-) -> npt.NDArray[np.int32]:
-    """Expand allocation block ids into kernel block ids (`b -> b*k .. b*k+k-1`)."""
-    ids = np.asarray(block_ids, dtype=np.int64)
-    if blocks_per_kv_block == 1:
-        return ids.astype(np.int32)
-    offsets = np.arange(blocks_per_kv_block, dtype=np.int64)
-    return (ids[:, None] * blocks_per_kv_block + offsets[None, :]).reshape(-1).astype(np.int32)
-
-
 class BlockTable:
     """Per-row block ids for one KV cache group, in host memory with a device copy.
 
-    Invariant: row r holds `num_blocks_per_row[r]` valid kernel block ids in
+    Invariant: row r holds `num_blocks_per_row[r]` valid block ids in
     columns `[0, num_blocks_per_row[r])`; columns past that are stale and
     never read (slot mapping only indexes positions the row covers).
     """
@@ -58,7 +46,6 @@ class BlockTable:
         max_num_blocks_per_req: int,
         max_num_batched_tokens: int,
         device: torch.device | str,
-        kernel_block_size: int | None = None,
         pin_memory: bool | None = None,
     ) -> None:
         for name, value in (
@@ -69,16 +56,9 @@ class BlockTable:
         ):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        kernel_block_size = block_size if kernel_block_size is None else kernel_block_size
-        if kernel_block_size <= 0 or block_size % kernel_block_size != 0:
-            raise ValueError(
-                f"kernel_block_size must divide block_size={block_size}, got {kernel_block_size}"
-            )
-        self.block_size = kernel_block_size  # the size the table and slots are expressed in
-        self.allocation_block_size = block_size
-        self.blocks_per_kv_block = block_size // kernel_block_size
+        self.block_size = block_size
         self.max_num_reqs = max_num_reqs
-        self.max_num_blocks_per_req = max_num_blocks_per_req * self.blocks_per_kv_block
+        self.max_num_blocks_per_req = max_num_blocks_per_req
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = torch.device(device)
         self.block_table = CpuGpuBuffer(
@@ -98,19 +78,18 @@ class BlockTable:
             raise ValueError(f"row_idx must be in [0, {self.max_num_reqs}), got {row_idx}")
 
     def append_row(self, block_ids: Sequence[int], row_idx: int) -> None:
-        """Append allocation block ids to row `row_idx`."""
+        """Append block ids to row `row_idx`."""
         self._check_row(row_idx)
         if len(block_ids) == 0:
             return
-        kernel_ids = map_to_kernel_blocks(block_ids, self.blocks_per_kv_block)
         start = int(self.num_blocks_per_row[row_idx])
-        end = start + len(kernel_ids)
+        end = start + len(block_ids)
         if end > self.max_num_blocks_per_req:
             raise ValueError(
-                f"block_ids: row {row_idx} would hold {end} kernel blocks, more than "
+                f"block_ids: row {row_idx} would hold {end} blocks, more than "
                 f"max_num_blocks_per_req={self.max_num_blocks_per_req}"
             )
-        self.block_table.np[row_idx, start:end] = kernel_ids
+        self.block_table.np[row_idx, start:end] = block_ids
         self.num_blocks_per_row[row_idx] = end
 
     def add_row(self, block_ids: Sequence[int], row_idx: int) -> None:
@@ -140,7 +119,7 @@ class BlockTable:
         rows[a], rows[b] = rows[b], rows[a]
 
     def row(self, row_idx: int) -> list[int]:
-        """The kernel block ids of one row (for tests and debugging)."""
+        """The block ids of one row (for tests and debugging)."""
         self._check_row(row_idx)
         return [int(x) for x in self.block_table.np[row_idx, : self.num_blocks_per_row[row_idx]]]
 
@@ -214,18 +193,10 @@ class MultiGroupBlockTable:
         max_num_batched_tokens: int,
         device: torch.device | str,
         block_sizes: Sequence[int],
-        kernel_block_sizes: Sequence[int] | None = None,
         pin_memory: bool | None = None,
     ) -> None:
         if not block_sizes:
             raise ValueError("block_sizes must name at least one KV cache group")
-        if kernel_block_sizes is None:
-            kernel_block_sizes = list(block_sizes)
-        if len(kernel_block_sizes) != len(block_sizes):
-            raise ValueError(
-                f"kernel_block_sizes must have one entry per group ({len(block_sizes)}), "
-                f"got {len(kernel_block_sizes)}"
-            )
         self.block_tables = [
             BlockTable(
                 block_size=bs,
@@ -233,10 +204,9 @@ class MultiGroupBlockTable:
                 max_num_blocks_per_req=-(-max_model_len // bs),
                 max_num_batched_tokens=max_num_batched_tokens,
                 device=device,
-                kernel_block_size=kbs,
                 pin_memory=pin_memory,
             )
-            for bs, kbs in zip(block_sizes, kernel_block_sizes, strict=True)
+            for bs in block_sizes
         ]
 
     def __getitem__(self, group_id: int) -> BlockTable:

@@ -87,7 +87,6 @@ class InputBatch:
         device: torch.device | str,
         vocab_size: int,
         block_sizes: Sequence[int],
-        kernel_block_sizes: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] = (),
     ) -> None:
         if max_num_reqs <= 0 or max_model_len <= 0 or vocab_size <= 0:
@@ -117,7 +116,6 @@ class InputBatch:
             max_num_batched_tokens,
             device,
             block_sizes,
-            kernel_block_sizes,
         )
 
         def buf(dtype: torch.dtype) -> CpuGpuBuffer:

@@ -147,7 +147,7 @@ class ModelRunner:
         group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         self.layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
         block_sizes = [group.kv_cache_spec.block_size for group in groups]
-        current = [t.allocation_block_size for t in self.input_batch.block_table.block_tables]
+        current = [t.block_size for t in self.input_batch.block_table.block_tables]
         if block_sizes != current:
             if self.requests:
                 raise RuntimeError("initialize_kv_cache must run before any request")

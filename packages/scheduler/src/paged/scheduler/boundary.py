@@ -197,6 +197,17 @@ class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, froz
     hits: int = 0
 
 
+class KVCacheEvictionEvent(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Residency of one sampled KV block, reported when it is reused (vLLM's stats struct).
+
+    Only with a `KVCacheMetricsCollector` (vLLM's --kv-cache-metrics).
+    """
+
+    lifetime_seconds: float
+    idle_seconds: float
+    reuse_gaps_seconds: tuple[float, ...] = ()
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """A snapshot of the scheduler, attached to each `EngineCoreOutputs`."""
 
@@ -206,6 +217,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     num_preempted_reqs: int = 0  # preemptions since the last report
     num_scheduled_tokens: int = 0
+    # Sampled block evictions since the last report (empty without --kv-cache-metrics).
+    kv_cache_eviction_events: list[KVCacheEvictionEvent] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

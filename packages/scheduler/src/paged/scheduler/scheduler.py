@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from paged.kvcache import KVCacheConfig, KVCacheManager, get_request_block_hasher, init_none_hash
 from paged.kvcache.events import KVCacheEvent
 from paged.kvcache.hashing import HashFn, sha256
+from paged.kvcache.metrics import KVCacheMetricsCollector
 from paged.kvcache.specs import CrossAttentionSpec, FullAttentionSpec
 from paged.multimodal.encoder_cache import EncoderCacheManager, compute_mm_encoder_budget
 from paged.scheduler.admission import ignored_output, unservable_reason, validate_request
@@ -23,6 +24,7 @@ from paged.scheduler.boundary import (
     EngineCoreOutputs,
     EngineCoreRequest,
     GrammarOutput,
+    KVCacheEvictionEvent,
     ModelRunnerOutput,
     PrefixCacheStats,
     SchedulerOutput,
@@ -67,6 +69,7 @@ class Scheduler:
         max_tokens_per_mm_item: int = 0,
         enable_kv_cache_events: bool = False,
         include_finished_set: bool = False,
+        kv_metrics_collector: KVCacheMetricsCollector | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -87,7 +90,9 @@ class Scheduler:
             hash_block_size=block_size,
             enable_kv_cache_events=enable_kv_cache_events,
             log_stats=log_stats,
+            metrics_collector=kv_metrics_collector,
         )
+        self.kv_metrics_collector = kv_metrics_collector
         budget = compute_mm_encoder_budget(
             config.resolved_max_num_encoder_input_tokens,
             config.resolved_encoder_cache_size,
@@ -325,9 +330,18 @@ class Scheduler:
             prefix_cache_stats=prefix,
             num_preempted_reqs=state.num_preempted_since_stats,
             num_scheduled_tokens=state.last_num_scheduled_tokens,
+            kv_cache_eviction_events=self._take_eviction_events(),
         )
         state.num_preempted_since_stats = 0
         return stats
+
+    def _take_eviction_events(self) -> list[KVCacheEvictionEvent]:
+        if self.kv_metrics_collector is None:
+            return []
+        return [
+            KVCacheEvictionEvent(e.lifetime_seconds, e.idle_seconds, e.reuse_gaps_seconds)
+            for e in self.kv_metrics_collector.drain_events()
+        ]
 
     def check_integrity(self) -> None:
         """Raise AssertionError if a request sits in two places or in the wrong one."""

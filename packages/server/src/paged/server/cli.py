@@ -57,6 +57,16 @@ def _kv_events_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _sample_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
@@ -147,6 +157,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=20,
         help="largest logprobs / top_logprobs a request may ask for",
     )
+    s.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="schedule step N+1 while step N runs (vLLM's flag: two batches in flight)",
+    )
+    o = parser.add_argument_group("observability")
+    o.add_argument(
+        "--kv-cache-metrics",
+        action="store_true",
+        help="publish sampled KV block residency histograms (kv_block_lifetime_seconds, "
+        "kv_block_idle_before_evict_seconds, kv_block_reuse_gap_seconds) on /metrics",
+    )
+    o.add_argument(
+        "--kv-cache-metrics-sample",
+        type=_sample_rate,
+        default=0.01,
+        metavar="RATE",
+        help="fraction of KV blocks tracked by --kv-cache-metrics, in (0, 1] (default 0.01)",
+    )
     p = parser.add_argument_group("parallelism")
     p.add_argument(
         "--tensor-parallel-size",
@@ -179,6 +209,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         attention_backend=ns.attention_backend,
         cpu_weight_panels=ns.cpu_weight_panels,
         kv_events_config=ns.kv_events_config,
+        async_scheduling=ns.async_scheduling,
+        kv_cache_metrics=ns.kv_cache_metrics,
+        kv_cache_metrics_sample=ns.kv_cache_metrics_sample,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from paged.server.tokenizer import DEFAULT_MODEL_NAME
 
@@ -45,6 +45,25 @@ class EngineArgs:
     cpu_weight_panels: str = "auto"  # "auto" | "on" | "off"
     # vLLM's --kv-events-config; goes to EngineCore itself, not into EngineConfig.
     kv_events_config: KVEventsConfig | None = None
+    # vLLM's --async-scheduling: the engine core keeps two batches in flight
+    # (EngineCore batch_queue_size=2) and schedules step N+1 while N runs.
+    async_scheduling: bool = False
+    # vLLM's --kv-cache-metrics / --kv-cache-metrics-sample: sampled block
+    # residency histograms (lifetime, idle before evict, reuse gaps).
+    kv_cache_metrics: bool = False
+    kv_cache_metrics_sample: float = 0.01
+
+    def engine_core_options(self) -> dict[str, Any]:
+        """The `EngineCore` keyword arguments these options select (see engine/options.py)."""
+        from paged.server.engine.options import engine_core_options
+
+        options = engine_core_options(
+            async_scheduling=self.async_scheduling,
+            kv_cache_metrics=self.kv_cache_metrics,
+            kv_cache_metrics_sample=self.kv_cache_metrics_sample,
+        )
+        options["kv_events_config"] = self.kv_events_config
+        return options
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -41,11 +41,10 @@ class LLM:
         from paged.server.engine.core import make_engine_core_factory
 
         args = EngineArgs(model=model, **engine_options)
+        core_options = args.engine_core_options()  # bad options fail before the model loads
         config = args.create_engine_config()
         tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
-        client = InprocClient.from_factory(
-            make_engine_core_factory(config, kv_events_config=args.kv_events_config)
-        )
+        client = InprocClient.from_factory(make_engine_core_factory(config, **core_options))
         mc = config.model_config
         self._setup(
             client,

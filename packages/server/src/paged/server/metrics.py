@@ -14,6 +14,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from paged.scheduler import SchedulerStats
+from paged.server.kv_cache_metrics import KVCacheResidencyMetrics
 from paged.server.metrics_names import PAGED_NAMING, MetricsNaming
 from paged.server.stats import IterationStats
 
@@ -36,8 +37,14 @@ class PrometheusStatLogger:
         model_name: str,
         registry: CollectorRegistry | None = None,
         naming: MetricsNaming = PAGED_NAMING,
+        *,
+        kv_cache_metrics: bool = False,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        # Residency histograms exist only with --kv-cache-metrics (as in vLLM).
+        self.kv_residency = (
+            KVCacheResidencyMetrics(self.registry, naming, model_name) if kv_cache_metrics else None
+        )
         labels = list(naming.labelnames)
         r = self.registry
         n = naming.name
@@ -115,6 +122,8 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(*m).inc(s.prefix_cache_stats.queries)
             self.prefix_hits.labels(*m).inc(s.prefix_cache_stats.hits)
             self.preemptions.labels(*m).inc(s.num_preempted_reqs)
+            if self.kv_residency is not None:
+                self.kv_residency.observe(s.kv_cache_eviction_events)
         if iteration_stats is not None:
             it = iteration_stats
             self.prompt_tokens.labels(*m).inc(it.num_prompt_tokens)

@@ -36,6 +36,7 @@ def run_server(
     from paged.server.tokenizer import load_tokenizer
 
     naming = metrics_naming(metrics_prefix)  # a bad prefix fails before the model loads
+    core_options = args.engine_core_options()  # bad options fail before the model loads
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -49,7 +50,7 @@ def run_server(
     )
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
     logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
-    client = AsyncMPClient(make_engine_core_factory(config, kv_events_config=args.kv_events_config))
+    client = AsyncMPClient(make_engine_core_factory(config, **core_options))
     try:
         info = client.info
         logger.info(
@@ -60,7 +61,7 @@ def run_server(
             info.num_gpu_blocks * info.block_size,
         )
         name = args.model_name()
-        stats = PrometheusStatLogger(name, naming=naming)
+        stats = PrometheusStatLogger(name, naming=naming, kv_cache_metrics=args.kv_cache_metrics)
         llm = AsyncLLM(
             client,
             tokenizer,

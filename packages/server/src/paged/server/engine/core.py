@@ -14,6 +14,10 @@ The scheduler stays on the caller's thread; requests whose tokens are in
 flight are not scheduled again (the scheduler advances their computed
 tokens when it schedules them), so overlapping batches never collide.
 
+`kv_cache_metrics_sample` (vLLM's --kv-cache-metrics-sample) gives the
+scheduler a `KVCacheMetricsCollector`; its eviction events ride in each
+`SchedulerStats` to the frontend's Prometheus histograms.
+
 Construction sizes the KV cache: the executor's per-layer specs and the byte
 budget (`CacheConfig.kv_cache_memory_bytes`, else the executor's measurement)
 go through `paged.kvcache.get_kv_cache_config`; the executor allocates it and
@@ -34,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from paged.connectors.events import EventPublisher, KVEventsConfig, make_event_publisher
-from paged.kvcache import KVCacheConfig, get_kv_cache_config
+from paged.kvcache import KVCacheConfig, KVCacheMetricsCollector, get_kv_cache_config
 from paged.runner.config import EngineConfig
 from paged.scheduler.boundary import (
     EngineCoreOutputs,
@@ -90,6 +94,7 @@ class EngineCore:
         num_gpu_blocks_override: int | None = None,
         log_stats: bool = True,
         kv_events_config: KVEventsConfig | None = None,
+        kv_cache_metrics_sample: float | None = None,
     ) -> None:
         if batch_queue_size < 1:
             raise ValueError(f"batch_queue_size must be >= 1, got {batch_queue_size}")
@@ -105,7 +110,9 @@ class EngineCore:
             logger.warning("KV cache events are enabled but prefix caching is off: none will come")
         try:
             self.kv_cache_config, kv_bytes = self._initialize_kv_caches(num_gpu_blocks_override)
-            self.scheduler = self._make_scheduler(scheduler_class, structured_output, log_stats)
+            self.scheduler = self._make_scheduler(
+                scheduler_class, structured_output, log_stats, kv_cache_metrics_sample
+            )
             # Last: a busy endpoint fails start-up before the thread exists.
             self.event_publisher: EventPublisher = make_event_publisher(kv_events_config)
         except BaseException:
@@ -148,6 +155,7 @@ class EngineCore:
         scheduler_class: SchedulerFactory | None,
         structured_output: StructuredOutputProvider | None,
         log_stats: bool,
+        kv_cache_metrics_sample: float | None,
     ) -> SchedulerInterface:
         cache = self.engine_config.cache_config
         extra: dict[str, Any] = {}
@@ -155,6 +163,10 @@ class EngineCore:
             extra["structured_output"] = structured_output
         if self._kv_events:
             extra["enable_kv_cache_events"] = True
+        if kv_cache_metrics_sample is not None and log_stats:
+            # As in vLLM, residency metrics travel in the scheduler stats, so
+            # they need log_stats; the collector samples blocks at allocation.
+            extra["kv_metrics_collector"] = KVCacheMetricsCollector(kv_cache_metrics_sample)
         return (scheduler_class or Scheduler)(
             self.scheduler_config,
             self.kv_cache_config,
