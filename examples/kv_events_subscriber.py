@@ -5,6 +5,10 @@
     python examples/kv_events_subscriber.py --topic kv-events \\
         --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558
 
+`--wire-format` must match the publisher's: "map" (the default; paged's
+default and current vLLM's), or "array" for a publisher configured with
+`"wire_format": "array"` (or a vLLM 0.2x engine).
+
 It first asks the replay endpoint for everything it still holds (so it can
 join late), then follows the live stream, filling gaps by replay. One line
 per batch; with `--summary`, a JSON object of the cached blocks at exit:
@@ -19,7 +23,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from paged.connectors.events import CachedBlockIndex, KVEventBatch, KVEventSubscriber
+from paged.connectors.events import (
+    WIRE_FORMATS,
+    CachedBlockIndex,
+    KVEventBatch,
+    KVEventDecodeError,
+    KVEventSubscriber,
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -27,6 +37,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="the publisher's PUB address")
     p.add_argument("--replay-endpoint", default=None, help="its ROUTER replay address")
     p.add_argument("--topic", default="", help="the publisher's topic")
+    p.add_argument(
+        "--wire-format",
+        choices=WIRE_FORMATS,
+        default="map",
+        help="the publisher's batch layout: map (current vLLM, paged's default) "
+        "or array (vLLM 0.2x)",
+    )
     p.add_argument("--until-seq", type=int, default=None, help="stop once batch N-1 is in")
     p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no line per batch")
@@ -39,25 +56,36 @@ def describe(seq: int, batch: KVEventBatch, index: CachedBlockIndex) -> str:
     return f"seq {seq} ts {batch.ts:.3f}: {kinds} -> {sum(index.blocks.values())} blocks cached"
 
 
+def follow(sub: KVEventSubscriber, ns: argparse.Namespace, index: CachedBlockIndex) -> None:
+    """Apply batches until `--until-seq`, `--timeout` or Ctrl-C."""
+    deadline = None if ns.timeout is None else time.monotonic() + ns.timeout
+    batches = sub.catch_up() if ns.replay_endpoint else []
+    try:
+        while True:
+            for seq, batch in batches:
+                index.apply(batch)
+                if not ns.quiet:
+                    print(describe(seq, batch, index), flush=True)
+            if ns.until_seq is not None and sub.next_seq >= ns.until_seq:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            batches = sub.poll(200)
+    except KeyboardInterrupt:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     index = CachedBlockIndex()
-    deadline = None if ns.timeout is None else time.monotonic() + ns.timeout
-    with KVEventSubscriber(ns.endpoint, ns.replay_endpoint, topic=ns.topic) as sub:
-        batches = sub.catch_up() if ns.replay_endpoint else []
+    with KVEventSubscriber(
+        ns.endpoint, ns.replay_endpoint, topic=ns.topic, wire_format=ns.wire_format
+    ) as sub:
         try:
-            while True:
-                for seq, batch in batches:
-                    index.apply(batch)
-                    if not ns.quiet:
-                        print(describe(seq, batch, index), flush=True)
-                if ns.until_seq is not None and sub.next_seq >= ns.until_seq:
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-                batches = sub.poll(200)
-        except KeyboardInterrupt:
-            pass
+            follow(sub, ns, index)
+        except KVEventDecodeError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1
         if ns.summary:
             blocks = [
                 [m, g, h.hex() if isinstance(h, bytes) else h, n]

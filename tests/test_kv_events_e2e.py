@@ -1,6 +1,7 @@
 """KV cache events end to end: the real engine on a tiny random Llama publishes,
 and `examples/kv_events_subscriber.py`, started after the workload, rebuilds
-the pool's cached blocks from replayed events alone.
+the pool's cached blocks from replayed events alone. The example also follows
+a publisher in the legacy "array" layout when told so, and says when not.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from paged.connectors.events import (
     ZmqEventPublisher,
     external_block_hash,
 )
+from paged.kvcache.events import BlockRemoved, BlockStored
 from paged.kvcache.ids import get_block_hash, get_group_id
 from paged.runner.config import CacheConfig, EngineConfig, ModelConfig, SchedulerLimits
 from paged.scheduler.boundary import EngineCoreRequest
@@ -134,3 +136,37 @@ def test_example_subscriber_joins_late_and_matches_the_pool(
         live.close()
         core.shutdown()
         torch.set_num_threads(previous)
+
+
+def _run_example(cfg: KVEventsConfig, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), "--endpoint", cfg.endpoint, "--replay-endpoint",
+         str(cfg.replay_endpoint), "--timeout", "60", "--quiet", "--summary", *extra],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_example_subscriber_follows_the_array_layout_when_told(tmp_path: Path) -> None:
+    cfg = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/pub",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        wire_format="array",
+    )
+    h = [i.to_bytes(32, "big") for i in range(4)]
+    publisher = ZmqEventPublisher(cfg)
+    try:
+        publisher.publish([BlockStored(h[1:4], h[0], [0] * 12, 4, group_idx=0)])  # type: ignore[arg-type]
+        publisher.publish([BlockRemoved([h[2]], group_idx=0)])  # type: ignore[list-item]
+        out = _run_example(cfg, "--wire-format", "array", "--until-seq", "2")
+        assert out.returncode == 0, out.stderr
+        summary = json.loads(out.stdout.strip().splitlines()[-1])
+        assert summary["next_seq"] == 2 and summary["lost"] == 0
+        assert summary["blocks"] == [["GPU", 0, 1, 1], ["GPU", 0, 3, 1]]
+
+        wrong = _run_example(cfg, "--until-seq", "2")  # --wire-format map, the default
+        assert wrong.returncode == 1
+        assert "not a batch in the 'map' wire layout" in wrong.stderr
+    finally:
+        publisher.shutdown()

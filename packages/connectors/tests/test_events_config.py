@@ -17,6 +17,7 @@ def test_defaults_are_vllms() -> None:
         "hwm": 100_000,
         "max_queue_size": 100_000,
         "topic": "",
+        "wire_format": "map",  # paged's own field: current vLLM's layout
     }
     assert not c.publishes
 
@@ -33,7 +34,7 @@ def test_every_field_is_read() -> None:
     c = parse_kv_events_config(
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "ipc:///tmp/a",'
         ' "replay_endpoint": "tcp://*:6000", "buffer_steps": 3, "hwm": 7,'
-        ' "max_queue_size": 9, "topic": "t"}'
+        ' "max_queue_size": 9, "topic": "t", "wire_format": "array"}'
     )
     assert (c.endpoint, c.replay_endpoint, c.buffer_steps, c.hwm, c.max_queue_size) == (
         "ipc:///tmp/a",
@@ -42,6 +43,7 @@ def test_every_field_is_read() -> None:
         7,
         9,
     )
+    assert (c.topic, c.wire_format) == ("t", "array")
 
 
 @pytest.mark.parametrize(
@@ -56,9 +58,17 @@ def test_every_field_is_read() -> None:
         ('{"enable_kv_cache_events": true, "endpoint": "localhost:5557"}', "endpoint must be"),
         ('{"enable_kv_cache_events": true,', "not valid JSON"),
         ("[1]", "Expected `object`"),
+        ('{"wire_format": "msgpack"}', "$.wire_format"),
+        ('{"wire_format": 1}', "$.wire_format"),
     ],
 )
 def test_bad_config_names_the_problem(text: str, needle: str) -> None:
     with pytest.raises(KVEventsConfigError, match="KV events config") as info:
         parse_kv_events_config(text)
     assert needle in str(info.value)
+
+
+def test_wire_format_is_checked_when_built_in_code() -> None:
+    """msgspec validates only what it decodes; the struct checks the rest itself."""
+    with pytest.raises(KVEventsConfigError, match="wire_format must be one of 'map', 'array'"):
+        KVEventsConfig(wire_format="xml")  # type: ignore[arg-type]

@@ -147,6 +147,36 @@ def test_replay_from_n_then_end_marker(tmp_path: Path, ctx: zmq.Context[zmq.Sock
         pub.shutdown()
 
 
+@pytest.mark.parametrize("wire_format", ["map", "array"])
+def test_wire_format_picks_the_layout_live_and_in_replay(
+    tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]], wire_format: str
+) -> None:
+    cfg = _config(tmp_path, wire_format=wire_format)
+    pub = ZmqEventPublisher(cfg, context=ctx)
+    sub = _sub(ctx, cfg)
+    try:
+        first = _connected(pub, sub)
+        pub.publish(_removed(first))
+        ((_, _, live),) = _recv_all(sub, 1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(_replay(ctx, cfg, first)) < 1:
+            time.sleep(0.05)
+        ((seq, replayed),) = _replay(ctx, cfg, first)
+        assert seq == first and replayed == live  # replay resends the same bytes
+        raw = msgspec.msgpack.decode(live)
+        if wire_format == "map":
+            assert raw == {
+                "ts": raw["ts"],
+                "events": [{"type": "BlockRemoved", "block_hashes": [first], "medium": "GPU"}],
+                "data_parallel_rank": 0,
+            }
+        else:
+            assert raw == [raw[0], [["BlockRemoved", [first], "GPU", None]], 0]
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
 def test_vanished_and_malformed_replay_clients_do_not_stop_the_publisher(
     tmp_path: Path, ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from paged.connectors.events import (
     CachedBlockIndex,
+    KVEventDecodeError,
     KVEventsConfig,
     KVEventSubscriber,
     ZmqEventPublisher,
@@ -54,12 +55,15 @@ def test_index_counts_copies_groups_and_clears() -> None:
 
 
 @pytest.fixture
-def publisher(tmp_path: Path) -> Iterator[tuple[ZmqEventPublisher, KVEventsConfig]]:
+def publisher(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[ZmqEventPublisher, KVEventsConfig]]:
     cfg = KVEventsConfig(
         enable_kv_cache_events=True,
         endpoint=f"ipc://{tmp_path}/pub",
         replay_endpoint=f"ipc://{tmp_path}/replay",
         buffer_steps=50,
+        wire_format=getattr(request, "param", "map"),
     )
     pub = ZmqEventPublisher(cfg)
     yield pub, cfg
@@ -75,7 +79,9 @@ def _wait_replayable(pub: ZmqEventPublisher, cfg: KVEventsConfig, n: int) -> Non
     assert cfg.replay_endpoint is not None
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint) as probe:
+        with KVEventSubscriber(
+            cfg.endpoint, cfg.replay_endpoint, wire_format=cfg.wire_format
+        ) as probe:
             if len(probe.catch_up()) >= n:
                 return
         time.sleep(0.05)
@@ -104,6 +110,7 @@ def test_late_joiner_gets_everything_in_order_through_replay(
     assert index.hashes() == Counter({(0, external): 1 for external in range(len(seqs))})
 
 
+@pytest.mark.parametrize("publisher", ["map", "array"], indirect=True)
 def test_catch_up_then_live_without_duplicates(
     publisher: tuple[ZmqEventPublisher, KVEventsConfig],
 ) -> None:
@@ -111,7 +118,7 @@ def test_catch_up_then_live_without_duplicates(
     for i in range(3):
         pub.publish(_batch(i))
     _wait_replayable(pub, cfg, 3)
-    with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint) as sub:
+    with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint, wire_format=cfg.wire_format) as sub:
         got = [seq for seq, _ in sub.catch_up()]
         assert got == [0, 1, 2] and sub.next_seq == 3
         deadline = time.monotonic() + 10
@@ -119,6 +126,59 @@ def test_catch_up_then_live_without_duplicates(
             pub.publish(_batch(pub.next_seq))
             got += [seq for seq, _ in sub.poll(100)]
         assert got == list(range(len(got))) and len(got) >= 6
+
+
+@pytest.mark.parametrize("publisher", ["array"], indirect=True)
+def test_subscriber_of_the_other_layout_says_so(
+    publisher: tuple[ZmqEventPublisher, KVEventsConfig],
+) -> None:
+    pub, cfg = publisher
+    pub.publish(_batch(0))
+    _wait_replayable(pub, cfg, 1)
+    with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint) as sub:  # "map"
+        with pytest.raises(KVEventDecodeError, match="batch 0 is not a batch in the 'map'"):
+            sub.catch_up()
+        assert sub.next_seq == 0  # the batch was not handed out
+
+
+def test_array_subscriber_rebuilds_the_same_index(
+    publisher: tuple[ZmqEventPublisher, KVEventsConfig], tmp_path: Path
+) -> None:
+    """Same events through both layouts: the subscriber hands out equal batches."""
+    map_pub, map_cfg = publisher
+    array_cfg = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/pub-array",
+        replay_endpoint=f"ipc://{tmp_path}/replay-array",
+        wire_format="array",
+    )
+    array_pub = ZmqEventPublisher(array_cfg)
+    try:
+        events: list[KVCacheEvent] = [
+            _stored(1, 2),
+            _removed(1),
+            AllBlocksCleared(),
+            _stored(3, group=1),
+        ]
+        for pub, cfg in ((map_pub, map_cfg), (array_pub, array_cfg)):
+            pub.publish(events)
+            _wait_replayable(pub, cfg, 1)
+        got = []
+        for cfg in (map_cfg, array_cfg):
+            with KVEventSubscriber(
+                cfg.endpoint, cfg.replay_endpoint, wire_format=cfg.wire_format
+            ) as sub:
+                ((_, batch),) = sub.catch_up()
+                got.append(batch)
+        assert got[0].events == got[1].events
+        assert [type(e).__name__ for e in got[1].events] == [
+            "BlockStored",
+            "BlockRemoved",
+            "AllBlocksCleared",
+            "BlockStored",
+        ]
+    finally:
+        array_pub.shutdown()
 
 
 def test_batches_gone_from_the_ring_are_counted_lost(tmp_path: Path) -> None:

@@ -1,8 +1,11 @@
-"""The wire layout is vLLM's: decoders declared from vLLM's struct definitions read it.
+"""Both wire layouts, checked against decoders declared from vLLM's struct definitions.
 
-The `Vllm*` structs below are written from vLLM's published definitions
-(`vllm/distributed/kv_events.py`, field order and struct options), not
-imported from paged, so a change of field order or options here fails.
+The `Vllm*` structs below are written from current vLLM's published
+definitions (`vllm/distributed/kv_events.py`: field order, struct options, no
+`array_like`), not imported from paged, so a change of field order, default
+or options in paged fails here. The `Array*V` and `Old*` ones are vLLM 0.2x's
+`array_like=True` structs and vLLM's old example subscriber, for the legacy
+"array" layout.
 """
 
 from typing import Any
@@ -10,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from paged.connectors.events.codec import ArrayCodec, MapCodec, make_codec
 from paged.connectors.events.wire import (
     END_OF_REPLAY,
     KVEventBatch,
@@ -21,17 +25,18 @@ from paged.connectors.events.wire import (
 from paged.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
-class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+# ---- current vLLM (maps) -------------------------------------------------------
+class VllmEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class VllmKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
-class BlockStoredV(VllmKVCacheEvent, tag="BlockStored"):
+class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
     token_ids: list[int]
@@ -45,21 +50,60 @@ class BlockStoredV(VllmKVCacheEvent, tag="BlockStored"):
     kv_cache_spec_sliding_window: int | None = None
 
 
-class BlockRemovedV(VllmKVCacheEvent, tag="BlockRemoved"):
+class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
 
 
-class AllBlocksClearedV(VllmKVCacheEvent, tag="AllBlocksCleared"):
+class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):
     pass
 
 
 class VllmKVEventBatch(VllmEventBatch):
-    events: list[BlockStoredV | BlockRemovedV | AllBlocksClearedV]
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
 
 
-# The decoder of vLLM's examples/online_serving/kv_events_subscriber.py (fewer fields).
+# ---- vLLM 0.2x (arrays) --------------------------------------------------------
+class ArrayEventBatchV(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class ArrayKVCacheEventV(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class ArrayBlockStoredV(ArrayKVCacheEventV, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None  # declared by late array-era decoders
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class ArrayBlockRemovedV(ArrayKVCacheEventV, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class ArrayAllBlocksClearedV(ArrayKVCacheEventV, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayKVEventBatchV(ArrayEventBatchV):
+    events: list[ArrayBlockStoredV | ArrayBlockRemovedV | ArrayAllBlocksClearedV]
+
+
+# The decoder of vLLM's old examples/online_serving/kv_events_subscriber.py (fewer fields).
 class OldBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
@@ -117,8 +161,79 @@ def test_block_hash_is_the_low_64_bits_big_endian() -> None:
     assert external_block_hash(b"\xff" * 32) == 2**64 - 1
 
 
-def test_raw_layout_is_positional_and_tagged() -> None:
-    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(make_batch(_events(), ts=1.5)))
+def _plain_store() -> BlockStored:
+    """A store with every optional field unset: no LoRA, no extra keys, no group."""
+    return BlockStored(
+        block_hashes=[H2],  # type: ignore[list-item]
+        parent_block_hash=None,
+        token_ids=[7] * 4,
+        block_size=4,
+        group_idx=None,
+    )
+
+
+def _map_payload(**kw: Any) -> bytes:
+    return MapCodec().encode(make_batch(_events(), **kw))
+
+
+def _array_payload(**kw: Any) -> bytes:
+    return ArrayCodec().encode(make_batch(_events(), **kw))
+
+
+def test_raw_map_layout_is_keyed_and_tagged_by_type() -> None:
+    """The default layout, pinned key for key and in order (msgpack maps keep order)."""
+    raw = msgspec.msgpack.decode(_map_payload(ts=1.5))
+    i = external_block_hash
+    assert list(raw) == ["ts", "events", "data_parallel_rank"]
+    assert (raw["ts"], raw["data_parallel_rank"]) == (1.5, 0)
+    stored, removed, cleared = raw["events"]
+    assert list(stored.items()) == [
+        ("type", "BlockStored"),
+        ("block_hashes", [i(H1), i(H2)]),
+        ("parent_block_hash", i(H0)),
+        ("token_ids", list(range(8))),
+        ("block_size", 4),
+        ("lora_id", None),
+        ("medium", "GPU"),
+        ("lora_name", "adapter"),
+        ("extra_keys", [["adapter"], ["adapter", ["img", 2]]]),
+        ("group_idx", 1),
+    ]
+    assert list(removed.items()) == [
+        ("type", "BlockRemoved"),
+        ("block_hashes", [i(H0)]),
+        ("medium", "GPU"),
+        ("group_idx", 1),
+    ]
+    assert cleared == {"type": "AllBlocksCleared"}
+    assert make_codec().wire_format == "map"  # the default
+
+
+def test_raw_map_layout_keeps_required_nulls_and_drops_unset_defaults() -> None:
+    """`lora_name` has no default in vLLM: it must be there even when null."""
+    raw = msgspec.msgpack.decode(
+        MapCodec().encode(make_batch([_plain_store()], ts=0.0, data_parallel_rank=None))
+    )
+    assert raw == {
+        "ts": 0.0,
+        "events": [
+            {
+                "type": "BlockStored",
+                "block_hashes": [external_block_hash(H2)],
+                "parent_block_hash": None,
+                "token_ids": [7] * 4,
+                "block_size": 4,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+            }
+        ],
+    }
+
+
+def test_raw_array_layout_is_positional_and_tagged() -> None:
+    """The legacy layout, pinned: the bytes paged sent before maps became the default."""
+    raw = msgspec.msgpack.decode(_array_payload(ts=1.5))
     i = external_block_hash
     assert raw == [
         1.5,
@@ -142,38 +257,129 @@ def test_raw_layout_is_positional_and_tagged() -> None:
     ]
 
 
-def test_vllm_decoder_reads_every_field() -> None:
-    payload = msgspec.msgpack.encode(make_batch(_events(), ts=2.0, data_parallel_rank=3))
-    batch = msgspec.msgpack.Decoder(type=VllmKVEventBatch).decode(payload)
+def test_vllm_decoder_reads_every_field_of_the_default_stream() -> None:
+    batch = msgspec.msgpack.Decoder(type=VllmKVEventBatch).decode(
+        _map_payload(ts=2.0, data_parallel_rank=3)
+    )
     assert batch.ts == 2.0 and batch.data_parallel_rank == 3
     stored, removed, cleared = batch.events
-    assert isinstance(stored, BlockStoredV)
+    assert isinstance(stored, VllmBlockStored)
     assert stored.block_hashes == [external_block_hash(H1), external_block_hash(H2)]
     assert stored.parent_block_hash == external_block_hash(H0)
-    assert (stored.block_size, stored.medium, stored.lora_name, stored.group_idx) == (
+    assert stored.token_ids == list(range(8))
+    assert (stored.block_size, stored.lora_id, stored.medium, stored.lora_name) == (
         4,
+        None,
         "GPU",
         "adapter",
-        1,
     )
     assert stored.extra_keys == [("adapter",), ("adapter", ["img", 2])]
-    assert isinstance(removed, BlockRemovedV) and removed.group_idx == 1
-    assert isinstance(cleared, AllBlocksClearedV)
+    assert stored.group_idx == 1
+    # paged.kvcache events do not say which spec a group has: never sent.
+    assert stored.kv_cache_spec_kind is None and stored.kv_cache_spec_sliding_window is None
+    assert isinstance(removed, VllmBlockRemoved)
+    assert (removed.block_hashes, removed.medium, removed.group_idx) == (
+        [external_block_hash(H0)],
+        "GPU",
+        1,
+    )
+    assert isinstance(cleared, VllmAllBlocksCleared)
 
 
-def test_vllm_example_subscriber_decoder_reads_it() -> None:
-    payload = msgspec.msgpack.encode(make_batch(_events(), ts=2.0))
-    batch = msgspec.msgpack.Decoder(type=OldKVEventBatch).decode(payload)
+def test_vllm_decoder_reads_a_store_without_lora_or_group() -> None:
+    payload = MapCodec().encode(make_batch([_plain_store()], ts=0.0))
+    (stored,) = msgspec.msgpack.Decoder(type=VllmKVEventBatch).decode(payload).events
+    assert isinstance(stored, VllmBlockStored)
+    assert (stored.lora_name, stored.group_idx, stored.extra_keys) == (None, None, None)
+
+
+@pytest.mark.parametrize("use_int_hashes", [True, False])
+def test_default_stream_is_the_bytes_vllms_encoder_writes(use_int_hashes: bool) -> None:
+    """Re-encoding with vLLM's structs gives the same bytes: same keys, order, omissions."""
+    for events in (_events(), [_plain_store()]):
+        payload = MapCodec().encode(make_batch(events, ts=2.5, use_int_hashes=use_int_hashes))
+        vllm_batch = msgspec.msgpack.Decoder(type=VllmKVEventBatch).decode(payload)
+        assert msgspec.msgpack.encode(vllm_batch) == payload
+
+
+def test_paged_decoder_reads_vllms_spec_metadata() -> None:
+    """A vLLM publisher's stores carry the group's spec; paged's subscriber keeps it."""
+    vllm_batch = VllmKVEventBatch(
+        ts=1.0,
+        events=[
+            VllmBlockStored(
+                block_hashes=[5],
+                parent_block_hash=None,
+                token_ids=[1, 2],
+                block_size=2,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                group_idx=1,
+                kv_cache_spec_kind="sliding_window",
+                kv_cache_spec_sliding_window=128,
+            )
+        ],
+    )
+    (stored,) = MapCodec().decode(msgspec.msgpack.encode(vllm_batch)).events
+    assert stored.kv_cache_spec_kind == "sliding_window"  # type: ignore[union-attr]
+    assert stored.kv_cache_spec_sliding_window == 128  # type: ignore[union-attr]
+
+
+def test_legacy_decoder_reads_every_field_of_the_array_stream() -> None:
+    batch = msgspec.msgpack.Decoder(type=ArrayKVEventBatchV).decode(
+        _array_payload(ts=2.0, data_parallel_rank=3)
+    )
+    assert batch.ts == 2.0 and batch.data_parallel_rank == 3
+    stored, removed, cleared = batch.events
+    assert isinstance(stored, ArrayBlockStoredV)
+    assert stored.block_hashes == [external_block_hash(H1), external_block_hash(H2)]
+    assert stored.parent_block_hash == external_block_hash(H0)
+    assert stored.token_ids == list(range(8))
+    assert (stored.block_size, stored.lora_id, stored.medium, stored.lora_name) == (
+        4,
+        None,
+        "GPU",
+        "adapter",
+    )
+    assert stored.extra_keys == [("adapter",), ("adapter", ["img", 2])]
+    assert stored.group_idx == 1
+    assert stored.kv_cache_spec_kind is None and stored.kv_cache_spec_sliding_window is None
+    assert isinstance(removed, ArrayBlockRemovedV) and removed.group_idx == 1
+    assert isinstance(cleared, ArrayAllBlocksClearedV)
+
+
+def test_vllm_example_subscriber_decoder_reads_the_array_stream() -> None:
+    batch = msgspec.msgpack.Decoder(type=OldKVEventBatch).decode(_array_payload(ts=2.0))
     assert [type(e) for e in batch.events] == [OldStored, OldRemoved, OldCleared]
     assert batch.events[0].medium == "GPU"  # type: ignore[union-attr]
 
 
-def test_paged_decoder_round_trips_bytes_hashes() -> None:
-    payload = msgspec.msgpack.encode(make_batch(_events(), ts=0.0, use_int_hashes=False))
-    batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
+def test_layouts_do_not_read_each_other() -> None:
+    """Why both ends must name the same wire_format: msgspec does not cross over."""
+    with pytest.raises(msgspec.ValidationError, match="Expected `object`, got `array`"):
+        msgspec.msgpack.Decoder(type=VllmKVEventBatch).decode(_array_payload(ts=0.0))
+    with pytest.raises(msgspec.ValidationError, match="Expected `array`, got `object`"):
+        msgspec.msgpack.Decoder(type=ArrayKVEventBatchV).decode(_map_payload(ts=0.0))
+
+
+@pytest.mark.parametrize("wire_format", ["map", "array"])
+def test_codecs_round_trip_bytes_hashes(wire_format: Any) -> None:
+    codec = make_codec(wire_format)
+    assert codec.wire_format == wire_format
+    sent = make_batch(_events(), ts=0.0, use_int_hashes=False)
+    batch = codec.decode(codec.encode(sent))
+    assert isinstance(batch, KVEventBatch)
     assert batch.events[0].block_hashes == [H1, H2]  # type: ignore[union-attr]
     # Nested tuples in extra_keys come back as lists (msgpack has one array type).
-    assert make_batch(_events(), ts=0.0, use_int_hashes=False).events[1:] == batch.events[1:]
+    assert batch.events[0].extra_keys == [("adapter",), ("adapter", ["img", 2])]  # type: ignore[union-attr]
+    assert sent.events[1:] == batch.events[1:]
+    assert (batch.ts, batch.data_parallel_rank) == (0.0, 0)
+
+
+def test_unknown_wire_format_names_the_field() -> None:
+    with pytest.raises(ValueError, match="wire_format must be one of 'map', 'array', got 'xml'"):
+        make_codec("xml")  # type: ignore[arg-type]
 
 
 def test_non_event_is_refused() -> None:

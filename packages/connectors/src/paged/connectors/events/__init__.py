@@ -3,11 +3,17 @@
 engine core --publish(step events)--> EventPublisher --thread--> PUB  (topic, seq, batch)
                                                                ROUTER (replay from seq N)
 KVEventSubscriber (SUB + DEALER) --> CachedBlockIndex (hashes the engine holds)
+
+The batch layout is current vLLM's (msgpack maps) unless `wire_format` says
+"array" (vLLM 0.2x's positional structs); see `codec.py`.
 """
 
+from paged.connectors.events.codec import BatchCodec, make_codec
 from paged.connectors.events.config import (
+    WIRE_FORMATS,
     KVEventsConfig,
     KVEventsConfigError,
+    WireFormat,
     parse_kv_events_config,
 )
 from paged.connectors.events.publisher import (
@@ -16,7 +22,11 @@ from paged.connectors.events.publisher import (
     ZmqEventPublisher,
     make_event_publisher,
 )
-from paged.connectors.events.subscriber import CachedBlockIndex, KVEventSubscriber
+from paged.connectors.events.subscriber import (
+    CachedBlockIndex,
+    KVEventDecodeError,
+    KVEventSubscriber,
+)
 from paged.connectors.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -27,19 +37,24 @@ from paged.connectors.events.wire import (
 )
 
 __all__ = [
+    "WIRE_FORMATS",
     "AllBlocksCleared",
+    "BatchCodec",
     "BlockRemoved",
     "BlockStored",
     "CachedBlockIndex",
     "EventPublisher",
     "KVEventBatch",
+    "KVEventDecodeError",
     "KVEventSubscriber",
     "KVEventsConfig",
     "KVEventsConfigError",
     "NullEventPublisher",
+    "WireFormat",
     "ZmqEventPublisher",
     "external_block_hash",
     "make_batch",
+    "make_codec",
     "make_event_publisher",
     "parse_kv_events_config",
 ]

@@ -5,6 +5,11 @@ Fields, defaults and the publisher rule are vLLM's (`vllm/config/kv_events.py`):
 JSON is checked where it enters: an unknown field, a wrong type or an
 out-of-range number raises `KVEventsConfigError` naming the field, so a typo
 stops start-up instead of silently publishing nothing.
+
+One field is paged's own: `wire_format` ("map", the default, is current
+vLLM's layout; "array" is the positional layout of vLLM 0.2x and before, for
+consumers that still decode it; see `paged.connectors.events.codec`). vLLM
+does not know the field, so a config meant for both leaves it out.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ import msgspec
 
 PublisherKind = Literal["null", "zmq"]
 PUBLISHER_KINDS: tuple[PublisherKind, ...] = ("null", "zmq")
+
+# "map": current vLLM's structs (msgpack maps, events tagged by "type").
+# "array": vLLM 0.2x's `array_like=True` structs (msgpack arrays, by position).
+WireFormat = Literal["map", "array"]
+WIRE_FORMATS: tuple[WireFormat, ...] = ("map", "array")
 
 
 class KVEventsConfigError(ValueError):
@@ -31,6 +41,8 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     PUB socket's high-water mark (messages queued per subscriber before ZMQ
     drops for that subscriber); `max_queue_size` bounds the batches waiting
     for the publisher thread. `topic` is the first frame of every message.
+    `wire_format` (paged only, not a vLLM field) picks the msgpack layout of
+    the batches: "map" (current vLLM) or "array" (vLLM 0.2x and before).
     """
 
     enable_kv_cache_events: bool = False
@@ -41,6 +53,7 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    wire_format: WireFormat = "map"
 
     def __post_init__(self) -> None:
         if self.publisher is None:
@@ -50,6 +63,13 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         _check_range("buffer_steps", self.buffer_steps, 1)
         _check_range("hwm", self.hwm, 0)
         _check_range("max_queue_size", self.max_queue_size, 1)
+        if self.wire_format not in WIRE_FORMATS:
+            # The JSON path is caught by the Literal already; this is for code
+            # building the struct directly, which msgspec does not validate.
+            raise KVEventsConfigError(
+                f"wire_format must be one of {', '.join(map(repr, WIRE_FORMATS))}, "
+                f"got {self.wire_format!r}"
+            )
         if self.publisher == "zmq":
             for name in ("endpoint", "replay_endpoint"):
                 value = getattr(self, name)

@@ -3,8 +3,10 @@
 The engine core calls `publish(events)` once per step that produced events;
 the call never blocks and never touches a socket. `ZmqEventPublisher` hands
 the batch to a background thread through a bounded queue; that thread
-converts it to vLLM's wire structs, encodes it, sends it on the PUB socket and
-keeps it in a ring of the last `buffer_steps` batches for replay.
+converts it to vLLM's wire structs, encodes it in the config's `wire_format`
+("map": current vLLM; "array": vLLM 0.2x, see `codec.py`), sends it on the
+PUB socket and keeps it in a ring of the last `buffer_steps` batches for
+replay (replay sends the same bytes, so the same layout).
 
 Nothing a subscriber does can stall the engine:
 - PUB never blocks: a subscriber that is slow or gone gets its messages
@@ -34,9 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import msgspec
 import zmq
 
+from paged.connectors.events.codec import BatchCodec, make_codec
 from paged.connectors.events.config import KVEventsConfig
 from paged.connectors.events.wire import END_OF_REPLAY, decode_seq, encode_seq, make_batch
 from paged.kvcache.events import KVCacheEvent
@@ -89,7 +91,8 @@ class ZmqEventPublisher:
 
     Sockets are created here (so a bad or busy endpoint fails at start-up, on
     the caller's thread) and used only by the thread afterwards (ZMQ sockets
-    are not thread-safe). `data_parallel_rank` goes into every batch.
+    are not thread-safe); so is the codec. `data_parallel_rank` goes into
+    every batch.
     """
 
     SHUTDOWN_TIMEOUT_S = 1.0
@@ -102,6 +105,7 @@ class ZmqEventPublisher:
         use_int_hashes: bool = True,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
+        self._codec: BatchCodec = make_codec(config.wire_format)
         self._topic = config.topic.encode()
         self._dp_rank = data_parallel_rank
         self._use_int_hashes = use_int_hashes
@@ -131,7 +135,8 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()
         logger.info(
-            "KV events: publishing on %s%s",
+            "KV events: publishing (%s layout) on %s%s",
+            config.wire_format,
             config.endpoint,
             f", replay on {config.replay_endpoint}" if config.replay_endpoint else "",
         )
@@ -173,7 +178,6 @@ class ZmqEventPublisher:
 
     # ---- publisher thread --------------------------------------------------------
     def _run(self) -> None:
-        encoder = msgspec.msgpack.Encoder()
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
@@ -192,14 +196,14 @@ class ZmqEventPublisher:
             if item is None:
                 return
             try:
-                self._send(encoder, item)
+                self._send(item)
             except Exception:
                 # One bad batch must not end publishing for the engine's lifetime.
                 logger.exception("KV events: failed to publish batch %d", item.seq)
 
-    def _send(self, encoder: msgspec.msgpack.Encoder, item: _Pending) -> None:
+    def _send(self, item: _Pending) -> None:
         batch = make_batch(item.events, item.ts, self._dp_rank, self._use_int_hashes)
-        payload = encoder.encode(batch)
+        payload = self._codec.encode(batch)
         seq_frame = encode_seq(item.seq)
         self._pub.send_multipart((self._topic, seq_frame, payload), flags=zmq.NOBLOCK)
         self._buffer.append((item.seq, payload))

@@ -5,7 +5,10 @@ DEALER socket to its replay endpoint (a DEALER, not vLLM example's REQ: a
 REQ socket takes one reply per request, and a replay is many). It hands out
 batches in sequence order, each once: when a message arrives with a sequence
 number past the next expected one, the missing ones are asked for by replay
-first; what replay no longer holds is counted in `num_lost`.
+first; what replay no longer holds is counted in `num_lost`. It decodes the
+layout it is told (`wire_format`: "map", current vLLM and paged's default,
+or "array", vLLM 0.2x); a payload in the other layout raises
+`KVEventDecodeError`, which says so.
 
 `CachedBlockIndex` rebuilds, from events alone, which block hashes the engine
 holds: a count per `(medium, group_idx, hash)`, since two blocks may cache
@@ -22,6 +25,8 @@ from collections.abc import Iterator
 import msgspec
 import zmq
 
+from paged.connectors.events.codec import make_codec
+from paged.connectors.events.config import WireFormat
 from paged.connectors.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -33,6 +38,10 @@ from paged.connectors.events.wire import (
 )
 
 BlockKey = tuple[str | None, int | None, ExternalBlockHash]  # (medium, group_idx, hash)
+
+
+class KVEventDecodeError(ValueError):
+    """A payload is not a `KVEventBatch` in the layout the subscriber was given."""
 
 
 class CachedBlockIndex:
@@ -73,7 +82,10 @@ class KVEventSubscriber:
     """Receives `KVEventBatch`es in sequence order from a paged or vLLM publisher.
 
     Every wait is bounded by the `timeout_ms` given; a publisher that is gone
-    only makes `poll` return nothing. Close with `close()` (or use `with`).
+    only makes `poll` return nothing. `wire_format` must be the publisher's
+    (its `--kv-events-config` `wire_format`; a vLLM publisher: "map" for
+    current vLLM, "array" for 0.2x and before). Close with `close()` (or use
+    `with`).
     """
 
     def __init__(
@@ -82,7 +94,9 @@ class KVEventSubscriber:
         replay_endpoint: str | None = None,
         topic: str = "",
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        wire_format: WireFormat = "map",
     ) -> None:
+        self._codec = make_codec(wire_format)  # first: a bad value opens no socket
         self._ctx = context if context is not None else zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -93,7 +107,6 @@ class KVEventSubscriber:
             self._replay = self._ctx.socket(zmq.DEALER)
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.connect(replay_endpoint)
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.next_seq = 0  # the next sequence number to hand out
         self.num_lost = 0
 
@@ -121,7 +134,7 @@ class KVEventSubscriber:
             if seq > self.next_seq:
                 out.extend(self.replay(self.next_seq, until=seq, timeout_ms=max(timeout_ms, 100)))
                 self.num_lost += seq - self.next_seq  # what replay could not give
-            out.append((seq, self._decoder.decode(payload)))
+            out.append((seq, self._decode(seq, payload)))
             self.next_seq = seq + 1
         return out
 
@@ -156,6 +169,16 @@ class KVEventSubscriber:
                 return  # end-of-replay marker
             if seq < self.next_seq or (until is not None and seq >= until):
                 continue
+            batch = self._decode(seq, frames[2])  # first: one that fails is not handed out
             self.num_lost += seq - self.next_seq
             self.next_seq = seq + 1
-            yield seq, self._decoder.decode(frames[2])
+            yield seq, batch
+
+    def _decode(self, seq: int, payload: bytes) -> KVEventBatch:
+        try:
+            return self._codec.decode(payload)
+        except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+            raise KVEventDecodeError(
+                f"KV event batch {seq} is not a batch in the {self._codec.wire_format!r} "
+                f"wire layout (does the publisher use another wire_format?): {e}"
+            ) from e

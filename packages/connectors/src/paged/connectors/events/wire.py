@@ -2,18 +2,29 @@
 
 A message on the PUB socket is three frames: `topic`, the batch's sequence
 number (8 bytes, big-endian, unsigned) and the msgpack of one `KVEventBatch`.
-The structs are vLLM's (`vllm/distributed/kv_events.py`), declared here in
-vLLM's field order with vLLM's struct options: `array_like=True` (a struct is
-a msgpack array, fields by position), `omit_defaults=True` (trailing fields
-equal to their default are left off), `tag=True` on events (an event is
-`[class name, field...]`). So a batch reads
+The structs here are current vLLM's (`vllm/distributed/kv_events.py`),
+declared in vLLM's field order with vLLM's struct options: no `array_like`
+(a struct is a msgpack map keyed by field name), `omit_defaults=True` (a
+field equal to its default is left off; fields without a default are always
+there, null or not), `tag=True` on events (the tag field `"type"` holds the
+class name, first in the map). So a batch reads
 
-    [ts, [["BlockStored", [h0, h1], parent, [tok...], 16, null, "GPU", null, [null, null], 0],
-          ["BlockRemoved", [h], "GPU", 0],
-          ["AllBlocksCleared"]], 0]
+    {"ts": 1.5, "events": [
+        {"type": "BlockStored", "block_hashes": [h0, h1], "parent_block_hash": p,
+         "token_ids": [...], "block_size": 16, "lora_id": null, "medium": "GPU",
+         "lora_name": null, "extra_keys": [null, null], "group_idx": 0},
+        {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0},
+        {"type": "AllBlocksCleared"}],
+     "data_parallel_rank": 0}
 
-and any decoder declared from vLLM's definitions reads paged's stream (older
-ones, with fewer trailing fields, ignore the rest).
+and is the same bytes vLLM's encoder writes for those values, so any decoder
+declared from vLLM's definitions reads it. `kv_cache_spec_kind` and
+`kv_cache_spec_sliding_window` are declared (so paged decodes vLLM streams
+that carry them) but paged never sets them: paged.kvcache events do not say
+which KV cache spec their group has, so they stay None and are left off.
+
+The positional layout of vLLM 0.2x and before (`wire_format: "array"`) is in
+`wire_array.py`; `codec.py` picks one of the two.
 
 Block hashes leave as vLLM's `ExternalBlockHash`: by default the 64-bit int
 `int.from_bytes(hash, "big") & (2**64 - 1)` (vLLM's default,
@@ -45,7 +56,7 @@ def external_block_hash(block_hash: bytes, use_int: bool = True) -> ExternalBloc
     return int.from_bytes(block_hash, "big") & _LOW_64_BITS
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     """A timestamped list of events; `data_parallel_rank` names the publishing engine."""
 
     ts: float
@@ -53,8 +64,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the event structs; the tag is the class name."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the event structs; the tag (field "type") is the class name."""
 
 
 class BlockStored(KVCacheEvent):
@@ -64,9 +75,14 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    # No default, as in vLLM: always on the wire, so vLLM's decoder (which
+    # requires it) reads a store without a LoRA.
+    lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
+    # Never set by paged (see the module docstring); read from vLLM streams.
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
