@@ -72,6 +72,8 @@ def main() -> None:
         "max_model_len": 512,
         "kv_cache_memory_bytes": 256 << 20,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        # The budget must cover one decode token per running request (vLLM's check).
+        "max_num_seqs": min(256, args.max_num_batched_tokens),
     }
     engines = {
         "default": LLM(args.model, **common),

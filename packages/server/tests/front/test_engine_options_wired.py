@@ -71,6 +71,7 @@ def cli(model: Path, *flags: str) -> EngineArgs:
     return args_from(
         ["generate", str(model), "-p", "unused", "--device", "cpu", "--max-model-len", "96",
          "--block-size", "4", "--kv-cache-memory", "64KiB", "--max-num-batched-tokens", "8",
+         "--max-num-seqs", "4",
          *flags]
     )  # fmt: skip
 
