@@ -18,8 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class KVLayerHooks(Protocol):
+    """The per-layer half of a worker-side KV connector (see `paged.runner.kv_connector`)."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -63,3 +72,13 @@ class ForwardContext:
         if self.layer_metadata is None:
             return self.attn_metadata
         return self.layer_metadata[layer_idx]
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Block until the connector has loaded layer `layer_idx`'s KV (no-op without one)."""
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_layer_load(self.layer_names[layer_idx])
+
+    def save_kv_layer(self, layer_idx: int) -> None:
+        """Hand layer `layer_idx`'s freshly written cache to the connector (no-op without one)."""
+        if self.kv_connector is not None:
+            self.kv_connector.save_kv_layer(self.layer_names[layer_idx], self.kv_caches[layer_idx])
