@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from paged.server.tokenizer import DEFAULT_MODEL_NAME
 
@@ -42,6 +42,8 @@ class EngineArgs:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     cpu_weight_panels: str = "auto"  # "auto" | "on" | "off"
+    # vLLM's --kv-transfer-config: JSON text (or a dict from LLM(...)); None: no connector.
+    kv_transfer_config: str | dict[str, Any] | None = None
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -79,6 +81,10 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             cpu_weight_panels=self.cpu_weight_panels,  # type: ignore[arg-type]
         )
+        from paged.server.kv_transfer import kv_connector_builder
+
+        # Validated first: a bad connector config must stop start-up before the model loads.
+        kv_connector = kv_connector_builder(self.kv_transfer_config, self.block_size)
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu":
             kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
@@ -98,6 +104,7 @@ class EngineArgs:
                 max_logprobs=self.max_logprobs,
             ),
             seed=self.seed,
+            kv_connector_factory=kv_connector,
         )
 
 

@@ -261,9 +261,9 @@ class SharedStorageConnector(KVConnectorBase):
         for load in self._metadata().loads:
             try:
                 self._load_one(load)
-            except (OSError, ValueError, RuntimeError, KeyError) as exc:
-                # A failed load must not produce wrong tokens: report the blocks,
-                # the scheduler recomputes from the first bad one.
+            except Exception as exc:  # safetensors raises its own error type, too
+                # A failed load must not produce wrong tokens nor stop the engine:
+                # report the blocks, the scheduler recomputes from the first bad one.
                 logger.warning("shared storage load for %s failed: %s", load.req_id, exc)
                 self._load_errors.update(load.block_ids)
 

@@ -27,7 +27,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paged.kvcache import KVCacheConfig, get_kv_cache_config
 from paged.runner.config import EngineConfig
@@ -44,6 +44,10 @@ from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.structured_output import StructuredOutputProvider
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
+from paged.server.kv_transfer import make_scheduler_connector
+
+if TYPE_CHECKING:
+    from paged.connectors.kv import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,8 @@ class EngineCore:
         self.model_executor = (executor_class or _default_executor_class(engine_config))(
             engine_config
         )
+        # The scheduler-side KV connector (built with the scheduler; None without one).
+        self.kv_connector: KVConnectorBase | None = None
         try:
             self.kv_cache_config, kv_bytes = self._initialize_kv_caches(num_gpu_blocks_override)
             self.scheduler = self._make_scheduler(scheduler_class, structured_output, log_stats)
@@ -141,6 +147,10 @@ class EngineCore:
         extra: dict[str, Any] = {}
         if structured_output is not None:
             extra["structured_output"] = structured_output
+        groups = len(self.kv_cache_config.kv_cache_groups)
+        self.kv_connector = make_scheduler_connector(self.engine_config, groups)
+        if self.kv_connector is not None:
+            extra["kv_connector"] = self.kv_connector
         return (scheduler_class or Scheduler)(
             self.scheduler_config,
             self.kv_cache_config,
@@ -203,7 +213,7 @@ class EngineCore:
                 f"eos_token_id {request.eos_token_id} is outside the vocabulary [0, {vocab_size})"
             )
         request.sampling_params.validate(self.scheduler_config.max_logprobs)
-        if request.kv_transfer_params is not None:
+        if request.kv_transfer_params is not None and self.kv_connector is None:
             raise ValueError(
                 "kv_transfer_params needs a KV connector, and this engine was started without one"
             )
@@ -310,6 +320,8 @@ class EngineCore:
             self._worker.shutdown(wait=True, cancel_futures=True)
         self.batch_queue.clear()
         self.model_executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
 
 def _default_executor_class(engine_config: EngineConfig) -> ExecutorFactory:

@@ -30,6 +30,7 @@ from paged.server.chat_utils import apply_chat_template
 from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
 from paged.server.metrics import PrometheusStatLogger
+from paged.server.openai.cache_routes import add_cache_routes
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -189,6 +190,7 @@ def build_app(
     serving = OpenAIServing(llm, model_name)
     app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)
     _install_error_handlers(app)
+    add_cache_routes(app, llm)
 
     async def respond(request: Request, work: Awaitable[Any]) -> Response:
         result = await run_until_disconnect(request, _as_coroutine(work))
