@@ -157,7 +157,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(kv_cache_config, specs, self.device)
         self.layer_names = list(specs)
         if self.kv_connector is not None:
-            self.kv_connector.register_kv_caches(dict(zip(self.layer_names, self.kv_caches)))
+            self.kv_connector.register_kv_caches(
+                dict(zip(self.layer_names, self.kv_caches, strict=True))
+            )
         groups = kv_cache_config.kv_cache_groups
         group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         self.layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None

@@ -57,7 +57,9 @@ class KVConnectorBuilder:
     def make_worker_connector(self, rank: int, world_size: int) -> KVConnectorBase:
         return self._create("WORKER", rank, world_size, 1)
 
-    def make_scheduler_connector(self, world_size: int, num_kv_cache_groups: int) -> KVConnectorBase:
+    def make_scheduler_connector(
+        self, world_size: int, num_kv_cache_groups: int
+    ) -> KVConnectorBase:
         return self._create("SCHEDULER", 0, world_size, num_kv_cache_groups)
 
 

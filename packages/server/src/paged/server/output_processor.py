@@ -16,11 +16,11 @@ from typing import Any
 from paged.scheduler import EngineCoreOutput, EngineCoreRequest, FinishReason, RequestOutputKind
 from paged.server.collector import RequestOutputCollector
 from paged.server.detokenizer import IncrementalDetokenizer
+from paged.server.kv_transfer import kv_transfer_params_to_dict
 from paged.server.logprobs import LogprobsProcessor
 from paged.server.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged.server.parent import ParentRequest
 from paged.server.stats import FinishedRequestStats, IterationStats
-from paged.server.kv_transfer import kv_transfer_params_to_dict
 from paged.server.tokenizer import TokenizerLike
 
 

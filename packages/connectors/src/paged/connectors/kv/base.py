@@ -203,6 +203,7 @@ class KVConnectorBase(abc.ABC):
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         """The scheduler preempted these requests: stop using their blocks (they are freed)."""
+        return None
 
     # --------------------------------------------------------------- scheduler side
 
@@ -243,6 +244,7 @@ class KVConnectorBase(abc.ABC):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The worker side's report for the last step (finished transfers, load errors)."""
+        return None
 
     def take_events(self) -> Sequence[KVCacheEvent]:
         """KV cache events produced since the last call (none by default)."""
@@ -250,3 +252,4 @@ class KVConnectorBase(abc.ABC):
 
     def shutdown(self) -> None:
         """Release threads, sockets and files; called once when the engine stops."""
+        return None

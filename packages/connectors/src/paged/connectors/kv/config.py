@@ -57,8 +57,7 @@ class KVTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     def __post_init__(self) -> None:
         if self.kv_connector is not None and self.kv_role is None:
             raise KVTransferConfigError(
-                f"kv_role is required when kv_connector is set "
-                f"(one of {', '.join(KV_ROLES)})"
+                f"kv_role is required when kv_connector is set (one of {', '.join(KV_ROLES)})"
             )
         if self.kv_connector is not None and not self.kv_connector.strip():
             raise KVTransferConfigError("kv_connector must not be empty")

@@ -1,4 +1,4 @@
-"""`SharedStorageConnector`: KV of prompt prefixes in a directory, as safetensors (seed: KV Transfer).
+"""`SharedStorageConnector`: prompt-prefix KV in a directory, as safetensors (seed: KV Transfer).
 
 vLLM's example connector (also registered as `ExampleConnector`, its newer
 name). A request's prompt is cut at the last block boundary that leaves at

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
-from paged.connectors.kv import KVConnectorBase
+from paged.connectors.kv.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
 from paged.connectors.kv.blocks import slot_mapping
-from paged.scheduler.boundary import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from paged.connectors.kv.config import KVTransferConfig
+from paged.kvcache import KVCacheBlocks
+from paged.scheduler.boundary import (
+    BlockIdsPerGroup,
+    KVConnectorOutput,
+    KVTransferParams,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from paged.scheduler.request import Request
 
 NUM_LAYERS = 2
 NUM_HEADS = 2
@@ -81,7 +91,9 @@ class KVWorkerSim:
             invalid_block_ids=sorted(self.connector.get_block_ids_with_load_errors()),
         )
         self.connector.clear_connector_metadata()
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=out)
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=out
+        )
 
     def _forward(self, so: SchedulerOutput) -> tuple[list[str], list[list[int]]]:
         req_ids, sampled = [], []
@@ -90,7 +102,9 @@ class KVWorkerSim:
             for rid, n in so.num_scheduled_tokens.items():
                 req = self.reqs[rid]
                 positions = range(req.num_computed, req.num_computed + n)
-                slots = slot_mapping(req.blocks, self.block_size, req.num_computed + n, cache.device)
+                slots = slot_mapping(
+                    req.blocks, self.block_size, req.num_computed + n, cache.device
+                )
                 flat = cache.view(2, -1, NUM_HEADS, HEAD_SIZE)
                 for p in positions:
                     flat[:, int(slots[p])] = token_kv(layer, p, req.tokens[p])
@@ -127,3 +141,66 @@ def expected_kv(tokens: list[int], num_tokens: int) -> dict[str, torch.Tensor]:
         )
         for layer in range(NUM_LAYERS)
     }
+
+
+class ScriptedConnector(KVConnectorBase):
+    """A connector whose answers come from `kv_connector_extra_config` (MultiConnector tests).
+
+    extra config: "matched" (int or None, the external tokens offered),
+    "load_async" (bool), "delay_free" (bool), "name" (str).
+    Scheduler side records `update_state_after_alloc` calls; its metadata is
+    the list of request ids scheduled this step. Worker side reports every
+    request named in `sending_done` (set by the test) as finished sending.
+    """
+
+    def __init__(
+        self, config: KVTransferConfig, role: KVConnectorRole, context: KVConnectorContext
+    ) -> None:
+        super().__init__(config, role, context)
+        extra = config.kv_connector_extra_config
+        self.name = str(extra.get("name", ""))
+        self.matched: int | None = extra.get("matched", 0)
+        self.load_async = bool(extra.get("load_async", False))
+        self.delay_free = bool(extra.get("delay_free", False))
+        self.allocs: list[tuple[str, int]] = []
+        self.bound: list[list[str]] = []
+        self.sending_done: set[str] = set()
+        self.saved_layers: list[str] = []
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.matched, self.load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.allocs.append((request.request_id, num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes:
+        return msgspec.msgpack.encode(sorted(scheduler_output.num_scheduled_tokens))
+
+    def request_finished(
+        self, request: Request, block_ids: BlockIdsPerGroup
+    ) -> tuple[bool, KVTransferParams | None]:
+        return self.delay_free, None
+
+    def bind_connector_metadata(self, metadata: bytes) -> None:
+        super().bind_connector_metadata(metadata)
+        self.bound.append(msgspec.msgpack.decode(metadata, type=list[str]))
+
+    def start_load_kv(self) -> None:
+        self._get_connector_metadata_bytes()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        self.saved_layers.append(layer_name)
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self.sending_done = self.sending_done, set()
+        return (done or None), None
