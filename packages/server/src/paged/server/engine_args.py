@@ -67,6 +67,10 @@ class EngineArgs:
             SchedulerLimits,
         )
 
+        from paged.server.kv_transfer import kv_connector_builder
+
+        # Validated first: a bad connector config must stop start-up before the model loads.
+        kv_connector = kv_connector_builder(self.kv_transfer_config, self.block_size)
         device = self.resolved_device()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
@@ -81,10 +85,6 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             cpu_weight_panels=self.cpu_weight_panels,  # type: ignore[arg-type]
         )
-        from paged.server.kv_transfer import kv_connector_builder
-
-        # Validated first: a bad connector config must stop start-up before the model loads.
-        kv_connector = kv_connector_builder(self.kv_transfer_config, self.block_size)
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu":
             kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
