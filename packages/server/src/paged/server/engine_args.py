@@ -66,7 +66,6 @@ class EngineArgs:
             ParallelConfig,
             SchedulerLimits,
         )
-
         from paged.server.kv_transfer import kv_connector_builder
 
         # Validated first: a bad connector config must stop start-up before the model loads.
