@@ -21,6 +21,7 @@ import torch
 from paged.connectors.kv.shared_storage import SharedStorageConnector, prefix_key
 from paged.runner.kv_connector import KVConnectorWorkerFactory
 from paged.scheduler.sampling_params import SamplingParams
+from paged.server.input_processor import TokensPrompt
 from paged.server.kv_transfer import KVConnectorBuilder
 from paged.server.llm import LLM
 
@@ -56,7 +57,8 @@ def _tiny_model(path: Path) -> Path:
     vocab = {f"w{i}": i for i in range(128)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="w1", eos_token="w2")
+    fast_cls: Any = PreTrainedTokenizerFast  # untyped in transformers
+    fast = fast_cls(tokenizer_object=tk, bos_token="w1", eos_token="w2")
     fast.save_pretrained(str(path))
     return path
 
@@ -87,7 +89,8 @@ def _engine(model: Path, **options: Any) -> LLM:
 
 def _greedy(llm: LLM) -> tuple[list[int], int]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    prompt: TokensPrompt = {"prompt_token_ids": PROMPT}
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
     return out.outputs[0].token_ids, out.num_cached_tokens
 
 
