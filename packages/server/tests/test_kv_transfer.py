@@ -96,6 +96,7 @@ def test_builder_validates_at_start_up_and_pickles(tmp_path: Path) -> None:
             "cannot import module 'no_mod'",
         ),
         ('{"kv_connector": "SharedStorageConnector"}', "kv_role is required"),
+        (STORAGE + '"kv_load_failure_policy": "fail"}', "'fail' is not supported yet"),
     ],
 )
 def test_cli_stops_with_one_message_on_a_bad_config(

@@ -86,6 +86,13 @@ def kv_connector_builder(
     )
     if parsed.kv_connector is None:
         return None
+    if parsed.kv_load_failure_policy != "recompute":
+        # The scheduler recomputes failed loads; failing the request instead is
+        # not built. Refusing beats silently doing the other thing.
+        raise ValueError(
+            f"kv_transfer_config: kv_load_failure_policy {parsed.kv_load_failure_policy!r} "
+            "is not supported yet; use 'recompute' (failed loads are recomputed)"
+        )
     # Import the class here, in the process that parses the flag, so an unknown
     # connector stops start-up before any engine process is spawned.
     KVConnectorFactory.with_builtins().get_connector_class(parsed)
