@@ -26,11 +26,15 @@ from paged.connectors.kv.testing import (
 )
 from paged.kvcache import KVCacheBlocks
 from paged.scheduler.boundary import SchedulerOutput
+from paged.scheduler.connectors import KVConnectorScheduler
 from paged.scheduler.request import Request
 from paged.scheduler.sampling_params import SamplingParams
 from paged.scheduler.testing import BLOCK_SIZE, make_request, make_scheduler
 
 CTX = KVConnectorContext(block_size=BLOCK_SIZE)
+
+# mypy proves MultiConnector satisfies the scheduler's Protocol.
+_SCHEDULER_SIDE: type[KVConnectorScheduler] = MultiConnector
 
 
 def _factory() -> KVConnectorFactory:

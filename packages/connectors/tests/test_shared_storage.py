@@ -10,6 +10,7 @@ import torch
 from paged.connectors.kv import (
     KVConnectorContext,
     KVConnectorRole,
+    KVConnectorRoleError,
     KVTransferConfig,
 )
 from paged.connectors.kv.shared_storage import (
@@ -206,3 +207,17 @@ def test_hybrid_models_are_rejected(tmp_path: Path) -> None:
             KVConnectorRole.SCHEDULER,
             KVConnectorContext(block_size=4, num_kv_cache_groups=2),
         )
+
+
+def test_worker_methods_on_the_scheduler_side_are_refused(tmp_path: Path) -> None:
+    sched_side, _ = _pair(tmp_path)
+    with pytest.raises(KVConnectorRoleError, match="worker-side method"):
+        sched_side.bind_connector_metadata(b"")
+    with pytest.raises(KVConnectorRoleError, match="register_kv_caches"):
+        sched_side.register_kv_caches({})
+
+
+def test_start_load_without_bound_metadata_is_a_call_order_error(tmp_path: Path) -> None:
+    _, worker_side = _pair(tmp_path)
+    with pytest.raises(RuntimeError, match="bind_connector_metadata must come first"):
+        worker_side.start_load_kv()
