@@ -221,3 +221,32 @@ def test_start_load_without_bound_metadata_is_a_call_order_error(tmp_path: Path)
     _, worker_side = _pair(tmp_path)
     with pytest.raises(RuntimeError, match="bind_connector_metadata must come first"):
         worker_side.start_load_kv()
+
+
+def test_blocks_of_a_local_hit_are_not_written_again(tmp_path: Path) -> None:
+    sched_side, worker_side = _pair(tmp_path)
+    sched = make_scheduler(NUM_BLOCKS, kv_connector=sched_side)
+    sim = KVWorkerSim(worker_side, make_kv_caches(NUM_BLOCKS, BLOCK_SIZE), BLOCK_SIZE)
+    prompt = list(range(10, 21))
+    sched.add_request(make_request("a", prompt, max_tokens=1))
+    _run(sched, sim)
+    assert sched.reset_prefix_cache()
+    # c shares only the first block with the prompt: that block is now cached locally.
+    other = prompt[:4] + [90, 91, 92, 93, 94]
+    sched.add_request(make_request("c", other, max_tokens=1))
+    so = sched.schedule()
+    shared_block = so.scheduled_new_reqs[0].block_ids[0][0]
+    sched.update_from_output(so, sim.execute(so))
+    _run(sched, sim)
+    for cache in sim.kv_caches.values():
+        cache[:, shared_block] = 7.0  # a sentinel the load must leave alone
+    sched.add_request(make_request("b", prompt, max_tokens=1))
+    so = sched.schedule()
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 8 and new.block_ids[0][0] == shared_block
+    assert sched_side.stats.num_hit_tokens == 4  # only the block beyond the local hit
+    sim.execute(so)
+    loaded = sim.kv_of("b", 8)
+    for name, kv in expected_kv(prompt, 8).items():
+        assert bool((loaded[name][:, :4] == 7.0).all())
+        torch.testing.assert_close(loaded[name][:, 4:], kv[:, 4:], rtol=0, atol=0)

@@ -48,12 +48,18 @@ _COMPLETE = "COMPLETE"
 
 
 class StorageTransfer(msgspec.Struct, array_like=True, frozen=True):
-    """One prefix to load into (or save from) these blocks."""
+    """One prefix to load into (or save from) these blocks.
+
+    A load skips the first `skip_tokens` (the local prefix-cache hit, block
+    aligned): those blocks may be shared with running requests and already
+    hold the same KV, so they are not written again.
+    """
 
     req_id: str
     key: str
     block_ids: list[int]
     num_tokens: int  # a multiple of the block size
+    skip_tokens: int = 0
 
 
 class SharedStorageMetadata(msgspec.Struct, array_like=True, frozen=True):
@@ -118,7 +124,8 @@ class SharedStorageConnector(KVConnectorBase):
         self.block_size = context.block_size
         self.stats = SharedStorageStats()
         # Scheduler side.
-        self._requests_need_load: dict[str, tuple[Request, str, int]] = {}
+        # req_id -> (key, prefix tokens, tokens already computed locally)
+        self._requests_need_load: dict[str, tuple[str, int, int]] = {}
         self._pending_saves: dict[str, _PendingSave] = {}
         # Worker side.
         self._load_errors: set[int] = set()
@@ -165,7 +172,8 @@ class SharedStorageConnector(KVConnectorBase):
     ) -> None:
         key, n = self._request_prefix(request)
         if num_external_tokens > 0:
-            self._requests_need_load[request.request_id] = (request, key, n)
+            local = n - num_external_tokens
+            self._requests_need_load[request.request_id] = (key, n, local)
         elif n > 0 and self._config.is_kv_producer and not self.is_stored(key):
             self._pending_saves[request.request_id] = _PendingSave(key, n)
 
@@ -214,8 +222,8 @@ class SharedStorageConnector(KVConnectorBase):
         blocks = list(new_block_ids[0]) if new_block_ids else []
         need = self._requests_need_load.pop(req_id, None)
         if need is not None:
-            _, key, n = need
-            loads.append(StorageTransfer(req_id, key, blocks[: n // self.block_size], n))
+            key, n, local = need
+            loads.append(StorageTransfer(req_id, key, blocks[: n // self.block_size], n, local))
         pending = self._pending_saves.get(req_id)
         if pending is None:
             return
@@ -265,14 +273,17 @@ class SharedStorageConnector(KVConnectorBase):
                 # A failed load must not produce wrong tokens nor stop the engine:
                 # report the blocks, the scheduler recomputes from the first bad one.
                 logger.warning("shared storage load for %s failed: %s", load.req_id, exc)
-                self._load_errors.update(load.block_ids)
+                self._load_errors.update(load.block_ids[load.skip_tokens // self.block_size :])
 
     def _load_one(self, load: StorageTransfer) -> None:
+        skip = load.skip_tokens
         for layer_name, kv_layer in self._kv_caches.items():
             path = self._layer_file(load.key, layer_name)
             kv = safetensors.torch.load_file(str(path))["kv_cache"]
+            if kv.shape[1] != load.num_tokens:
+                raise ValueError(f"{path} holds {kv.shape[1]} tokens, expected {load.num_tokens}")
             slots = slot_mapping(load.block_ids, self.block_size, load.num_tokens, kv_layer.device)
-            scatter_kv(kv_layer, slots, kv)
+            scatter_kv(kv_layer, slots[skip:], kv[:, skip:])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are synchronous (all done in `start_load_kv`): nothing to wait for."""
