@@ -232,7 +232,7 @@ def test_blocks_of_a_local_hit_are_not_written_again(tmp_path: Path) -> None:
     _run(sched, sim)
     assert sched.reset_prefix_cache()
     # c shares only the first block with the prompt: that block is now cached locally.
-    other = prompt[:4] + [90, 91, 92, 93, 94]
+    other = [*prompt[:4], 90, 91, 92, 93, 94]
     sched.add_request(make_request("c", other, max_tokens=1))
     so = sched.schedule()
     shared_block = so.scheduled_new_reqs[0].block_ids[0][0]
