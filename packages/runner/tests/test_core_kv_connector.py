@@ -198,3 +198,24 @@ def test_without_metadata_nothing_is_bound(tiny_checkpoint: Callable[..., Path])
     # No metadata: no per-layer calls, but finished transfers are still collected.
     assert conn.calls == ["get_finished:[]", "errors"]
     assert out.kv_connector_output == KVConnectorOutput()
+
+
+class FailingLoadConnector(RecordingConnector):
+    def start_load_kv(self) -> None:
+        super().start_load_kv()
+        raise OSError("storage unreachable")
+
+
+def test_a_raising_connector_leaves_no_metadata_bound(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    conn = FailingLoadConnector()
+    runner = _runner(tiny_checkpoint("llama", num_hidden_layers=1), conn)
+    conn.calls.clear()
+    try:
+        runner.execute_model(_new_request_step(b"m"))
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the connector's error must reach the caller")
+    assert conn.calls == ["bind:m", "start_load", "clear"]

@@ -211,17 +211,7 @@ class ModelRunner:
         inputs = prepare_inputs(
             self.input_batch, scheduler_output.num_scheduled_tokens, self.buffers, self.builder
         )
-        if step is None:
-            hidden = self._forward(model, inputs)
-            kv_output = None
-        else:
-            step.begin()
-            try:
-                hidden = self._forward(model, inputs, step)
-            except BaseException:
-                step.abort()
-                raise
-            kv_output = step.finish()
+        hidden, kv_output = self._forward_with_connector(model, inputs, step)
         logits = None
         if len(inputs.sampling_rows):
             logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -232,6 +222,20 @@ class ModelRunner:
             kv_connector_output=kv_output,
         )
         return None
+
+    def _forward_with_connector(
+        self, model: CausalLM, inputs: StepInputs, step: KVConnectorStep | None
+    ) -> tuple[torch.Tensor, KVConnectorOutput | None]:
+        """The forward, wrapped in the connector's begin/finish when there is one."""
+        if step is None:
+            return self._forward(model, inputs), None
+        try:
+            step.begin()
+            hidden = self._forward(model, inputs, step)
+        except BaseException:
+            step.abort()  # the next step must not find this step's metadata bound
+            raise
+        return hidden, step.finish()
 
     def _kv_connector_no_forward(self, step: KVConnectorStep | None) -> ModelRunnerOutput:
         """Nothing to compute: still let the connector finish pending transfers (seed)."""
