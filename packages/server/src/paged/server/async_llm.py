@@ -19,7 +19,8 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 
 from paged.scheduler import SamplingParams, SchedulerStats
-from paged.server.client_protocols import AsyncEngineClient
+from paged.scheduler.boundary import KVTransferParams
+from paged.server.client_protocols import AsyncEngineClient, AsyncUtilityClient
 from paged.server.collector import RequestOutputCollector
 from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
@@ -95,6 +96,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> RequestOutputCollector:
         """Validate, register and submit one request; return its output collector."""
         self._check_can_add(request_id)
@@ -106,6 +108,7 @@ class AsyncLLM:
             params,
             priority=priority,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
         # Checked again: the engine may have died, or the id been taken, while
         # a large prompt was tokenized on the worker thread.
@@ -186,6 +189,13 @@ class AsyncLLM:
                 await self.engine_client.abort_requests_async(engine_ids)
 
     # -- the output handler ----------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the engine's cached prefix blocks; False while running requests hold blocks."""
+        client = self.engine_client
+        if not isinstance(client, AsyncUtilityClient):
+            raise NotImplementedError(f"{type(client).__name__} cannot run engine utilities")
+        return bool(await client.call_utility_async("reset_prefix_cache"))
+
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None or self._output_handler.done():
             self._output_handler = asyncio.get_running_loop().create_task(

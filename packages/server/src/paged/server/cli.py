@@ -186,6 +186,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="GPUs to shard the model over",
     )
+    k = parser.add_argument_group("KV transfer")
+    k.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's KV connector config, e.g. "
+        '\'{"kv_connector":"SharedStorageConnector","kv_role":"kv_both",'
+        '"kv_connector_extra_config":{"shared_storage_path":"/tmp/kv"}}\'',
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -213,6 +222,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         async_scheduling=ns.async_scheduling,
         kv_cache_metrics=ns.kv_cache_metrics,
         kv_cache_metrics_sample=ns.kv_cache_metrics_sample,
+        kv_transfer_config=ns.kv_transfer_config,
     )
 
 

@@ -7,7 +7,7 @@ transport: the ZMQ clients, the in-process client and test fakes all fit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from paged.scheduler import EngineCoreOutputs, EngineCoreRequest
 from paged.server.engine.errors import EngineDeadError
@@ -32,6 +32,20 @@ class AsyncEngineClient(Protocol):
     async def get_output_async(self) -> EngineCoreOutputs: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncUtilityClient(Protocol):
+    """An async client that can also run engine utilities (`reset_prefix_cache`, ...)."""
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any: ...
+
+
+@runtime_checkable
+class SyncUtilityClient(Protocol):
+    """A sync client that can also run engine utilities."""
+
+    def call_utility(self, method: str, *args: Any) -> Any: ...
 
 
 class SyncEngineClient(Protocol):

@@ -65,6 +65,9 @@ class EngineArgs:
         options["kv_events_config"] = self.kv_events_config
         return options
 
+    # vLLM's --kv-transfer-config: JSON text (or a dict from LLM(...)); None: no connector.
+    kv_transfer_config: str | dict[str, Any] | None = None
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -86,7 +89,10 @@ class EngineArgs:
             ParallelConfig,
             SchedulerLimits,
         )
+        from paged.server.kv_transfer import kv_connector_builder
 
+        # Validated first: a bad connector config must stop start-up before the model loads.
+        kv_connector = kv_connector_builder(self.kv_transfer_config, self.block_size)
         device = self.resolved_device()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
@@ -120,6 +126,7 @@ class EngineArgs:
                 max_logprobs=self.max_logprobs,
             ),
             seed=self.seed,
+            kv_connector_factory=kv_connector,
         )
         # Build the scheduler's config now, in the caller's process, so that limits it
         # rejects (vLLM's SchedulerConfig checks) fail here with a message rather than

@@ -14,6 +14,7 @@ from typing import TypedDict
 import msgspec
 
 from paged.scheduler import EngineCoreRequest, SamplingParams
+from paged.scheduler.boundary import KVTransferParams
 from paged.scheduler.sampling_params import DEFAULT_MAX_LOGPROBS
 from paged.server.errors import ContextLengthError, InvalidRequestError, from_value_error
 from paged.server.tokenizer import TokenizerLike
@@ -160,6 +161,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Return the engine request and the prompt text (None for token prompts)."""
         if not request_id:
@@ -180,5 +182,6 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
         return request, processed.text

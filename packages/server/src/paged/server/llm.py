@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from paged.scheduler import RequestOutputKind, SamplingParams
 from paged.server.chat_utils import apply_chat_template
-from paged.server.client_protocols import SyncEngineClient
+from paged.server.client_protocols import SyncEngineClient, SyncUtilityClient
 from paged.server.engine_args import EngineArgs, tokenizer_path
 from paged.server.input_processor import InputProcessor, PromptType
 from paged.server.output_processor import OutputProcessor
@@ -95,6 +95,13 @@ class LLM:
 
     def get_tokenizer(self) -> TokenizerLike:
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the engine's cached prefix blocks; False while running requests hold blocks."""
+        client = self.engine_client
+        if not isinstance(client, SyncUtilityClient):
+            raise NotImplementedError(f"{type(client).__name__} cannot run engine utilities")
+        return bool(client.call_utility("reset_prefix_cache"))
 
     def generate(
         self,

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from paged.scheduler import EngineCoreOutput, EngineCoreRequest, FinishReason, RequestOutputKind
 from paged.server.collector import RequestOutputCollector
 from paged.server.detokenizer import IncrementalDetokenizer
+from paged.server.kv_transfer import kv_transfer_params_to_dict
 from paged.server.logprobs import LogprobsProcessor
 from paged.server.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged.server.parent import ParentRequest
@@ -53,6 +55,7 @@ class RequestState:
         self.logprobs = LogprobsProcessor(tokenizer, params.logprobs, params.prompt_logprobs)
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None
         self._num_sent_tokens = 0  # token ids already returned (delta mode)
         self._num_sent_logprobs = 0
 
@@ -98,6 +101,7 @@ class RequestState:
             metrics=self.metrics,
             error=detail if completion.finish_reason == "error" else None,
             finish_detail=detail,
+            kv_transfer_params=self.kv_transfer_params if finished else None,
         )
 
 
@@ -198,6 +202,8 @@ class OutputProcessor:
             stop_str = state.detokenizer.update(out.new_token_ids, engine_finished)
             state.logprobs.update_sample(out.new_logprobs)
             state.logprobs.update_prompt(out.new_prompt_logprobs)
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = kv_transfer_params_to_dict(out.kv_transfer_params)
             if stop_str is not None:
                 state.logprobs.truncate(len(state.detokenizer.output_token_ids))
                 finish, stop_reason = FinishReason.STOP, stop_str

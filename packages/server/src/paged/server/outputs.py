@@ -9,6 +9,7 @@ once).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # One position: token id -> its Logprob (insertion order: chosen first).
 PositionLogprobs = dict[int, "Logprob"]
@@ -76,3 +77,5 @@ class RequestOutput:
     # Why the engine finished it, when it said (e.g. a prompt that can never
     # fit the KV cache, finished with no tokens).
     finish_detail: str | None = None
+    # What the KV connector returned when the request finished (vLLM's field).
+    kv_transfer_params: dict[str, Any] | None = None

@@ -18,8 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class KVLayerHooks(Protocol):
+    """The per-layer half of a worker-side KV connector (see `paged.runner.kv_connector`)."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -52,14 +61,37 @@ class ForwardContext:
     layer i the metadata of its group (its own block table and slot mapping;
     the token layout is the same for every group). None: every layer uses
     attn_metadata.
+    kv_connector, when set, is called around every attention layer: the
+    model calls `wait_for_layer_load(i)` before layer i reads its cache and
+    `save_kv_layer(i)` after it wrote it; layer_names[i] names layer i (the
+    keys of the model's `kv_cache_specs()`).
     """
 
     attn_metadata: AttentionMetadata | None
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     layer_metadata: Sequence[AttentionMetadata] | None = None
+    kv_connector: KVLayerHooks | None = None
+    layer_names: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if self.kv_connector is not None and len(self.layer_names) != len(self.kv_caches):
+            raise ValueError(
+                f"ForwardContext: {len(self.layer_names)} layer names for "
+                f"{len(self.kv_caches)} KV caches (a KV connector needs one name per layer)"
+            )
 
     def metadata_for(self, layer_idx: int) -> AttentionMetadata | None:
         """The attention metadata layer `layer_idx` reads and writes its cache with."""
         if self.layer_metadata is None:
             return self.attn_metadata
         return self.layer_metadata[layer_idx]
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Block until the connector has loaded layer `layer_idx`'s KV (no-op without one)."""
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_layer_load(self.layer_names[layer_idx])
+
+    def save_kv_layer(self, layer_idx: int) -> None:
+        """Hand layer `layer_idx`'s freshly written cache to the connector (no-op without one)."""
+        if self.kv_connector is not None:
+            self.kv_connector.save_kv_layer(self.layer_names[layer_idx], self.kv_caches[layer_idx])

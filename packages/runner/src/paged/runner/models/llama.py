@@ -196,9 +196,11 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             kv_cache = ctx.kv_caches[i] if ctx.kv_caches else None
+            ctx.wait_for_layer_load(i)  # a KV connector may still be loading this layer
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, ctx.metadata_for(i)
             )
+            ctx.save_kv_layer(i)  # this step's K/V of layer i is in the cache now
         assert residual is not None  # at least one layer
         hidden_states, _ = self.norm.forward_with_residual(hidden_states, residual)
         return hidden_states

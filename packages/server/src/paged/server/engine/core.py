@@ -35,7 +35,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paged.connectors.events import EventPublisher, KVEventsConfig, make_event_publisher
 from paged.kvcache import KVCacheConfig, KVCacheMetricsCollector, get_kv_cache_config
@@ -53,6 +53,10 @@ from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.structured_output import StructuredOutputProvider
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
+from paged.server.kv_transfer import make_scheduler_connector
+
+if TYPE_CHECKING:
+    from paged.connectors.kv import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +112,8 @@ class EngineCore:
         if self._kv_events and not engine_config.cache_config.enable_prefix_caching:
             # As vLLM: events describe the prefix cache; without it none are produced.
             logger.warning("KV cache events are enabled but prefix caching is off: none will come")
+        # The scheduler-side KV connector (built with the scheduler; None without one).
+        self.kv_connector: KVConnectorBase | None = None
         try:
             self.kv_cache_config, kv_bytes = self._initialize_kv_caches(num_gpu_blocks_override)
             self.scheduler = self._make_scheduler(
@@ -167,6 +173,10 @@ class EngineCore:
             # As in vLLM, residency metrics travel in the scheduler stats, so
             # they need log_stats; the collector samples blocks at allocation.
             extra["kv_metrics_collector"] = KVCacheMetricsCollector(kv_cache_metrics_sample)
+        groups = len(self.kv_cache_config.kv_cache_groups)
+        self.kv_connector = make_scheduler_connector(self.engine_config, groups)
+        if self.kv_connector is not None:
+            extra["kv_connector"] = self.kv_connector
         return (scheduler_class or Scheduler)(
             self.scheduler_config,
             self.kv_cache_config,
@@ -229,7 +239,7 @@ class EngineCore:
                 f"eos_token_id {request.eos_token_id} is outside the vocabulary [0, {vocab_size})"
             )
         request.sampling_params.validate(self.scheduler_config.max_logprobs)
-        if request.kv_transfer_params is not None:
+        if request.kv_transfer_params is not None and self.kv_connector is None:
             raise ValueError(
                 "kv_transfer_params needs a KV connector, and this engine was started without one"
             )
@@ -349,6 +359,8 @@ class EngineCore:
         self.batch_queue.clear()
         self.event_publisher.shutdown()
         self.model_executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
 
 def _default_executor_class(engine_config: EngineConfig) -> ExecutorFactory:

@@ -31,6 +31,7 @@ from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
 from paged.server.metrics import PrometheusStatLogger
 from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
+from paged.server.openai.cache_routes import add_cache_routes
 from paged.server.openai.cors import CorsConfig, install_cors
 from paged.server.openai.lifespan import engine_lifespan
 from paged.server.openai.protocol import (
@@ -213,6 +214,7 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)
     _install_error_handlers(app)
+    add_cache_routes(app, llm)
 
     async def respond(request: Request, work: Awaitable[Any]) -> Response:
         result = await run_until_disconnect(request, _as_coroutine(work))

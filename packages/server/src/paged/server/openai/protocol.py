@@ -186,6 +186,8 @@ class SamplingFields(TopLevelRequest):
     priority: int = Field(0, json_schema_extra=_range(INT64_MIN, INT64_MAX))
     request_id: str | None = None
     cache_salt: str | None = None
+    # vLLM's KV connector instructions (checked in paged.server.kv_transfer).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatMessageParam(BaseModel):
@@ -307,6 +309,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionStreamResponse(BaseModel):
@@ -355,6 +358,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

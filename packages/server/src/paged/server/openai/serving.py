@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged.scheduler import SamplingParams
+from paged.scheduler.boundary import KVTransferParams
 from paged.server.async_llm import AsyncLLM
 from paged.server.chat_utils import apply_chat_template, normalize_messages
 from paged.server.collector import RequestOutputCollector
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import PromptType
+from paged.server.kv_transfer import parse_request_kv_transfer_params
 from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
 from paged.server.openai.protocol import (
@@ -107,8 +109,11 @@ class _Totals:
     completion: int = 0
     cached: int = 0
     seen_prompts: set[int] = field(default_factory=set)
+    kv_transfer_params: dict[str, Any] | None = None  # from the connector, once finished
 
     def add(self, prompt_idx: int, out: RequestOutput) -> None:
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         if prompt_idx not in self.seen_prompts:
             self.seen_prompts.add(prompt_idx)
             self.prompt += len(out.prompt_token_ids)
@@ -132,13 +137,19 @@ class OpenAIServing:
         params: SamplingParams,
         req_priority: int,
         cache_salt: str | None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         submitted: list[tuple[str, RequestOutputCollector]] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 queue = await self.llm.add_request(
-                    rid, prompt, params, priority=req_priority, cache_salt=cache_salt
+                    rid,
+                    prompt,
+                    params,
+                    priority=req_priority,
+                    cache_salt=cache_salt,
+                    kv_transfer_params=kv_transfer_params,
                 )
                 submitted.append((rid, queue))
         except BaseException:
@@ -172,9 +183,12 @@ class OpenAIServing:
     ) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
         params = completion_sampling_params(req)
+        kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         prompts = _completion_prompts(req)
         base_id = req.request_id or random_id("cmpl")
-        streams = await self._submit(base_id, prompts, params, req.priority, req.cache_salt)
+        streams = await self._submit(
+            base_id, prompts, params, req.priority, req.cache_salt, kv_params
+        )
         texts = [p.get("prompt") if isinstance(p, dict) else None for p in prompts]
         if req.stream:
             streams = await peek_streams(streams, "prompt")
@@ -201,6 +215,7 @@ class OpenAIServing:
             model=self.model_name,
             choices=choices,
             usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
+            kv_transfer_params=totals.kv_transfer_params,
         )
 
     async def _completion_stream(
@@ -265,6 +280,7 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
         params = chat_sampling_params(req)
+        kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         prompt_text = await self.llm.offload.run(
             messages_size(messages) + len(req.chat_template or ""),
@@ -279,7 +295,9 @@ class OpenAIServing:
         # The template already holds the special tokens (BOS etc.).
         prompt: PromptType = {"prompt": prompt_text, "add_special_tokens": False}
         base_id = req.request_id or random_id("chatcmpl")
-        (stream,) = await self._submit(base_id, [prompt], params, req.priority, req.cache_salt)
+        (stream,) = await self._submit(
+            base_id, [prompt], params, req.priority, req.cache_salt, kv_params
+        )
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
             # The text the template saw: content parts joined, not the list's repr.
@@ -309,6 +327,7 @@ class OpenAIServing:
             model=self.model_name,
             choices=choices,
             usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
+            kv_transfer_params=totals.kv_transfer_params,
         )
 
     async def _chat_stream(

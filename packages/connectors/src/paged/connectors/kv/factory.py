@@ -1,0 +1,117 @@
+"""`KVConnectorFactory`: name -> connector class, imported on first use (seed: KVConnectorFactory).
+
+Registration records a module path and a class name only, so registering a
+connector costs nothing and a connector's heavy imports (or a missing
+optional dependency) only matter to engines that use it. A name that is not
+registered is looked up in `kv_connector_module_path` (vLLM's dynamic
+loading), so third-party connectors need no registration.
+
+The factory is an object, not class-level state: the server builds one
+(`KVConnectorFactory.with_builtins()`) and passes it where it is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from paged.connectors.kv.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
+from paged.connectors.kv.config import KVTransferConfig
+
+
+class KVConnectorLoadError(ValueError):
+    """A connector class cannot be found or imported; the message names what failed."""
+
+
+@dataclass(frozen=True)
+class _Registration:
+    module_path: str
+    class_name: str
+
+
+# vLLM's example connector was renamed ExampleConnector; both names select it.
+_BUILTINS: dict[str, _Registration] = {
+    "SharedStorageConnector": _Registration(
+        "paged.connectors.kv.shared_storage", "SharedStorageConnector"
+    ),
+    "ExampleConnector": _Registration(
+        "paged.connectors.kv.shared_storage", "SharedStorageConnector"
+    ),
+    "MultiConnector": _Registration("paged.connectors.kv.multi", "MultiConnector"),
+}
+
+
+class KVConnectorFactory:
+    """Lazily registered connector classes; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._registry: dict[str, _Registration] = {}
+        self._loaded: dict[str, type[KVConnectorBase]] = {}
+
+    @classmethod
+    def with_builtins(cls) -> KVConnectorFactory:
+        """A factory knowing the connectors shipped in paged-connectors."""
+        factory = cls()
+        for name, reg in _BUILTINS.items():
+            factory.register_connector(name, reg.module_path, reg.class_name)
+        return factory
+
+    def register_connector(self, name: str, module_path: str, class_name: str) -> None:
+        """Record where `name`'s class lives; nothing is imported. `ValueError` if taken."""
+        if name in self._registry:
+            raise ValueError(f"KV connector {name!r} is already registered")
+        self._registry[name] = _Registration(module_path, class_name)
+
+    def registered_names(self) -> list[str]:
+        return sorted(self._registry)
+
+    def is_loaded(self, name: str) -> bool:
+        """Whether `name`'s class has been imported by this factory (for tests and logs)."""
+        return name in self._loaded
+
+    def get_connector_class(self, config: KVTransferConfig) -> type[KVConnectorBase]:
+        """The class `config.kv_connector` names: the registry first, then the module path."""
+        name = config.kv_connector
+        if name is None:
+            raise KVConnectorLoadError("kv_transfer_config: kv_connector is not set")
+        if name in self._loaded:
+            return self._loaded[name]
+        reg = self._registry.get(name)
+        if reg is None:
+            if config.kv_connector_module_path is None:
+                known = ", ".join(self.registered_names())
+                raise KVConnectorLoadError(
+                    f"unknown KV connector {name!r}: not registered (known: {known}) and "
+                    "no kv_connector_module_path given"
+                )
+            reg = _Registration(config.kv_connector_module_path, name)
+        cls = _import_class(name, reg)
+        self._loaded[name] = cls
+        return cls
+
+    def create_connector(
+        self, config: KVTransferConfig, role: KVConnectorRole, context: KVConnectorContext
+    ) -> KVConnectorBase:
+        """Instantiate the configured connector for one role (one instance per process)."""
+        cls = self.get_connector_class(config)
+        return cls(config, role, context)
+
+
+def _import_class(name: str, reg: _Registration) -> type[KVConnectorBase]:
+    try:
+        module = importlib.import_module(reg.module_path)
+    except ImportError as exc:
+        raise KVConnectorLoadError(
+            f"KV connector {name!r}: cannot import module {reg.module_path!r}: {exc}"
+        ) from exc
+    cls = getattr(module, reg.class_name, None)
+    if cls is None:
+        raise KVConnectorLoadError(
+            f"KV connector {name!r}: module {reg.module_path!r} has no class {reg.class_name!r}"
+        )
+    if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase)):
+        raise KVConnectorLoadError(
+            f"KV connector {name!r}: {reg.module_path}.{reg.class_name} is not a "
+            "KVConnectorBase subclass"
+        )
+    return cls

@@ -1,0 +1,148 @@
+"""KV transfer glue: from `--kv-transfer-config` to connector objects, and request params.
+
+The server is the only package that knows both the runner and the
+connectors, so it builds the connector objects (ARCHITECTURE: no global
+connector state). `KVConnectorBuilder` is a small frozen, picklable object:
+it travels inside `EngineConfig` to the engine-core process (which builds the
+scheduler side) and to every worker process (which builds its worker side).
+
+    EngineArgs.kv_transfer_config (JSON text or dict)
+      -> kv_connector_builder()      parse + import the class now: bad config stops start-up
+      -> EngineConfig.kv_connector_factory
+           EngineCore: make_scheduler_connector(...)   KVConnectorRole.SCHEDULER
+           Worker:     make_worker_connector(rank, tp) KVConnectorRole.WORKER
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from paged.scheduler.boundary import KVTransferParams
+from paged.server.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from paged.connectors.kv import KVConnectorBase, KVTransferConfig
+    from paged.runner.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class KVConnectorBuilder:
+    """Builds either side of the configured connector (satisfies the runner's factory Protocol)."""
+
+    config_json: str
+    block_size: int
+
+    def config(self) -> KVTransferConfig:
+        from paged.connectors.kv import parse_kv_transfer_config
+
+        return parse_kv_transfer_config(self.config_json)
+
+    def _create(
+        self, role_name: str, rank: int, world_size: int, num_groups: int
+    ) -> KVConnectorBase:
+        from paged.connectors.kv import KVConnectorContext, KVConnectorFactory, KVConnectorRole
+
+        context = KVConnectorContext(
+            block_size=self.block_size,
+            rank=rank,
+            world_size=world_size,
+            num_kv_cache_groups=num_groups,
+        )
+        role = KVConnectorRole[role_name]
+        return KVConnectorFactory.with_builtins().create_connector(self.config(), role, context)
+
+    def make_worker_connector(self, rank: int, world_size: int) -> KVConnectorBase:
+        return self._create("WORKER", rank, world_size, 1)
+
+    def make_scheduler_connector(
+        self, world_size: int, num_kv_cache_groups: int
+    ) -> KVConnectorBase:
+        return self._create("SCHEDULER", 0, world_size, num_kv_cache_groups)
+
+
+def kv_connector_builder(
+    config: str | dict[str, Any] | None, block_size: int
+) -> KVConnectorBuilder | None:
+    """Validate a kv-transfer config; None when it names no connector.
+
+    Raises `ValueError` with one message naming the field or the class that
+    failed (bad JSON, unknown field, unknown connector, import error).
+    """
+    if config is None:
+        return None
+    from paged.connectors.kv import (
+        KVConnectorFactory,
+        kv_transfer_config_from_dict,
+        parse_kv_transfer_config,
+    )
+
+    parsed = (
+        kv_transfer_config_from_dict(config)
+        if isinstance(config, dict)
+        else parse_kv_transfer_config(config)
+    )
+    if parsed.kv_connector is None:
+        return None
+    if parsed.kv_load_failure_policy != "recompute":
+        # The scheduler recomputes failed loads; failing the request instead is
+        # not built. Refusing beats silently doing the other thing.
+        raise ValueError(
+            f"kv_transfer_config: kv_load_failure_policy {parsed.kv_load_failure_policy!r} "
+            "is not supported yet; use 'recompute' (failed loads are recomputed)"
+        )
+    # Import the class here, in the process that parses the flag, so an unknown
+    # connector stops start-up before any engine process is spawned.
+    KVConnectorFactory.with_builtins().get_connector_class(parsed)
+    return KVConnectorBuilder(config_json=parsed.to_json(), block_size=block_size)
+
+
+def make_scheduler_connector(
+    engine_config: EngineConfig, num_kv_cache_groups: int
+) -> KVConnectorBase | None:
+    """The scheduler-side connector for this engine, or None without KV transfer."""
+    builder = engine_config.kv_connector_factory
+    if builder is None:
+        return None
+    if not isinstance(builder, KVConnectorBuilder):
+        raise TypeError(
+            "EngineConfig.kv_connector_factory must be a KVConnectorBuilder to build the "
+            f"scheduler side, got {type(builder).__name__}"
+        )
+    tp = engine_config.parallel_config.tensor_parallel_size
+    return builder.make_scheduler_connector(tp, num_kv_cache_groups)
+
+
+class _KVTransferParamsIn(msgspec.Struct, forbid_unknown_fields=True):
+    """The JSON object form of `KVTransferParams` (which itself is array-like on the wire)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_num_tokens: int | None = None
+
+
+def parse_request_kv_transfer_params(raw: object) -> KVTransferParams | None:
+    """A request's `kv_transfer_params` object; `InvalidRequestError` (HTTP 400) if malformed."""
+    if raw is None:
+        return None
+    try:
+        parsed = msgspec.convert(raw, type=_KVTransferParamsIn)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(
+            "kv_transfer_params", f"kv_transfer_params is invalid: {exc}"
+        ) from None
+    return KVTransferParams(**msgspec.structs.asdict(parsed))
+
+
+def kv_transfer_params_to_dict(params: KVTransferParams | None) -> dict[str, Any] | None:
+    """The response form of params a connector returned (unset fields left out)."""
+    if params is None:
+        return None
+    return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}

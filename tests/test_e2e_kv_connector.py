@@ -1,0 +1,180 @@
+"""KV transfer through the real engine: SharedStorageConnector, offline and over HTTP.
+
+A prompt of several blocks runs once (its prefix KV is saved to the shared
+storage directory), the device prefix cache is reset, and the same prompt
+runs again: its prefix must now come from storage (the engine reports it as
+cached, the connector counts a hit) and the greedy tokens must equal those
+of an engine started without any connector.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from paged.connectors.kv.shared_storage import SharedStorageConnector, prefix_key
+from paged.runner.kv_connector import KVConnectorWorkerFactory
+from paged.scheduler.sampling_params import SamplingParams
+from paged.server.input_processor import TokensPrompt
+from paged.server.kv_transfer import KVConnectorBuilder
+from paged.server.llm import LLM
+
+BLOCK = 8
+PROMPT = [(7 * i + 3) % 120 + 5 for i in range(37)]  # 37 tokens: prefix of 4 blocks (32)
+PREFIX = 32
+MAX_TOKENS = 6
+
+# mypy proves the server's builder satisfies the runner's factory Protocol.
+_FACTORY_CHECK: type[KVConnectorWorkerFactory] = KVConnectorBuilder
+
+
+def _tiny_model(path: Path) -> Path:
+    """A 2-layer random llama with a 128-word word-level tokenizer, saved to `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    auto: Any = AutoModelForCausalLM
+    auto.from_config(config, dtype=torch.float32).save_pretrained(str(path))
+    vocab = {f"w{i}": i for i in range(128)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast_cls: Any = PreTrainedTokenizerFast  # untyped in transformers
+    fast = fast_cls(tokenizer_object=tk, bos_token="w1", eos_token="w2")
+    fast.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _storage_config(path: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(path)},
+    }
+
+
+def _engine(model: Path, **options: Any) -> LLM:
+    return LLM(
+        str(model),
+        device="cpu",
+        block_size=BLOCK,
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=128,
+        **options,
+    )
+
+
+def _greedy(llm: LLM) -> tuple[list[int], int]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt: TokensPrompt = {"prompt_token_ids": PROMPT}
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+def _scheduler_connector(llm: LLM) -> SharedStorageConnector:
+    core: Any = llm.engine_client
+    conn = core.core.kv_connector
+    assert isinstance(conn, SharedStorageConnector)
+    return conn
+
+
+@pytest.mark.slow
+def test_offline_prefix_comes_back_from_shared_storage(tiny_model: Path, tmp_path: Path) -> None:
+    baseline = _engine(tiny_model)
+    try:
+        expected, _ = _greedy(baseline)
+    finally:
+        baseline.engine_client.shutdown()
+
+    storage = tmp_path / "kv"
+    llm = _engine(tiny_model, kv_transfer_config=_storage_config(storage))
+    try:
+        first, first_cached = _greedy(llm)
+        assert first == expected and first_cached == 0
+        key = prefix_key(PROMPT[:PREFIX], [])
+        assert (storage / key / "rank0" / "COMPLETE").is_file()
+
+        assert llm.reset_prefix_cache()
+        second, second_cached = _greedy(llm)
+        stats = _scheduler_connector(llm).stats
+        assert stats.num_hits == 1 and stats.num_hit_tokens == PREFIX
+        assert second_cached == PREFIX  # all of it external: the device cache was reset
+        assert second == expected
+    finally:
+        llm.engine_client.shutdown()
+
+
+@pytest.mark.slow
+def test_http_kv_transfer_params_and_reset_prefix_cache(
+    tiny_model: Path, tmp_path: Path, launch_server: Callable[..., Any]
+) -> None:
+    storage = tmp_path / "kv-http"
+    server = launch_server(
+        str(tiny_model),
+        "--device",
+        "cpu",
+        "--block-size",
+        str(BLOCK),
+        "--max-model-len",
+        "128",
+        "--kv-cache-memory",
+        "4MiB",
+        "--kv-transfer-config",
+        json.dumps(_storage_config(storage)),
+    )
+    url = server.base_url
+    body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": MAX_TOKENS}
+    body |= {"temperature": 0.0, "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=120) as client:
+        bad = client.post("/v1/completions", json={**body, "kv_transfer_params": {"nope": 1}})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "kv_transfer_params"
+        assert "nope" in bad.json()["error"]["message"]
+
+        first = client.post("/v1/completions", json={**body, "kv_transfer_params": {}})
+        assert first.status_code == 200, first.text
+        # vLLM's top-level field; SharedStorageConnector returns no params.
+        assert "kv_transfer_params" in first.json() and first.json()["kv_transfer_params"] is None
+        assert client.post("/reset_prefix_cache").status_code == 200
+
+        second = client.post("/v1/completions", json=body)
+        assert second.status_code == 200, second.text
+        assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        usage = second.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == PREFIX
+
+        chat = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": str(tiny_model),
+                "messages": [{"role": "user", "content": "w5 w6"}],
+                "max_tokens": 2,
+                "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                "kv_transfer_params": {"do_remote_decode": "yes"},
+            },
+        )
+        assert chat.status_code == 400, chat.text
+        assert chat.json()["error"]["param"] == "kv_transfer_params"
