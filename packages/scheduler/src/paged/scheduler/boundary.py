@@ -13,6 +13,7 @@ diffs (`CachedRequestData`) so per-step IPC stays small.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -41,6 +42,9 @@ class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, froz
     `do_remote_decode`: this instance prefills and keeps the blocks for a
     remote decoder to pull. `do_remote_prefill`: this instance decodes and
     first loads KV computed elsewhere (`remote_*` say from where).
+    `extra`: every other key of the request's object, kept as sent (vLLM's
+    `kv_transfer_params` is an open dict: connectors and routers add their own
+    keys, e.g. NIXL's `tp_size`), so a connector of its own can read them.
     """
 
     do_remote_decode: bool = False
@@ -51,6 +55,7 @@ class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, froz
     remote_host: str | None = None
     remote_port: int | None = None
     remote_num_tokens: int | None = None
+    extra: dict[str, Any] | None = None
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

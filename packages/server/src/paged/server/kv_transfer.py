@@ -116,7 +116,7 @@ def make_scheduler_connector(
 
 
 class _KVTransferParamsIn(msgspec.Struct, forbid_unknown_fields=True):
-    """The JSON object form of `KVTransferParams` (which itself is array-like on the wire)."""
+    """The typed keys of `KVTransferParams` in JSON object form (the struct is array-like)."""
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -128,21 +128,35 @@ class _KVTransferParamsIn(msgspec.Struct, forbid_unknown_fields=True):
     remote_num_tokens: int | None = None
 
 
+_TYPED_KEYS = frozenset(_KVTransferParamsIn.__struct_fields__)
+
+
 def parse_request_kv_transfer_params(raw: object) -> KVTransferParams | None:
     """A request's `kv_transfer_params` object; `InvalidRequestError` (HTTP 400) if malformed."""
     if raw is None:
         return None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(
+            "kv_transfer_params", "kv_transfer_params is invalid: expected an object"
+        )
+    # Known keys are typed strictly; any other key is kept as sent (vLLM's params are an
+    # open dict that routers and connectors extend), never a 400.
+    known = {k: v for k, v in raw.items() if k in _TYPED_KEYS}
+    extra = {str(k): v for k, v in raw.items() if k not in _TYPED_KEYS}
     try:
-        parsed = msgspec.convert(raw, type=_KVTransferParamsIn)
+        parsed = msgspec.convert(known, type=_KVTransferParamsIn)
     except msgspec.ValidationError as exc:
         raise InvalidRequestError(
             "kv_transfer_params", f"kv_transfer_params is invalid: {exc}"
         ) from None
-    return KVTransferParams(**msgspec.structs.asdict(parsed))
+    return KVTransferParams(**msgspec.structs.asdict(parsed), extra=extra or None)
 
 
 def kv_transfer_params_to_dict(params: KVTransferParams | None) -> dict[str, Any] | None:
-    """The response form of params a connector returned (unset fields left out)."""
+    """The response form of params a connector returned (unset fields left out, extras flat)."""
     if params is None:
         return None
-    return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
+    fields = msgspec.structs.asdict(params)
+    extra = fields.pop("extra") or {}
+    typed = {k: v for k, v in fields.items() if v is not None}
+    return {**extra, **typed}
