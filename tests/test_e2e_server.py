@@ -206,7 +206,8 @@ def _abort_count(server: LiveServer) -> float:
 
 def test_no_kv_residency_histograms_without_the_flag(server: LiveServer) -> None:
     text = httpx.get(f"{server.base_url}/metrics").text
-    assert "vllm:num_requests_running" in text  # the real page (this server runs --metrics-prefix vllm)
+    # The real page (this server runs with --metrics-prefix vllm).
+    assert "vllm:num_requests_running" in text
     assert "kv_block_" not in text  # --kv-cache-metrics is off
 
 
