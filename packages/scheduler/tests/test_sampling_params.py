@@ -53,3 +53,25 @@ def test_top_k_off_spellings_and_greedy() -> None:
     assert SamplingParams(top_k=7).effective_top_k == 7
     assert SamplingParams(temperature=0.0).is_greedy
     assert not SamplingParams().is_greedy
+
+
+def test_structured_outputs_need_exactly_one_constraint() -> None:
+    from paged.scheduler import StructuredOutputsParams
+
+    SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")).validate()
+    with pytest.raises(ValueError, match="structured_outputs must set exactly one"):
+        SamplingParams(structured_outputs=StructuredOutputsParams()).validate()
+    with pytest.raises(ValueError, match=r"structured_outputs .*\['json', 'regex'\]"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(json="{}", regex="a")).validate()
+    with pytest.raises(ValueError, match="choice must not be empty"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(choice=[])).validate()
+
+
+def test_structured_outputs_cross_the_msgpack_boundary() -> None:
+    import msgspec
+
+    from paged.scheduler import StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded == params

@@ -15,7 +15,11 @@ from paged.scheduler.boundary import (
     SchedulerOutput,
     SchedulerStats,
 )
-from paged.scheduler.sampling_params import RequestOutputKind, SamplingParams
+from paged.scheduler.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = [
     "CachedRequestData",
@@ -33,4 +37,5 @@ __all__ = [
     "SamplingParams",
     "SchedulerOutput",
     "SchedulerStats",
+    "StructuredOutputsParams",
 ]

@@ -26,6 +26,39 @@ _GREEDY_TEMPERATURE = 1e-5
 DEFAULT_MAX_LOGPROBS = 20
 
 
+class StructuredOutputsParams(
+    msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, kw_only=True
+):
+    """One output constraint, as vLLM's `StructuredOutputsParams` (exactly one field set).
+
+    `json`: a JSON schema as JSON text; `json_object`: any JSON object;
+    `regex`: a regular expression the whole output matches; `choice`: the output is
+    one of these strings; `grammar`: an EBNF/Lark grammar; `structural_tag`: vLLM's
+    structural-tag JSON text. Which backend enforces it is the engine's choice.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+    # Do not allow whitespace-only freedom beyond what the schema needs (vLLM's flag).
+    disable_any_whitespace: bool = False
+
+    def kinds(self) -> list[str]:
+        """The names of the constraint fields that are set."""
+        set_fields = [
+            ("json", self.json is not None),
+            ("regex", self.regex is not None),
+            ("choice", self.choice is not None),
+            ("grammar", self.grammar is not None),
+            ("json_object", self.json_object),
+            ("structural_tag", self.structural_tag is not None),
+        ]
+        return [name for name, is_set in set_fields if is_set]
+
+
 class SamplingParams(
     msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, kw_only=True
 ):
@@ -58,6 +91,8 @@ class SamplingParams(
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # An output constraint (JSON schema, regex, choice, grammar); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -121,6 +156,17 @@ class SamplingParams(
         )
         if self.seed is not None:
             _require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        if self.structured_outputs is not None:
+            kinds = self.structured_outputs.kinds()
+            _require(
+                len(kinds) == 1,
+                "structured_outputs",
+                f"must set exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {kinds or 'none'}",
+            )
+            choice = self.structured_outputs.choice
+            if choice is not None:
+                _require(bool(choice), "structured_outputs", "choice must not be empty")
 
 
 def _require(ok: bool, field: str, message: str) -> None:
