@@ -416,11 +416,13 @@ class OpenAIServing:
     ) -> list[ChatCompletionStreamResponse]:
         """One output delta of a choice whose text goes through a tool streamer."""
         chunks: list[ChatCompletionStreamResponse] = []
-        delta = tools.delta_message(tool_req, st.feed(c.text, c.finished()))
+        deltas = tools.delta_messages(tool_req, st.feed(c.text, c.finished()))
         logprobs = fmt.chat_logprobs(c.logprobs, top_k) if req.logprobs else None
-        if delta is not None or logprobs is not None:
-            chunk = self._chat_chunk(base_id, c.index, delta or DeltaMessage())
-            chunk.choices[0].logprobs = logprobs
+        if not deltas and logprobs is not None:
+            deltas = [DeltaMessage()]  # the tokens' logprobs still go out
+        for i, delta in enumerate(deltas):
+            chunk = self._chat_chunk(base_id, c.index, delta)
+            chunk.choices[0].logprobs = logprobs if i == 0 else None
             chunks.append(chunk)
         if c.finished():
             # The finish reason in a chunk of its own, after every call's deltas.

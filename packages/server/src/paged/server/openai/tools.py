@@ -322,22 +322,20 @@ def chat_message(
     return message, finish_reason(req, bool(calls), reason)
 
 
-def delta_message(req: ToolRequest | None, update: StreamUpdate) -> DeltaMessage | None:
-    """A stream update as one delta; None when it adds nothing.
+def delta_messages(req: ToolRequest | None, update: StreamUpdate) -> list[DeltaMessage]:
+    """A stream update as deltas, one chunk each: the content, then each tool-call delta.
 
-    With `parallel_tool_calls: false` only the first call's deltas are sent (vLLM).
+    OpenAI sends a call's id/type/name and its arguments in separate chunks; with
+    `parallel_tool_calls: false` only the first call's deltas are sent (vLLM).
     """
     parallel = req is None or req.parallel_tool_calls
-    calls = [
-        DeltaToolCall(
-            index=d.index,
-            id=d.id,
-            type="function" if d.id is not None else None,
-            function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+    out = [DeltaMessage(content=update.content)] if update.content else []
+    for d in update.tool_calls:
+        if not parallel and d.index != 0:
+            continue
+        fn = DeltaFunctionCall(name=d.name, arguments=d.arguments)
+        call = DeltaToolCall(
+            index=d.index, id=d.id, type="function" if d.id is not None else None, function=fn
         )
-        for d in update.tool_calls
-        if parallel or d.index == 0
-    ]
-    if not update.content and not calls:
-        return None
-    return DeltaMessage(content=update.content or None, tool_calls=calls or None)
+        out.append(DeltaMessage(tool_calls=[call]))
+    return out
