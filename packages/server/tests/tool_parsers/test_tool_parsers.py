@@ -69,6 +69,18 @@ CASES: list[tuple[ToolParser, str, list[ParsedCall], str | None]] = [
     (HERMES, '<tool_call>{"name": "get_wea', [], '<tool_call>{"name": "get_wea'),
     (HERMES, "no tools here <tool", [], "no tools here <tool"),
     (HERMES, "", [], ""),
+    (
+        HERMES,
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+        [call("f", a=1)],
+        None,
+    ),
+    (
+        HERMES,
+        '<tool_call>{"name": "f", "arguments": "a"}</tool_call>',
+        [],
+        '<tool_call>{"name": "f", "arguments": "a"}</tool_call>',
+    ),
     (HERMES, '<tool_call>{"name": "noargs"}</tool_call>', [ParsedCall("noargs", "{}")], None),
     (
         LLAMA,

@@ -187,8 +187,8 @@ def parse_tool_request(
         tool_choice = "none"  # OpenAI: "required" with no tools behaves like "none"
     if tool_choice == "auto" and config.auto_parser is None:
         raise InvalidRequestError("tool_choice", AUTO_NEEDS_FLAGS)
-    mode: ChoiceMode = "none" if tool_choice == "none" else tool_choice  # type: ignore[assignment]
-    return ToolRequest(tools or [], mode, None, parallel)
+    modes: dict[str, ChoiceMode] = {"none": "none", "auto": "auto", "required": "required"}
+    return ToolRequest(tools or [], modes[tool_choice], None, parallel)
 
 
 def template_tools(req: ToolRequest | None, config: ResolvedToolConfig) -> list[dict[str, Any]]:

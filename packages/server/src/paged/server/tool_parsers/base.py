@@ -64,7 +64,8 @@ def assemble(segments: list[Segment]) -> ExtractedToolCalls:
 def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> ParsedCall | None:
     """`{"name": str, <args key>: object}` -> a call; anything else -> None.
 
-    A missing arguments object means no arguments (`{}`), as vLLM writes it.
+    A missing arguments object means no arguments (`{}`), as vLLM writes it;
+    arguments given as JSON text of an object are read as that object.
     """
     if not isinstance(obj, dict):
         return None
@@ -76,6 +77,12 @@ def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> ParsedCall | None:
         if key in obj:
             args = obj[key]
             break
+    if isinstance(args, str):
+        # Some models write the arguments as JSON text inside the JSON.
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
     if not isinstance(args, dict):
         return None
     return ParsedCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
