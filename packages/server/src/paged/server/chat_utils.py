@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,11 +62,53 @@ def _message_text(message: Mapping[str, Any], where: str) -> str:
     )
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Validate messages and flatten text parts to plain strings."""
+def _template_tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
+    """An assistant's `tool_calls` as chat templates expect them: arguments as objects.
+
+    OpenAI sends arguments as JSON text; HF tool-use templates (and vLLM, which
+    parses them the same way) iterate them as a mapping. Empty or missing -> `{}`.
+    """
+    if not isinstance(calls, Sequence) or isinstance(calls, str):
+        raise InvalidRequestError(f"{where}.tool_calls", "tool_calls must be a list")
+    out: list[dict[str, Any]] = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(call, Mapping) or not isinstance(fn, Mapping):
+            raise InvalidRequestError(
+                f"{where}.tool_calls[{j}].function", "each tool call needs a function object"
+            )
+        args = fn.get("arguments")
+        if isinstance(args, str) and args:
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise InvalidRequestError(
+                    f"{where}.tool_calls[{j}].function.arguments", "arguments must be JSON text"
+                ) from None
+        elif not isinstance(args, Mapping | list):
+            args = {}
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+def _template_message(message: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "role": str(message.get("role")),
+        "content": _message_text(message, where),
+    }
+    for key in ("name", "tool_call_id"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    if message.get("tool_calls"):
+        out["tool_calls"] = _template_tool_calls(message["tool_calls"], where)
+    return out
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Validate messages; flatten text parts to strings; keep tool calls and their ids."""
     if not messages:
         raise InvalidRequestError("messages", "messages must contain at least one message")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         role = message.get("role")
@@ -73,7 +116,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             raise InvalidRequestError(
                 f"{where}.role", f"role must be one of {', '.join(VALID_ROLES)}; got {role!r}"
             )
-        out.append({"role": str(role), "content": _message_text(message, where)})
+        out.append(_template_message(message, where))
     return out
 
 
@@ -85,8 +128,9 @@ def apply_chat_template(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """Render `messages` to the prompt text the model expects."""
+    """Render `messages` (and `tools`, for tool-use templates) to the prompt text."""
     if add_generation_prompt and continue_final_message:
         raise InvalidRequestError(
             "continue_final_message",
@@ -105,6 +149,7 @@ def apply_chat_template(
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **({"tools": list(tools)} if tools else {}),
             **dict(chat_template_kwargs or {}),
         )
     # OverflowError: the sandbox refusing a huge range(); RecursionError: a

@@ -19,6 +19,7 @@ from typing import Any
 from paged.server.engine_args import EngineArgs, parse_bytes
 from paged.server.metrics_names import METRICS_PREFIXES
 from paged.server.openai.cors import add_cors_args, cors_config_from
+from paged.server.tool_parsers.flags import add_tool_calling_args, check_tool_calling_args
 
 logger = logging.getLogger("paged.server.cli")
 
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(names, labels, buckets) for vLLM dashboards and routers",
     )
     add_cors_args(serve)
+    add_tool_calling_args(serve)
     h.add_argument(
         "--max-request-body-size",
         type=_byte_size,
@@ -313,12 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    check_tool_calling_args(parser, ns)
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     args = engine_args_from(ns)
     try:
         if ns.command == "serve":
+            from paged.server.openai.tools import ToolCallingConfig
             from paged.server.serve import run_server
 
             run_server(
@@ -330,6 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cors=cors_config_from(ns),
                 metrics_prefix=ns.metrics_prefix,
                 max_request_body_bytes=ns.max_request_body_size,
+                tool_config=ToolCallingConfig(
+                    ns.enable_auto_tool_choice,
+                    ns.tool_call_parser,
+                    ns.exclude_tools_when_tool_choice_none,
+                ),
             )
             return 0
         if ns.command == "generate":

@@ -10,6 +10,7 @@ from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
     from paged.server.openai.cors import CorsConfig
+    from paged.server.openai.tools import ToolCallingConfig
 
 logger = logging.getLogger("paged.server.serve")
 
@@ -24,6 +25,7 @@ def run_server(
     cors: CorsConfig | None = None,
     metrics_prefix: str = "paged",
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    tool_config: ToolCallingConfig | None = None,
 ) -> None:
     import uvicorn
 
@@ -79,6 +81,7 @@ def run_server(
             stat_logger=stats,
             cors=cors,
             max_request_body_bytes=max_request_body_bytes,
+            tool_config=tool_config,
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",

@@ -49,6 +49,7 @@ from paged.server.openai.protocol import (
     TokenizeResponse,
 )
 from paged.server.openai.serving import EngineRequestError, ModelNotFoundError, OpenAIServing
+from paged.server.openai.tools import ToolCallingConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -197,19 +198,25 @@ def build_app(
     stat_logger: PrometheusStatLogger | None = None,
     cors: CorsConfig | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    tool_config: ToolCallingConfig | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `llm` under the name `model_name`.
 
     `cors`: cross-origin access for browsers; None or no origins = no CORS headers.
     Bodies over `max_request_body_bytes` are refused with a 413.
+    `tool_config`: vLLM's tool-calling flags; ValueError when they do not fit together
+    (or `--tool-call-parser auto` finds no format in the chat template).
     """
+    tool_flags = (tool_config or ToolCallingConfig()).resolve(
+        getattr(llm.tokenizer, "chat_template", None)
+    )
     app = FastAPI(
         title="paged",
         version=_version(),
         description="OpenAI-compatible API of the paged inference engine",
         lifespan=engine_lifespan(llm),
     )
-    serving = OpenAIServing(llm, model_name)
+    serving = OpenAIServing(llm, model_name, tool_flags)
     # Added first, so it runs inside the key check and the response counter.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)

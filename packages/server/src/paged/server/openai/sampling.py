@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from paged.scheduler import RequestOutputKind, SamplingParams
+import msgspec
+
+from paged.scheduler import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from paged.server.errors import InvalidRequestError
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
@@ -83,7 +85,10 @@ def _base(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> 
     )
 
 
-def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(
+    req: ChatCompletionRequest, tool_schema_json: str | None = None
+) -> SamplingParams:
+    """`tool_schema_json`: the schema a tool choice constrains the output to (tools.py)."""
     if req.response_format is not None and req.response_format.type != "text":
         raise InvalidRequestError(
             "response_format", f"response_format {req.response_format.type!r} is not supported"
@@ -94,10 +99,6 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         raise InvalidRequestError("audio", "audio output is not supported")
     if req.metadata is not None and len(req.metadata) > 16:
         raise InvalidRequestError("metadata", "metadata holds at most 16 key-value pairs")
-    if req.tools:
-        raise InvalidRequestError("tools", "tool calling is not supported")
-    if req.tool_choice not in (None, "none"):
-        raise InvalidRequestError("tool_choice", "tool calling is not supported")
     logprobs: int | None = None
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -114,7 +115,12 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequestError(param, f"{param} must be at least 1, got {max_tokens}")
-    return _base(req, max_tokens, logprobs)
+    params = _base(req, max_tokens, logprobs)
+    if tool_schema_json is None:
+        return params
+    return msgspec.structs.replace(
+        params, structured_outputs=StructuredOutputsParams(json=tool_schema_json)
+    )
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:

@@ -24,6 +24,7 @@ from paged.server.input_processor import PromptType
 from paged.server.kv_transfer import parse_request_kv_transfer_params
 from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
+from paged.server.openai import tools
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -47,8 +48,10 @@ from paged.server.openai.protocol import (
     random_id,
 )
 from paged.server.openai.sampling import chat_sampling_params, completion_sampling_params
-from paged.server.outputs import RequestOutput
+from paged.server.openai.tools import ResolvedToolConfig
+from paged.server.outputs import CompletionOutput, RequestOutput
 from paged.server.tokenizer import TokenizerLike
+from paged.server.tool_parsers import ToolStreamer
 from paged.server.utils import merge_async_iterators
 
 logger = logging.getLogger(__name__)
@@ -122,9 +125,12 @@ class _Totals:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(
+        self, llm: AsyncLLM, model_name: str, tool_config: ResolvedToolConfig | None = None
+    ) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.tool_config = tool_config or ResolvedToolConfig()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -279,7 +285,10 @@ class OpenAIServing:
         self, req: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
-        params = chat_sampling_params(req)
+        tool_req = tools.parse_tool_request(
+            req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_config
+        )
+        params = chat_sampling_params(req, tools.structured_json(tool_req))
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         prompt_text = await self.llm.offload.run(
@@ -291,6 +300,7 @@ class OpenAIServing:
             continue_final_message=req.continue_final_message,
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
+            tools=tools.template_tools(tool_req, self.tool_config),
         )
         # The template already holds the special tokens (BOS etc.).
         prompt: PromptType = {"prompt": prompt_text, "add_special_tokens": False}
@@ -305,19 +315,27 @@ class OpenAIServing:
         top_k = req.top_logprobs or 0
         if req.stream:
             (stream,) = await peek_streams([stream], "messages")
-            return self._chat_stream(req, base_id, stream, echo, top_k)
+            return self._chat_stream(req, base_id, stream, echo, top_k, tool_req)
         totals = _Totals()
         choices: list[ChatCompletionResponseChoice] = []
         async for out in stream:
             check_failed(out, "messages")
             totals.add(0, out)
             for c in out.outputs:
+                message = ChatMessage(role="assistant", content=echo + c.text)
+                finish = c.finish_reason
+                if tool_req is not None and tool_req.mode != "none":
+                    message, finish = tools.chat_message(
+                        tool_req, self.tool_config, c.text, c.finish_reason
+                    )
+                    if echo:
+                        message.content = echo + (message.content or "")
                 choices.append(
                     ChatCompletionResponseChoice(
                         index=c.index,
-                        message=ChatMessage(role="assistant", content=echo + c.text),
+                        message=message,
                         logprobs=fmt.chat_logprobs(c.logprobs, top_k),
-                        finish_reason=c.finish_reason,
+                        finish_reason=finish,
                         stop_reason=c.stop_reason,
                     )
                 )
@@ -337,8 +355,10 @@ class OpenAIServing:
         stream: AsyncGenerator[RequestOutput, None],
         echo: str,
         top_k: int,
+        tool_req: tools.ToolRequest | None = None,
     ) -> AsyncIterator[str]:
         totals = _Totals()
+        streamers: dict[int, ToolStreamer] = {}
         try:
             for j in range(req.n):
                 yield fmt.sse(
@@ -351,6 +371,13 @@ class OpenAIServing:
                 if any(c.finish_reason == "error" for c in out.outputs):
                     check_failed(out, "messages")
                 for c in out.outputs:
+                    st = streamers.get(c.index) or tools.streamer(tool_req, self.tool_config)
+                    if st is not None:
+                        streamers[c.index] = st
+                        for tool_chunk in self._tool_chunks(req, base_id, c, st, tool_req, top_k):
+                            tool_chunk.usage = _running_usage(req, totals)
+                            yield fmt.sse(tool_chunk)
+                        continue
                     if not c.text and not c.finished() and not c.token_ids:
                         continue
                     chunk = self._chat_chunk(base_id, c.index, DeltaMessage(content=c.text))
@@ -377,6 +404,35 @@ class OpenAIServing:
         finally:
             await stream.aclose()
         yield fmt.SSE_DONE
+
+    def _tool_chunks(
+        self,
+        req: ChatCompletionRequest,
+        base_id: str,
+        c: CompletionOutput,
+        st: ToolStreamer,
+        tool_req: tools.ToolRequest | None,
+        top_k: int,
+    ) -> list[ChatCompletionStreamResponse]:
+        """One output delta of a choice whose text goes through a tool streamer."""
+        chunks: list[ChatCompletionStreamResponse] = []
+        deltas = tools.delta_messages(tool_req, st.feed(c.text, c.finished()))
+        logprobs = fmt.chat_logprobs(c.logprobs, top_k) if req.logprobs else None
+        if not deltas and logprobs is not None:
+            deltas = [DeltaMessage()]  # the tokens' logprobs still go out
+        for i, delta in enumerate(deltas):
+            chunk = self._chat_chunk(base_id, c.index, delta)
+            chunk.choices[0].logprobs = logprobs if i == 0 else None
+            chunks.append(chunk)
+        if c.finished():
+            # The finish reason in a chunk of its own, after every call's deltas.
+            end = self._chat_chunk(base_id, c.index, DeltaMessage())
+            end.choices[0].finish_reason = tools.finish_reason(
+                tool_req, st.tools_called, c.finish_reason
+            )
+            end.choices[0].stop_reason = c.stop_reason
+            chunks.append(end)
+        return chunks
 
     def _chat_chunk(
         self, base_id: str, index: int, delta: DeltaMessage

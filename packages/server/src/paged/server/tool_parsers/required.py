@@ -1,0 +1,56 @@
+"""`tool_choice: "required"` output: a JSON array of `{"name": ..., "parameters": {...}}`.
+
+The shape of vLLM's `get_json_schema_from_tool` for "required" (the structured-output
+backend constrains the output to it); parsed back into calls without a text parser.
+A malformed array (nothing enforced it) is content, as everywhere else.
+"""
+
+from __future__ import annotations
+
+import json
+
+from paged.server.tool_parsers.base import Content, Segment, ToolParser, call_from_json
+
+_DECODER = json.JSONDecoder()
+_WS = " \t\r\n"
+
+
+def _skip(text: str, pos: int, chars: str) -> int:
+    while pos < len(text) and text[pos] in chars:
+        pos += 1
+    return pos
+
+
+class RequiredArrayParser(ToolParser):
+    name = "required"
+
+    def split(self, text: str, final: bool) -> list[Segment]:
+        pos = _skip(text, 0, _WS)
+        if pos == len(text):
+            return [Content(text)] if final and text else []
+        if text[pos] != "[":
+            return [Content(text)]
+        out: list[Segment] = []
+        pos = _skip(text, pos + 1, _WS)
+        while pos < len(text):
+            if text[pos] == "]":
+                if not out:
+                    return [Content(text)]  # "[]": no call, keep the text
+                rest = text[pos + 1 :]
+                if rest and (final or rest.strip()):
+                    out.append(Content(rest))  # text after the array
+                return out
+            try:
+                obj, end = _DECODER.raw_decode(text, pos)
+            except ValueError:
+                if final:
+                    out.append(Content(text if not out else text[pos:]))
+                return out
+            call = call_from_json(obj, ("parameters",))
+            if call is None:
+                return [*out, Content(text if not out else text[pos:])]
+            out.append(call)
+            pos = _skip(text, end, _WS + ",")
+        if final and not out:
+            out.append(Content(text))  # "[" and nothing more
+        return out
