@@ -173,11 +173,17 @@ def test_scheduler_config_chunked_prefill_off_message_is_vllms() -> None:
         SchedulerConfig(max_model_len=4096, enable_chunked_prefill=False)
 
 
-def test_scheduler_config_long_prefill_threshold_above_max_model_len_accepted_as_vllm() -> None:
-    # vLLM rejects it only with max_num_partial_prefills > 1 (not an option here); with
-    # its default of 1 the threshold is accepted and simply never binds.
-    c = SchedulerConfig(max_model_len=64, long_prefill_token_threshold=100)
-    assert c.long_prefill_token_threshold == 100
+def test_scheduler_config_long_prefill_threshold_above_max_model_len_rejected_as_vllm() -> None:
+    # Current vLLM's _verify_args: unconditional, with this message.
+    with pytest.raises(
+        ValueError,
+        match=r"^long_prefill_token_threshold \(100\) cannot be greater than the "
+        r"max_model_len \(64\)\.$",
+    ):
+        SchedulerConfig(max_model_len=64, max_num_seqs=8, long_prefill_token_threshold=100)
+    # Equal is allowed, and 0 (off) always is.
+    assert SchedulerConfig(max_model_len=64, long_prefill_token_threshold=64)
+    assert SchedulerConfig(max_model_len=64, long_prefill_token_threshold=0)
 
 
 def test_scheduler_config_warns_when_budget_exceeds_seqs_times_len(

@@ -66,10 +66,9 @@ class SchedulerConfig:
     def _check_limits_against_each_other(self) -> None:
         """vLLM's `SchedulerConfig.verify_max_model_len`: same conditions, order and messages.
 
-        vLLM also rejects `long_prefill_token_threshold > max_model_len`, but only
-        with `max_num_partial_prefills > 1`, an option paged does not have; with
-        vLLM's default of 1 it accepts it (the threshold then never binds), so
-        paged accepts it too.
+        `long_prefill_token_threshold > max_model_len` is rejected whatever the
+        other options, as current vLLM does (older vLLM checked it only with
+        `max_num_partial_prefills > 1`, an option paged does not have).
         """
         batched, seqs = self.max_num_batched_tokens, self.max_num_seqs
         model_len = self.max_model_len
@@ -86,6 +85,13 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) must be greater than or equal to "
                 f"max_num_seqs ({seqs})."
+            )
+        threshold = self.long_prefill_token_threshold
+        if threshold > model_len:
+            # A chunk cap above the context length can never bind: a mistyped limit.
+            raise ValueError(
+                f"long_prefill_token_threshold ({threshold}) cannot be greater than the "
+                f"max_model_len ({model_len})."
             )
         if batched > seqs * model_len:
             logger.warning(
