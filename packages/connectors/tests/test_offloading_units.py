@@ -97,7 +97,9 @@ def test_index_evicts_least_recently_used_first_and_keeps_its_budget() -> None:
 
 def test_index_rebuild_trims_the_oldest_over_budget() -> None:
     index = TierIndex("disk", 250)
-    evicted = index.rebuild([(ChunkKey("old"), 100), (ChunkKey("mid"), 100), (ChunkKey("new"), 100)])
+    evicted = index.rebuild(
+        [(ChunkKey("old"), 100), (ChunkKey("mid"), 100), (ChunkKey("new"), 100)]
+    )
     assert evicted == [ChunkKey("old")]
     assert index.keys_lru_first() == ["mid", "new"] and index.num_evictions == 0
 

@@ -60,8 +60,7 @@ class OffloadingConfig:
             )
         if host < 0 or disk_bytes <= 0:
             raise ValueError(
-                "OffloadingConnector: kv_bytes_per_rank must be >= 0 and "
-                "disk_bytes_per_rank > 0"
+                "OffloadingConnector: kv_bytes_per_rank must be >= 0 and disk_bytes_per_rank > 0"
             )
         disk_path = Path(raw_path) if raw_path is not None else None
         if host == 0 and disk_path is None:

@@ -88,6 +88,7 @@ class OffloadingScheduler:
             # A restarted engine finds its chunks again (contents checked on load).
             self._evict_disk.extend(self.disk.rebuild(scan_disk(config.disk_path)))
         self.stats = OffloadingStats()
+        self._reported_evictions = [0, 0]  # host, disk: evictions already in a report
         self._requests: dict[str, _RequestState] = {}
         self._plans: dict[str, _LoadPlan] = {}
         self._load_history: deque[dict[int, ChunkKey]] = deque(maxlen=_LOAD_HISTORY_STEPS)
@@ -115,9 +116,7 @@ class OffloadingScheduler:
         if end <= num_computed_tokens:
             return 0, False
         used = -(-(end - first * chunk) // chunk)  # chunks the capped range touches
-        self._plans[request.request_id] = _LoadPlan(
-            num_computed_tokens, end, first, sources[:used]
-        )
+        self._plans[request.request_id] = _LoadPlan(num_computed_tokens, end, first, sources[:used])
         return end - num_computed_tokens, False
 
     def _find(self, key: ChunkKey) -> Tier | None:
@@ -178,9 +177,7 @@ class OffloadingScheduler:
             self._extend_blocks(state, cached.new_block_ids[i], cached.resumed_from_preemption[i])
             end = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._step(state, end, loads, saves)
-        self._load_history.append(
-            {b: ChunkKey(load.key) for load in loads for b in load.block_ids}
-        )
+        self._load_history.append({b: ChunkKey(load.key) for load in loads for b in load.block_ids})
         meta = OffloadingMetadata(
             loads=loads,
             saves=self._still_indexed(saves),
@@ -200,7 +197,11 @@ class OffloadingScheduler:
             state.block_ids.extend(blocks)
 
     def _step(
-        self, state: _RequestState, computed_end: int, loads: list[ChunkLoad], saves: list[ChunkSave]
+        self,
+        state: _RequestState,
+        computed_end: int,
+        loads: list[ChunkLoad],
+        saves: list[ChunkSave],
     ) -> None:
         if state.load is not None:
             loads.extend(self._emit_load(state, state.load))
@@ -240,7 +241,9 @@ class OffloadingScheduler:
             to_host = self._insert(self.host, key, self._evict_host)
             to_disk = self._insert(self.disk, key, self._evict_disk)
             if to_host or to_disk:
-                saves.append(ChunkSave(key, state.block_ids[i * bpc : (i + 1) * bpc], to_host, to_disk))
+                saves.append(
+                    ChunkSave(key, state.block_ids[i * bpc : (i + 1) * bpc], to_host, to_disk)
+                )
         state.next_save_chunk = max(state.next_save_chunk, min(limit, len(keys)))
 
     def _insert(self, index: TierIndex | None, key: ChunkKey, evictions: list[ChunkKey]) -> bool:
@@ -283,6 +286,17 @@ class OffloadingScheduler:
             if self.disk is not None and self.disk.remove(key):
                 self._evict_disk.append(key)
         self.stats.load_errors += len(bad)
+
+    def take_stats(self) -> dict[str, float]:
+        """Lookup, eviction and load-error counters since the last call (flat deltas)."""
+        stats, self.stats = self.stats, OffloadingStats()
+        if self.host is not None:
+            stats.host.evictions = self.host.num_evictions - self._reported_evictions[0]
+            self._reported_evictions[0] = self.host.num_evictions
+        if self.disk is not None:
+            stats.disk.evictions = self.disk.num_evictions - self._reported_evictions[1]
+            self._reported_evictions[1] = self.disk.num_evictions
+        return stats.to_dict()
 
     def request_finished(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)

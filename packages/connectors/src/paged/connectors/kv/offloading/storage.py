@@ -244,4 +244,4 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _as_bytes(chunk: torch.Tensor) -> memoryview:
     flat = chunk.contiguous().view(torch.uint8).reshape(-1)
-    return memoryview(flat.numpy())
+    return memoryview(flat.numpy().data)  # the tensor's own bytes, no copy

@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Mapping
 
-import msgspec
 import torch
 
 from paged.connectors.kv.offloading.chunks import ChunkError, ChunkKey, Fingerprint
