@@ -26,6 +26,7 @@ from paged.connectors.kv.testing import (
     make_kv_caches,
 )
 from paged.kvcache import get_request_block_hasher, sha256
+from paged.scheduler.boundary import ModelRunnerOutput, SchedulerOutput
 from paged.scheduler.connectors import KVConnectorScheduler
 from paged.scheduler.request import Request
 from paged.scheduler.scheduler import Scheduler
@@ -62,6 +63,14 @@ class _Engine:
         caches = {k: v.to(dtype) for k, v in make_kv_caches(NUM_BLOCKS, BLOCK_SIZE).items()}
         self.sim = KVWorkerSim(self.worker_side, caches, BLOCK_SIZE)
 
+        self.stats: dict[str, float] = {}  # SchedulerStats.kv_connector_stats, summed
+
+    def update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        for outputs in self.sched.update_from_output(so, out).values():
+            if outputs.scheduler_stats is not None:
+                for name, value in outputs.scheduler_stats.kv_connector_stats.items():
+                    self.stats[name] = self.stats.get(name, 0.0) + value
+
     def run(self, rid: str, prompt: list[int], max_tokens: int = 1) -> None:
         self.sched.add_request(make_request(rid, prompt, max_tokens=max_tokens))
         for _ in range(100):
@@ -69,7 +78,7 @@ class _Engine:
                 self.worker_side.worker_side.writer.flush()
                 return
             so = self.sched.schedule()
-            self.sched.update_from_output(so, self.sim.execute(so))
+            self.update(so, self.sim.execute(so))
         raise AssertionError("did not finish")
 
     def forget_device_cache(self) -> None:
@@ -115,12 +124,13 @@ def test_host_tier_round_trips_real_kv_after_a_device_cache_reset() -> None:
     assert out.kv_connector_output.invalid_block_ids == []
     _assert_kv(engine, "b", PROMPT, 24)
     assert engine.sim.computed_positions["b"] == [24, 25, 26]  # 0..23 came from the host tier
-    engine.sched.update_from_output(so, out)
-    stats = engine.sched_side.scheduler_side.take_stats()
+    engine.update(so, out)
+    # Through SchedulerStats: scheduler-side lookups and worker-side bytes alike.
+    stats = engine.stats
     assert stats["host.hits"] == 24 and stats["host.queries"] == 48  # 24 saved-run + 24 hit-run
-    worker = engine.worker_side.worker_side.take_stats()
-    assert worker["host.bytes_loaded"] == 3 * CHUNK_BYTES
-    assert worker["host.bytes_saved"] == 3 * CHUNK_BYTES
+    assert stats["host.bytes_loaded"] == 3 * CHUNK_BYTES
+    assert stats["host.bytes_saved"] == 3 * CHUNK_BYTES
+    assert "disk.queries" not in stats  # no disk tier configured
     engine.close()
 
 
@@ -176,7 +186,7 @@ def test_host_budget_evicts_the_least_recently_used_chunks() -> None:
     assert host.num_evictions == 1
     host.check_integrity()
     assert len(engine.worker_side.worker_side.host or ()) == 2  # the worker evicted b too
-    assert engine.sched_side.scheduler_side.take_stats()["host.evictions"] == 1
+    assert engine.stats["host.evictions"] == 1
     engine.forget_device_cache()
     engine.sched.add_request(make_request("b2", prompts["b"], max_tokens=1))
     assert engine.sched.schedule().scheduled_new_reqs[0].num_computed_tokens == 0
@@ -200,9 +210,9 @@ def test_disk_tier_survives_a_restart(tmp_path: Path) -> None:
     assert out.kv_connector_output is not None
     assert out.kv_connector_output.invalid_block_ids == []
     _assert_kv(second, "b", PROMPT, 24)
-    second.sched.update_from_output(so, out)
-    stats = second.worker_side.worker_side.take_stats()
-    assert stats["disk.bytes_loaded"] == 3 * CHUNK_BYTES
+    second.update(so, out)
+    assert second.stats["disk.bytes_loaded"] == 3 * CHUNK_BYTES
+    assert second.stats["disk.hits"] == 24
     second.close()
 
 
@@ -223,13 +233,11 @@ def test_host_and_disk_write_through_and_a_disk_hit_is_promoted_to_host(
     second.sched.add_request(make_request("c", PROMPT, max_tokens=1))
     so = second.sched.schedule()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 24
-    second.sim.execute(so)
+    second.update(so, second.sim.execute(so))
     _assert_kv(second, "c", PROMPT, 24)
-    stats = second.worker_side.worker_side.take_stats()
-    assert (
-        stats["host.bytes_loaded"] == 3 * CHUNK_BYTES
-        and stats["disk.bytes_loaded"] == 3 * CHUNK_BYTES
-    )
+    stats = second.stats
+    assert stats["disk.hits"] == 24 and stats["host.hits"] == 24  # run b from disk, c from host
+    assert stats["host.bytes_loaded"] == stats["disk.bytes_loaded"] == 3 * CHUNK_BYTES
     second.close()
 
 
@@ -266,7 +274,7 @@ def _restart_with_damage(tmp_path: Path, damage: str) -> tuple[_Engine, list[int
     assert out.kv_connector_output is not None
     blocks = list(so.scheduled_new_reqs[0].block_ids[0])
     assert out.kv_connector_output.invalid_block_ids == sorted(blocks[2:4])  # chunk 1
-    second.sched.update_from_output(so, out)
+    second.update(so, out)
     return second, blocks
 
 
@@ -279,13 +287,13 @@ def test_a_damaged_or_missing_chunk_is_a_load_error_and_recomputed(
     # Recompute from the first bad block (token 8); chunk 0 stays valid.
     assert so.scheduled_cached_reqs.num_computed_tokens == [8]
     assert so.num_scheduled_tokens == {"b": len(PROMPT) - 8}
-    engine.sched.update_from_output(so, engine.sim.execute(so))
+    engine.update(so, engine.sim.execute(so))
     engine.worker_side.worker_side.writer.flush()
     # The bad chunk left the index and its file was deleted.
     disk = engine.sched_side.scheduler_side.disk
     assert disk is not None and _keys(PROMPT)[1] not in disk
     assert not (tmp_path / f"{_keys(PROMPT)[1]}{CHUNK_SUFFIX}").exists()
-    assert engine.sched_side.scheduler_side.take_stats()["load_errors"] == 1
+    assert engine.stats["load_errors"] == 1  # the worker's failed chunk, via SchedulerStats
     _assert_kv(engine, "b", PROMPT, 24)  # recomputed KV equals the original
     engine.close()
 

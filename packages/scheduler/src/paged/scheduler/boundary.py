@@ -165,6 +165,9 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     finished_sending: list[str] = msgspec.field(default_factory=list)
     finished_recving: list[str] = msgspec.field(default_factory=list)
     invalid_block_ids: list[int] = msgspec.field(default_factory=list)
+    # Connector counters since the last step, flat "name" -> increment (vLLM's
+    # kv_connector_stats); the scheduler adds them into `SchedulerStats`.
+    kv_connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -204,6 +207,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     num_preempted_reqs: int = 0  # preemptions since the last report
     num_scheduled_tokens: int = 0
+    # KV connector counters since the last report (worker and scheduler sides summed).
+    kv_connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

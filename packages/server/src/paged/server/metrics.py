@@ -12,6 +12,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from paged.scheduler import SchedulerStats
+from paged.server.kv_metrics import KVConnectorMetrics
 from paged.server.stats import IterationStats
 
 _LATENCY_BUCKETS = (
@@ -131,6 +132,7 @@ class PrometheusStatLogger:
             ["endpoint", "status"],
             registry=r,
         )
+        self.kv_connector = KVConnectorMetrics(model_name, r)
         self._m = model_name
         for reason in FINISH_REASONS:  # export zeros so dashboards see every series
             self.request_success.labels(model_name, reason)
@@ -147,6 +149,7 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(m).inc(s.prefix_cache_stats.queries)
             self.prefix_hits.labels(m).inc(s.prefix_cache_stats.hits)
             self.preemptions.labels(m).inc(s.num_preempted_reqs)
+            self.kv_connector.record(s.kv_connector_stats)
         if iteration_stats is not None:
             it = iteration_stats
             self.prompt_tokens.labels(m).inc(it.num_prompt_tokens)

@@ -209,6 +209,14 @@ class KVConnectorBase(abc.ABC):
         """The scheduler preempted these requests: stop using their blocks (they are freed)."""
         return None
 
+    def get_kv_connector_stats(self) -> dict[str, float] | None:
+        """Counters since the last call, flat "name" -> increment (either role), or None.
+
+        Worker side: carried in `KVConnectorOutput.kv_connector_stats`; scheduler
+        side: read by the scheduler's `make_stats`. Both end in `SchedulerStats`.
+        """
+        return None
+
     # --------------------------------------------------------------- scheduler side
 
     @abc.abstractmethod

@@ -91,6 +91,7 @@ class KVWorkerSim:
             finished_sending=sorted(sending or ()),
             finished_recving=sorted(recving or ()),
             invalid_block_ids=sorted(self.connector.get_block_ids_with_load_errors()),
+            kv_connector_stats=self.connector.get_kv_connector_stats() or {},
         )
         self.connector.clear_connector_metadata()
         return ModelRunnerOutput(

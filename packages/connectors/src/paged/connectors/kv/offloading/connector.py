@@ -137,6 +137,13 @@ class OffloadingConnector(KVConnectorBase):
             return set()
         return self._worker.take_load_errors()
 
+    def get_kv_connector_stats(self) -> dict[str, float] | None:
+        if self._scheduler is not None:
+            return self._scheduler.take_stats()
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return None
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()

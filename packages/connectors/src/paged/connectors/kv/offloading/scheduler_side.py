@@ -285,7 +285,6 @@ class OffloadingScheduler:
                 self._evict_host.append(key)
             if self.disk is not None and self.disk.remove(key):
                 self._evict_disk.append(key)
-        self.stats.load_errors += len(bad)
 
     def take_stats(self) -> dict[str, float]:
         """Lookup, eviction and load-error counters since the last call (flat deltas)."""
