@@ -1,4 +1,4 @@
-"""OffloadingConnector benchmark on the default model (SmolLM2-135M GGUF): TTFT per tier, decode cost.
+"""OffloadingConnector on the default model (SmolLM2-135M GGUF): TTFT per tier, decode cost.
 
 Time to first token (`generate(max_tokens=1)`, offline `LLM`) of `--prompt-len`
 token prompts (`--reps` distinct random prompts, medians):
@@ -23,20 +23,15 @@ Prints one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+# torch reads the thread count when imported: set it from --threads first.
+os.environ["OMP_NUM_THREADS"] = (
+    sys.argv[sys.argv.index("--threads") + 1] if "--threads" in sys.argv else "1"
+)
 
-def _threads_from_argv() -> int:
-    for i, arg in enumerate(sys.argv):
-        if arg == "--threads" and i + 1 < len(sys.argv):
-            return int(sys.argv[i + 1])
-    return 1
-
-
-os.environ["OMP_NUM_THREADS"] = str(_threads_from_argv())
-
+import argparse
 import json
 import random
 import statistics
@@ -173,8 +168,7 @@ def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
             results[name].append(_decode_tokens_per_s(llm, args, seed=10 + rep))
         llm.engine_client.shutdown()
     out: dict[str, Any] = {
-        f"decode_{name}_tokens_per_s": round(statistics.median(v), 1)
-        for name, v in results.items()
+        f"decode_{name}_tokens_per_s": round(statistics.median(v), 1) for name, v in results.items()
     }
     out["decode_offloading_vs_no_connector"] = round(
         out["decode_offloading_tokens_per_s"] / out["decode_no_connector_tokens_per_s"], 3

@@ -225,3 +225,11 @@ def test_config_defaults_and_errors(tmp_path: Path) -> None:
         OffloadingConfig.from_extra_config({"kv_bytes_per_rank": "1GiB"}, 16)
     with pytest.raises(ValueError, match="disk_path"):
         OffloadingConfig.from_extra_config({"disk_path": ""}, 16)
+
+
+def test_tensor_parallel_ranks_get_their_own_disk_directories(tmp_path: Path) -> None:
+    cfg = OffloadingConfig.from_extra_config({"disk_path": str(tmp_path)}, 16)
+    assert cfg.rank_disk_path(0, 1) == tmp_path
+    assert cfg.rank_disk_path(1, 2) == tmp_path / "rank1"
+    host_only = OffloadingConfig.from_extra_config({"kv_bytes_per_rank": 1}, 16)
+    assert host_only.rank_disk_path(0, 2) is None

@@ -36,6 +36,16 @@ class OffloadingConfig:
     def has_disk(self) -> bool:
         return self.disk_path is not None
 
+    def rank_disk_path(self, rank: int, world_size: int) -> Path | None:
+        """Where one rank's chunk files live: `disk_path`, or `disk_path/rank{r}` under TP.
+
+        Each rank stores its own slice of the KV heads under the same keys, so
+        ranks must not share a directory.
+        """
+        if self.disk_path is None or world_size == 1:
+            return self.disk_path
+        return self.disk_path / f"rank{rank}"
+
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any], block_size: int) -> OffloadingConfig:
         """Validate the extra config; `ValueError` naming the key."""

@@ -55,6 +55,7 @@ class OffloadingConnector(KVConnectorBase):
                 context.kv_bytes_per_block,
                 can_load=config.is_kv_consumer,
                 can_save=config.is_kv_producer,
+                world_size=context.world_size,
             )
 
     @property

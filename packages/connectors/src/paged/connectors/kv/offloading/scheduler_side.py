@@ -67,6 +67,7 @@ class OffloadingScheduler:
         *,
         can_load: bool,
         can_save: bool,
+        world_size: int = 1,
     ) -> None:
         if block_bytes <= 0:
             raise ValueError(
@@ -83,10 +84,11 @@ class OffloadingScheduler:
         self.disk: TierIndex | None = None
         self._evict_host: list[ChunkKey] = []
         self._evict_disk: list[ChunkKey] = []
-        if config.disk_path is not None:
+        disk_path = config.rank_disk_path(0, world_size)  # rank 0 speaks for all ranks
+        if disk_path is not None:
             self.disk = TierIndex("disk", config.disk_bytes)
             # A restarted engine finds its chunks again (contents checked on load).
-            self._evict_disk.extend(self.disk.rebuild(scan_disk(config.disk_path)))
+            self._evict_disk.extend(self.disk.rebuild(scan_disk(disk_path)))
         self.stats = OffloadingStats()
         self._reported_evictions = [0, 0]  # host, disk: evictions already in a report
         self._requests: dict[str, _RequestState] = {}

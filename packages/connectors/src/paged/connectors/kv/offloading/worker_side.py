@@ -70,9 +70,8 @@ class OffloadingWorker:
         self.dtype = first.dtype
         self.chunk_shape = (blocks_per_chunk, len(self.layers), *first.shape[0:1], *first.shape[2:])
         self.host = HostStore() if config.has_host else None
-        self.disk = (
-            DiskStore(config.disk_path, self.fingerprint) if config.disk_path is not None else None
-        )
+        disk_path = config.rank_disk_path(rank, world_size)
+        self.disk = DiskStore(disk_path, self.fingerprint) if disk_path is not None else None
         self.writer = ChunkWriter(self.host, self.disk)
         self.stats = OffloadingStats()
         self._load_errors: set[int] = set()
