@@ -4,7 +4,8 @@ Time to first token (`generate(max_tokens=1)`, offline `LLM`) of `--prompt-len`
 token prompts (`--reps` distinct random prompts, medians):
 
 - `computed`: a prompt never seen (the connector saves its chunks meanwhile);
-- `computed_no_connector`: the same, with no connector (what saving costs);
+- `computed_no_connector`: the same on an engine with no connector (what
+  saving costs), interleaved with `computed`;
 - `device_prefix_cache`: the same prompt again;
 - `host_tier`: again after `reset_prefix_cache()` (loaded from host memory);
 - `disk_tier`: in a new `LLM` on the same disk directory (the index rebuilt
@@ -14,7 +15,7 @@ Decode: `--streams` greedy streams of `--decode-prompt-len` prompt tokens
 generating `--decode-tokens` each; tokens per second counted from the
 moment every stream has its first token (steady-state decode), with the
 OffloadingConnector on (host tier, chunks of `--decode-chunk` tokens, so
-every prompt saves one chunk) versus no connector.
+every prompt saves one chunk) versus no connector, the two engines alternating.
 
 torch runs on `--threads` CPU threads (set before torch is imported).
 Run: .venvs/all/bin/python benchmarks/connectors_bench.py [--threads 1]
@@ -84,48 +85,48 @@ def _median(xs: list[float]) -> float:
 
 def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
     prompts = _prompts(args.reps, args.prompt_len, seed=1)
-    out: dict[str, Any] = {}
+    others = _prompts(args.reps, args.prompt_len, seed=2)
+    phases: dict[str, list[float]] = {
+        name: []
+        for name in ("computed", "computed_no_connector", "device_prefix_cache", "host_tier")
+    }
     cached: dict[str, list[int]] = {}
+
+    def timed(phase: str, llm: LLM, prompt: list[int]) -> None:
+        t, c = _ttft(llm, prompt)
+        phases.setdefault(phase, []).append(t)
+        cached.setdefault(phase, []).append(c)
+
     with tempfile.TemporaryDirectory() as disk:
         cfg = _offload_config({"kv_bytes_per_rank": args.host_gib * (1 << 30), "disk_path": disk})
+        baseline = _llm(args, None)
         llm = _llm(args, cfg)
-        _ttft(llm, _prompts(1, 64, seed=99)[0])  # warm-up
-        phases: dict[str, list[float]] = {"computed": [], "device_prefix_cache": []}
-        for p in prompts:
-            for phase in phases:
-                t, c = _ttft(llm, p)
-                phases[phase].append(t)
-                cached.setdefault(phase, []).append(c)
-        phases["host_tier"] = []
+        for engine in (baseline, llm):
+            _ttft(engine, _prompts(1, 64, seed=99)[0])  # warm-up
+        # Interleaved, so that load from other processes hits both alike.
+        for p, q in zip(prompts, others, strict=True):
+            timed("computed_no_connector", baseline, q)
+            timed("computed", llm, p)
+            timed("device_prefix_cache", llm, p)
+        baseline.engine_client.shutdown()
         for p in prompts:
             assert llm.reset_prefix_cache()
-            t, c = _ttft(llm, p)
-            phases["host_tier"].append(t)
-            cached.setdefault("host_tier", []).append(c)
+            timed("host_tier", llm, p)
         llm.engine_client.shutdown()  # flushes the disk writes
         restarted = _llm(args, cfg)
         _ttft(restarted, _prompts(1, 64, seed=98)[0])
-        phases["disk_tier"] = []
         for p in prompts:
-            t, c = _ttft(restarted, p)
-            phases["disk_tier"].append(t)
-            cached.setdefault("disk_tier", []).append(c)
+            timed("disk_tier", restarted, p)
         restarted.engine_client.shutdown()
         files = len(list(Path(disk).glob("*.kvchunk")))
-    baseline = _llm(args, None)
-    _ttft(baseline, _prompts(1, 64, seed=97)[0])
-    phases["computed_no_connector"] = [
-        _ttft(baseline, p)[0] for p in _prompts(args.reps, args.prompt_len, seed=2)
-    ]
-    baseline.engine_client.shutdown()
-    for phase, times in phases.items():
-        out[f"ttft_{phase}_s"] = _median(times)
+    out: dict[str, Any] = {f"ttft_{phase}_s": _median(t) for phase, t in phases.items()}
     for phase, counts in cached.items():
         out[f"cached_tokens_{phase}"] = statistics.median(counts)
     out["disk_chunk_files"] = files
     base = out["ttft_computed_s"]
     for phase in ("device_prefix_cache", "host_tier", "disk_tier"):
         out[f"speedup_{phase}_vs_computed"] = round(base / out[f"ttft_{phase}_s"], 1)
+    out["computed_with_vs_without_connector"] = round(base / out["ttft_computed_no_connector_s"], 3)
     return out
 
 
@@ -155,17 +156,18 @@ def _decode_tokens_per_s(llm: LLM, args: argparse.Namespace, seed: int) -> float
 
 
 def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, list[float]] = {"no_connector": [], "offloading": []}
     configs = {
         "no_connector": None,
         "offloading": _offload_config(
             {"kv_bytes_per_rank": args.host_gib * (1 << 30), "chunk_size": args.decode_chunk}
         ),
     }
-    for name, cfg in configs.items():
-        llm = _llm(args, cfg)
-        for rep in range(args.reps):
+    engines = {name: _llm(args, cfg) for name, cfg in configs.items()}
+    results: dict[str, list[float]] = {name: [] for name in configs}
+    for rep in range(args.reps):
+        for name, llm in engines.items():  # alternating: A B A B ...
             results[name].append(_decode_tokens_per_s(llm, args, seed=10 + rep))
+    for llm in engines.values():
         llm.engine_client.shutdown()
     out: dict[str, Any] = {
         f"decode_{name}_tokens_per_s": round(statistics.median(v), 1) for name, v in results.items()
