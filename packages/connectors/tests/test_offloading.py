@@ -289,13 +289,21 @@ def test_a_damaged_or_missing_chunk_is_a_load_error_and_recomputed(
     assert so.num_scheduled_tokens == {"b": len(PROMPT) - 8}
     engine.update(so, engine.sim.execute(so))
     engine.worker_side.worker_side.writer.flush()
-    # The bad chunk left the index and its file was deleted.
-    disk = engine.sched_side.scheduler_side.disk
-    assert disk is not None and _keys(PROMPT)[1] not in disk
-    assert not (tmp_path / f"{_keys(PROMPT)[1]}{CHUNK_SUFFIX}").exists()
     assert engine.stats["load_errors"] == 1  # the worker's failed chunk, via SchedulerStats
     _assert_kv(engine, "b", PROMPT, 24)  # recomputed KV equals the original
+    # The bad file was deleted and the recomputed chunk saved again in its place.
+    disk = engine.sched_side.scheduler_side.disk
+    assert disk is not None and _keys(PROMPT)[1] in disk
     engine.close()
+    third = _Engine({"disk_path": str(tmp_path)})
+    third.sched.add_request(make_request("c", PROMPT, max_tokens=1))
+    so = third.sched.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 24
+    out = third.sim.execute(so)
+    assert out.kv_connector_output is not None
+    assert out.kv_connector_output.invalid_block_ids == []
+    _assert_kv(third, "c", PROMPT, 24)
+    third.close()
 
 
 def test_a_foreign_layout_chunk_is_a_load_error(tmp_path: Path) -> None:

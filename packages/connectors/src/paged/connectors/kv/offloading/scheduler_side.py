@@ -93,7 +93,10 @@ class OffloadingScheduler:
         self._reported_evictions = [0, 0]  # host, disk: evictions already in a report
         self._requests: dict[str, _RequestState] = {}
         self._plans: dict[str, _LoadPlan] = {}
-        self._load_history: deque[dict[int, ChunkKey]] = deque(maxlen=_LOAD_HISTORY_STEPS)
+        # Per step: block id -> (chunk key, request id) of each block a load wrote.
+        self._load_history: deque[dict[int, tuple[ChunkKey, str]]] = deque(
+            maxlen=_LOAD_HISTORY_STEPS
+        )
 
     # ----------------------------------------------------------------- lookups
     def get_num_new_matched_tokens(
@@ -164,6 +167,7 @@ class OffloadingScheduler:
             self._requests.pop(req_id, None)  # re-admitted through update_state_after_alloc
         loads: list[ChunkLoad] = []
         saves: list[ChunkSave] = []
+        self._load_history.append({})
         scheduled = so.num_scheduled_tokens
         for new in so.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -179,7 +183,6 @@ class OffloadingScheduler:
             self._extend_blocks(state, cached.new_block_ids[i], cached.resumed_from_preemption[i])
             end = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._step(state, end, loads, saves)
-        self._load_history.append({b: ChunkKey(load.key) for load in loads for b in load.block_ids})
         meta = OffloadingMetadata(
             loads=loads,
             saves=self._still_indexed(saves),
@@ -206,7 +209,13 @@ class OffloadingScheduler:
         saves: list[ChunkSave],
     ) -> None:
         if state.load is not None:
-            loads.extend(self._emit_load(state, state.load))
+            emitted = self._emit_load(state, state.load)
+            loads.extend(emitted)
+            step = self._load_history[-1]
+            for load in emitted:
+                step.update(
+                    (b, (ChunkKey(load.key), state.request.request_id)) for b in load.block_ids
+                )
             state.load = None
         if self.can_save:
             self._emit_saves(state, computed_end, saves)
@@ -278,7 +287,13 @@ class OffloadingScheduler:
             # Block ids are reused: the newest load that wrote this block is the one.
             for step in reversed(self._load_history):
                 if block in step:
-                    bad.add(step[block])
+                    key, req_id = step[block]
+                    bad.add(key)
+                    state = self._requests.get(req_id)
+                    if state is not None:
+                        # It recomputes from the first bad block: save its chunks again
+                        # as they are recomputed (chunks still stored are only touched).
+                        state.next_save_chunk = 0
                     break
         for key in bad:
             # Corrupt, truncated, foreign or vanished: forget it and delete its file,
