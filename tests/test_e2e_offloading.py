@@ -161,7 +161,7 @@ def test_a_corrupt_chunk_is_recomputed_with_identical_tokens(
         first.engine_client.shutdown()
     files = sorted((tmp_path / "kv").glob("*.kvchunk"))
     assert len(files) == 2
-    damaged = {}
+    damaged: dict[Path, bytes] = {}
     for path in files:  # damage both: one payload byte each, the header stays valid
         data = bytearray(path.read_bytes())
         data[-100] ^= 0x40
@@ -174,8 +174,8 @@ def test_a_corrupt_chunk_is_recomputed_with_identical_tokens(
         assert llm_round_trip(second) == expected  # the recomputed chunks were saved again
     finally:
         second.engine_client.shutdown()
-    for path, data in damaged.items():
-        assert path.read_bytes() != data  # the corrupt files were replaced
+    for path, bad in damaged.items():
+        assert path.read_bytes() != bad  # the corrupt files were replaced
 
 
 def llm_round_trip(llm: LLM) -> list[int]:
