@@ -83,6 +83,12 @@ class RecordingConnector:
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         self.calls.append(f"preempted:{sorted(preempted_req_ids)}")
 
+    def get_kv_connector_stats(self) -> dict[str, float] | None:
+        return None
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
 
 # mypy proves the recording connector satisfies the runner's Protocol.
 _PROTOCOL_CHECK: Callable[[], KVConnectorWorker] = RecordingConnector

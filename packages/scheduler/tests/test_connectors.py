@@ -69,6 +69,9 @@ class FakeKVConnector:
     def take_events(self) -> Sequence[KVCacheEvent]:
         return []
 
+    def get_kv_connector_stats(self) -> dict[str, float] | None:
+        return None
+
 
 def distinct(base: int, n: int) -> list[int]:
     return [base * 1000 + i for i in range(n)]

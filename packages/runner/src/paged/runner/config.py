@@ -375,6 +375,10 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     seed: int = 0
+    # Seeds the block-hash chain (NONE_HASH). Fixed by default, unlike vLLM's
+    # PYTHONHASHSEED-or-random: KV stored by a connector (a disk tier, a peer)
+    # is found again only by engines that hash with the same seed.
+    block_hash_seed: int = 0
     # Builds each worker's KV connector (None: no KV transfer). An object, not
     # a config, so the runner needs no knowledge of connector classes; it is
     # pickled to worker processes with the rest of this config.

@@ -49,6 +49,10 @@ class KVConnectorWorker(KVLayerHooks, Protocol):
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None: ...
 
+    def get_kv_connector_stats(self) -> dict[str, float] | None: ...
+
+    def shutdown(self) -> None: ...
+
 
 class KVConnectorWorkerFactory(Protocol):
     """Builds the worker-side connector of one tensor-parallel rank (must be picklable)."""
@@ -82,6 +86,7 @@ class KVConnectorStep:
                 set(self.scheduler_output.finished_req_ids)
             )
             invalid = self.connector.get_block_ids_with_load_errors()
+            stats = self.connector.get_kv_connector_stats()
         finally:
             if self.bound:
                 self.connector.clear_connector_metadata()
@@ -89,6 +94,7 @@ class KVConnectorStep:
             finished_sending=sorted(sending or ()),
             finished_recving=sorted(recving or ()),
             invalid_block_ids=sorted(invalid),
+            kv_connector_stats=stats or {},
         )
 
     def abort(self) -> None:

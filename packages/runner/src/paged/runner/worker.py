@@ -112,6 +112,10 @@ class Worker:
             torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
+        if self._runner is not None and self._runner.kv_connector is not None:
+            # Lets a connector finish its background writes (a disk tier must be
+            # complete for the next engine on the same directory).
+            self._runner.kv_connector.shutdown()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
         self._runner = None

@@ -172,6 +172,9 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     finished_sending: list[str] = msgspec.field(default_factory=list)
     finished_recving: list[str] = msgspec.field(default_factory=list)
     invalid_block_ids: list[int] = msgspec.field(default_factory=list)
+    # Connector counters since the last step, flat "name" -> increment (vLLM's
+    # kv_connector_stats); the scheduler adds them into `SchedulerStats`.
+    kv_connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -224,6 +227,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     num_scheduled_tokens: int = 0
     # Sampled block evictions since the last report (empty without --kv-cache-metrics).
     kv_cache_eviction_events: list[KVCacheEvictionEvent] = msgspec.field(default_factory=list)
+    # KV connector counters since the last report (worker and scheduler sides summed).
+    kv_connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

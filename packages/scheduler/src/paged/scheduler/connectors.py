@@ -81,6 +81,10 @@ class KVConnectorScheduler(Protocol):
         """KV cache events the connector produced since the last call."""
         ...
 
+    def get_kv_connector_stats(self) -> dict[str, float] | None:
+        """Scheduler-side counters since the last call ("name" -> increment), or None."""
+        ...
+
 
 class ECConnectorScheduler(Protocol):
     """Scheduler side of an encoder-cache connector (encoder/prefill/decode disaggregation)."""

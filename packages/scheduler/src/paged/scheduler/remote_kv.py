@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from paged.scheduler.boundary import KVConnectorOutput, KVTransferParams
 from paged.scheduler.request import Request, RequestStatus
 from paged.scheduler.state import SchedulerState
@@ -45,6 +47,7 @@ def process_connector_output(
     """Apply one step's worker feedback; returns ids whose step output must be discarded."""
     if state.kv_connector is not None:
         state.kv_connector.update_connector_output(output)
+    add_counters(state.kv_connector_stats, output.kv_connector_stats)
     failed = _handle_invalid_blocks(state, set(output.invalid_block_ids), scheduled)
     for req_id in output.finished_recving:
         request = state.requests.get(req_id)
@@ -127,3 +130,9 @@ def release_blocks(state: SchedulerState, request: Request) -> None:
     state.kv.free(request)
     state.delayed_free_req_ids.discard(request.request_id)
     state.requests.pop(request.request_id, None)
+
+
+def add_counters(into: dict[str, float], deltas: Mapping[str, float] | None) -> None:
+    """Sum connector counter increments into `into`."""
+    for name, value in (deltas or {}).items():
+        into[name] = into.get(name, 0.0) + value

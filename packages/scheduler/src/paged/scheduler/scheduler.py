@@ -34,7 +34,7 @@ from paged.scheduler.budget import StepBudget
 from paged.scheduler.config import SchedulerConfig
 from paged.scheduler.connectors import ECConnectorScheduler, KVConnectorScheduler
 from paged.scheduler.queue import RequestQueue, create_request_queue
-from paged.scheduler.remote_kv import process_connector_output
+from paged.scheduler.remote_kv import add_counters, process_connector_output
 from paged.scheduler.request import FINISHED_STATUSES, Request, RequestStatus
 from paged.scheduler.state import SchedulerState, StepPlan
 from paged.scheduler.steps.output import advance_after_schedule, build_scheduler_output
@@ -331,6 +331,7 @@ class Scheduler:
             num_preempted_reqs=state.num_preempted_since_stats,
             num_scheduled_tokens=state.last_num_scheduled_tokens,
             kv_cache_eviction_events=self._take_eviction_events(),
+            kv_connector_stats=self._take_kv_connector_stats(),
         )
         state.num_preempted_since_stats = 0
         return stats
@@ -342,6 +343,13 @@ class Scheduler:
             KVCacheEvictionEvent(e.lifetime_seconds, e.idle_seconds, e.reuse_gaps_seconds)
             for e in self.kv_metrics_collector.drain_events()
         ]
+
+    def _take_kv_connector_stats(self) -> dict[str, float]:
+        state = self.state
+        counters, state.kv_connector_stats = state.kv_connector_stats, {}
+        if state.kv_connector is not None:
+            add_counters(counters, state.kv_connector.get_kv_connector_stats())
+        return counters
 
     def check_integrity(self) -> None:
         """Raise AssertionError if a request sits in two places or in the wrong one."""

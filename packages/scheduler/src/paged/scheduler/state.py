@@ -50,6 +50,8 @@ class SchedulerState:
     max_tokens_in_kv_cache: int = 0
     # WAITING_FOR_REMOTE_KVS requests whose async load finished / failed.
     finished_recving_kv_req_ids: set[str] = field(default_factory=set)
+    # Worker-side connector counters not yet reported in SchedulerStats.
+    kv_connector_stats: dict[str, float] = field(default_factory=dict)
     failed_recving_kv_req_ids: set[str] = field(default_factory=set)
     # Finished requests whose blocks are kept until the worker finishes a transfer.
     delayed_free_req_ids: set[str] = field(default_factory=set)

@@ -95,7 +95,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         help="context length, prompt plus output (default: the model's)",
     )
-    m.add_argument("--seed", type=int, default=0, help="seed for sampling and hashing")
+    m.add_argument(
+        "--seed", type=int, default=0, help="seed for sampling (block hashes: --block-hash-seed)"
+    )
     m.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     m.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     m.add_argument(
@@ -196,6 +198,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '\'{"kv_connector":"SharedStorageConnector","kv_role":"kv_both",'
         '"kv_connector_extra_config":{"shared_storage_path":"/tmp/kv"}}\'',
     )
+    k.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="host-memory KV offloading buffer, all ranks together (vLLM's flag; "
+        "the OffloadingConnector without --kv-transfer-config)",
+    )
+    k.add_argument(
+        "--kv-offloading-backend",
+        default="native",
+        choices=["native", "lmcache"],
+        help="offloading backend for --kv-offloading-size (only native is built)",
+    )
+    k.add_argument(
+        "--block-hash-seed",
+        type=int,
+        default=0,
+        help="seed of the prefix block-hash chain; engines sharing stored KV "
+        "(disk tier across restarts, P/D peers) must use the same value",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -224,6 +247,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_cache_metrics=ns.kv_cache_metrics,
         kv_cache_metrics_sample=ns.kv_cache_metrics_sample,
         kv_transfer_config=ns.kv_transfer_config,
+        kv_offloading_size=ns.kv_offloading_size,
+        kv_offloading_backend=ns.kv_offloading_backend,
+        block_hash_seed=ns.block_hash_seed,
     )
 
 

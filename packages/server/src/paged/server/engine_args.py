@@ -67,6 +67,14 @@ class EngineArgs:
 
     # vLLM's --kv-transfer-config: JSON text (or a dict from LLM(...)); None: no connector.
     kv_transfer_config: str | dict[str, Any] | None = None
+    # vLLM's --kv-offloading-size (GiB, all ranks together) / --kv-offloading-backend:
+    # a host-memory OffloadingConnector without writing the JSON.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
+    # Seed of the block-hash chain (NONE_HASH), fixed by default and independent
+    # of `seed`: engines that share stored KV (a disk tier across restarts, P/D
+    # peers) must hash alike, whatever their sampling seed.
+    block_hash_seed: int = 0
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -92,7 +100,7 @@ class EngineArgs:
         from paged.server.kv_transfer import kv_connector_builder
 
         # Validated first: a bad connector config must stop start-up before the model loads.
-        kv_connector = kv_connector_builder(self.kv_transfer_config, self.block_size)
+        kv_connector = kv_connector_builder(self._kv_transfer_config(), self.block_size)
         device = self.resolved_device()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
@@ -126,6 +134,7 @@ class EngineArgs:
                 max_logprobs=self.max_logprobs,
             ),
             seed=self.seed,
+            block_hash_seed=self.block_hash_seed,
             kv_connector_factory=kv_connector,
         )
         # Build the scheduler's config now, in the caller's process, so that limits it
@@ -135,6 +144,20 @@ class EngineArgs:
 
         scheduler_config_from(config)
         return config
+
+    def _kv_transfer_config(self) -> str | dict[str, Any] | None:
+        if self.kv_offloading_size is None:
+            return self.kv_transfer_config
+        if self.kv_transfer_config is not None:
+            raise ValueError(
+                "kv_offloading_size and kv_transfer_config are exclusive; put the "
+                "OffloadingConnector's options in kv_transfer_config instead"
+            )
+        from paged.server.kv_transfer import offloading_kv_transfer_config
+
+        return offloading_kv_transfer_config(
+            self.kv_offloading_size, self.kv_offloading_backend, self.tensor_parallel_size
+        )
 
 
 def tokenizer_path(config: EngineConfig, override: str | None = None) -> str:

@@ -25,6 +25,7 @@ from paged.server.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from paged.connectors.kv import KVConnectorBase, KVTransferConfig
+    from paged.kvcache import KVCacheConfig
     from paged.runner.config import EngineConfig
 
 
@@ -41,7 +42,12 @@ class KVConnectorBuilder:
         return parse_kv_transfer_config(self.config_json)
 
     def _create(
-        self, role_name: str, rank: int, world_size: int, num_groups: int
+        self,
+        role_name: str,
+        rank: int,
+        world_size: int,
+        num_groups: int,
+        kv_bytes_per_block: int = 0,
     ) -> KVConnectorBase:
         from paged.connectors.kv import KVConnectorContext, KVConnectorFactory, KVConnectorRole
 
@@ -50,6 +56,7 @@ class KVConnectorBuilder:
             rank=rank,
             world_size=world_size,
             num_kv_cache_groups=num_groups,
+            kv_bytes_per_block=kv_bytes_per_block,
         )
         role = KVConnectorRole[role_name]
         return KVConnectorFactory.with_builtins().create_connector(self.config(), role, context)
@@ -58,9 +65,9 @@ class KVConnectorBuilder:
         return self._create("WORKER", rank, world_size, 1)
 
     def make_scheduler_connector(
-        self, world_size: int, num_kv_cache_groups: int
+        self, world_size: int, num_kv_cache_groups: int, kv_bytes_per_block: int = 0
     ) -> KVConnectorBase:
-        return self._create("SCHEDULER", 0, world_size, num_kv_cache_groups)
+        return self._create("SCHEDULER", 0, world_size, num_kv_cache_groups, kv_bytes_per_block)
 
 
 def kv_connector_builder(
@@ -100,7 +107,7 @@ def kv_connector_builder(
 
 
 def make_scheduler_connector(
-    engine_config: EngineConfig, num_kv_cache_groups: int
+    engine_config: EngineConfig, num_kv_cache_groups: int, kv_bytes_per_block: int = 0
 ) -> KVConnectorBase | None:
     """The scheduler-side connector for this engine, or None without KV transfer."""
     builder = engine_config.kv_connector_factory
@@ -112,7 +119,42 @@ def make_scheduler_connector(
             f"scheduler side, got {type(builder).__name__}"
         )
     tp = engine_config.parallel_config.tensor_parallel_size
-    return builder.make_scheduler_connector(tp, num_kv_cache_groups)
+    return builder.make_scheduler_connector(tp, num_kv_cache_groups, kv_bytes_per_block)
+
+
+def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of one block id across every layer of one rank (what a chunk store holds)."""
+    return sum(
+        g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+        for g in kv_cache_config.kv_cache_groups
+    )
+
+
+OFFLOADING_BACKENDS = ("native", "lmcache")
+
+
+def offloading_kv_transfer_config(
+    size_gib: float, backend: str, tensor_parallel_size: int
+) -> dict[str, Any]:
+    """vLLM's `--kv-offloading-size GiB --kv-offloading-backend native`, as a transfer config.
+
+    As vLLM's NativeOffloadingParser: the OffloadingConnector in kv_both, with
+    the size split over the ranks as `kv_bytes_per_rank` (a host-memory tier).
+    """
+    if size_gib <= 0:
+        raise ValueError(f"kv_offloading_size must be positive GiB, got {size_gib}")
+    if backend != "native":
+        raise ValueError(
+            f"kv_offloading_backend {backend!r} is not supported; use 'native' "
+            f"(known to vLLM: {', '.join(OFFLOADING_BACKENDS)})"
+        )
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "kv_bytes_per_rank": size_gib * (1 << 30) / tensor_parallel_size
+        },
+    }
 
 
 class _KVTransferParamsIn(msgspec.Struct, forbid_unknown_fields=True):

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from paged.scheduler import SchedulerStats
 from paged.server.kv_cache_metrics import KVCacheResidencyMetrics
+from paged.server.kv_metrics import KVConnectorMetrics
 from paged.server.metrics_names import PAGED_NAMING, MetricsNaming
 from paged.server.stats import IterationStats
 
@@ -107,6 +108,8 @@ class PrometheusStatLogger:
         # Every engine metric's label values: (model_name,) or vLLM's (model_name, engine);
         # always `.labels(*self._lv)`, never the model name alone.
         self._lv = naming.label_values(model_name)
+        # paged's own per-tier connector counters keep the paged: names (vLLM has none).
+        self.kv_connector = KVConnectorMetrics(model_name, r)
         for reason in FINISH_REASONS:  # export zeros so dashboards see every series
             self.request_success.labels(*self._lv, reason)
 
@@ -124,6 +127,7 @@ class PrometheusStatLogger:
             self.preemptions.labels(*m).inc(s.num_preempted_reqs)
             if self.kv_residency is not None:
                 self.kv_residency.observe(s.kv_cache_eviction_events)
+            self.kv_connector.record(s.kv_connector_stats)
         if iteration_stats is not None:
             it = iteration_stats
             self.prompt_tokens.labels(*m).inc(it.num_prompt_tokens)

@@ -73,12 +73,16 @@ class KVConnectorContext:
     rank / world_size: this worker's tensor-parallel rank (0 / 1 on the
         scheduler side); each rank holds its own slice of the KV heads.
     num_kv_cache_groups: KV cache groups of the model (1 unless hybrid).
+    kv_bytes_per_block: bytes of one block across every layer on one rank
+        (0 when the builder does not know it; byte-budgeted stores need it on
+        the scheduler side, which never sees the KV tensors).
     """
 
     block_size: int
     rank: int = 0
     world_size: int = 1
     num_kv_cache_groups: int = 1
+    kv_bytes_per_block: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -203,6 +207,14 @@ class KVConnectorBase(abc.ABC):
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         """The scheduler preempted these requests: stop using their blocks (they are freed)."""
+        return None
+
+    def get_kv_connector_stats(self) -> dict[str, float] | None:
+        """Counters since the last call, flat "name" -> increment (either role), or None.
+
+        Worker side: carried in `KVConnectorOutput.kv_connector_stats`; scheduler
+        side: read by the scheduler's `make_stats`. Both end in `SchedulerStats`.
+        """
         return None
 
     # --------------------------------------------------------------- scheduler side

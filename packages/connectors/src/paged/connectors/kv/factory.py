@@ -38,6 +38,9 @@ _BUILTINS: dict[str, _Registration] = {
         "paged.connectors.kv.shared_storage", "SharedStorageConnector"
     ),
     "MultiConnector": _Registration("paged.connectors.kv.multi", "MultiConnector"),
+    "OffloadingConnector": _Registration(
+        "paged.connectors.kv.offloading.connector", "OffloadingConnector"
+    ),
 }
 
 

@@ -78,6 +78,8 @@ class KVWorkerSim:
             ids = cached.new_block_ids[i]
             if ids is not None:
                 self.reqs[rid].blocks.extend(ids[0])
+            # After a load error the scheduler rewinds to the first bad block.
+            self.reqs[rid].num_computed = cached.num_computed_tokens[i]
         if so.kv_connector_metadata is not None:
             self.connector.bind_connector_metadata(so.kv_connector_metadata)
             self.connector.start_load_kv()
@@ -89,6 +91,7 @@ class KVWorkerSim:
             finished_sending=sorted(sending or ()),
             finished_recving=sorted(recving or ()),
             invalid_block_ids=sorted(self.connector.get_block_ids_with_load_errors()),
+            kv_connector_stats=self.connector.get_kv_connector_stats() or {},
         )
         self.connector.clear_connector_metadata()
         return ModelRunnerOutput(

@@ -53,7 +53,7 @@ from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.structured_output import StructuredOutputProvider
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
-from paged.server.kv_transfer import make_scheduler_connector
+from paged.server.kv_transfer import kv_bytes_per_block, make_scheduler_connector
 
 if TYPE_CHECKING:
     from paged.connectors.kv import KVConnectorBase
@@ -174,7 +174,9 @@ class EngineCore:
             # they need log_stats; the collector samples blocks at allocation.
             extra["kv_metrics_collector"] = KVCacheMetricsCollector(kv_cache_metrics_sample)
         groups = len(self.kv_cache_config.kv_cache_groups)
-        self.kv_connector = make_scheduler_connector(self.engine_config, groups)
+        self.kv_connector = make_scheduler_connector(
+            self.engine_config, groups, kv_bytes_per_block(self.kv_cache_config)
+        )
         if self.kv_connector is not None:
             extra["kv_connector"] = self.kv_connector
         return (scheduler_class or Scheduler)(
@@ -183,9 +185,9 @@ class EngineCore:
             cache.block_size,
             enable_caching=cache.enable_prefix_caching,
             log_stats=log_stats,
-            # The engine seed makes block hashes (and so prefix-cache hits)
-            # reproducible across restarts.
-            hash_seed=self.engine_config.seed,
+            # A fixed seed makes block hashes (and so prefix-cache and connector
+            # hits) reproducible across processes and restarts.
+            hash_seed=self.engine_config.block_hash_seed,
             **extra,
         )
 

@@ -1,0 +1,319 @@
+"""The scheduler side of `OffloadingConnector`: lookups, save decisions, tier indexes.
+
+Lookup (a request that missed the device prefix cache beyond `num_local`):
+
+    chunk i          0        1        2        3
+    device hit   [======]==                          num_local (block aligned)
+    tiers          host     host     disk     miss
+    loaded               [==|=================]      from num_local to the last
+                                                     consecutive hit (capped so one
+                                                     prompt token is left to compute)
+
+Loads are synchronous: `(N, False)`, done in the worker's `start_load_kv`
+of the step that schedules the request. Saves: every full prompt chunk, in
+the step whose forward computes its last token, to every configured tier
+that does not hold it yet (write-through: host and disk).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+
+from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys
+from paged.connectors.kv.offloading.config import OffloadingConfig
+from paged.connectors.kv.offloading.index import TierIndex
+from paged.connectors.kv.offloading.metadata import (
+    ChunkLoad,
+    ChunkSave,
+    OffloadingMetadata,
+    Tier,
+)
+from paged.connectors.kv.offloading.stats import OffloadingStats
+from paged.connectors.kv.offloading.storage import scan_disk
+from paged.scheduler.boundary import BlockIdsPerGroup, KVConnectorOutput, SchedulerOutput
+from paged.scheduler.request import Request
+
+# Steps whose load block ids are remembered to map a load error back to its chunk.
+_LOAD_HISTORY_STEPS = 8
+
+
+@dataclass
+class _LoadPlan:
+    num_local: int  # tokens already in the device cache (block aligned)
+    end: int  # tokens computed once the load is done
+    first_chunk: int
+    sources: list[tuple[ChunkKey, Tier]]
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    next_save_chunk: int = 0
+    load: _LoadPlan | None = None
+
+
+class OffloadingScheduler:
+    """Scheduler-side logic (composed by `OffloadingConnector`)."""
+
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        block_size: int,
+        block_bytes: int,
+        *,
+        can_load: bool,
+        can_save: bool,
+        world_size: int = 1,
+    ) -> None:
+        if block_bytes <= 0:
+            raise ValueError(
+                "OffloadingConnector needs the bytes of one KV block across layers "
+                "(KVConnectorContext.kv_bytes_per_block) to enforce its byte budgets"
+            )
+        self.config = config
+        self.block_size = block_size
+        self.blocks_per_chunk = config.chunk_size // block_size
+        self.chunk_bytes = block_bytes * self.blocks_per_chunk
+        self.can_load = can_load
+        self.can_save = can_save
+        self.host = TierIndex("host", config.host_bytes) if config.has_host else None
+        self.disk: TierIndex | None = None
+        self._evict_host: list[ChunkKey] = []
+        self._evict_disk: list[ChunkKey] = []
+        disk_path = config.rank_disk_path(0, world_size)  # rank 0 speaks for all ranks
+        if disk_path is not None:
+            self.disk = TierIndex("disk", config.disk_bytes)
+            # A restarted engine finds its chunks again (contents checked on load).
+            self._evict_disk.extend(self.disk.rebuild(scan_disk(disk_path)))
+        self.stats = OffloadingStats()
+        self._reported_evictions = [0, 0]  # host, disk: evictions already in a report
+        self._requests: dict[str, _RequestState] = {}
+        self._plans: dict[str, _LoadPlan] = {}
+        # Per step: block id -> (chunk key, request id) of each block a load wrote.
+        self._load_history: deque[dict[int, tuple[ChunkKey, str]]] = deque(
+            maxlen=_LOAD_HISTORY_STEPS
+        )
+
+    # ----------------------------------------------------------------- lookups
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._plans.pop(request.request_id, None)
+        if not self.can_load:
+            return 0, False
+        keys = chunk_keys(request.block_hashes, self.blocks_per_chunk)
+        chunk = self.config.chunk_size
+        first = num_computed_tokens // chunk
+        sources: list[tuple[ChunkKey, Tier]] = []
+        for key in keys[first:]:
+            tier = self._find(key)
+            if tier is None:
+                break
+            sources.append((key, tier))
+        # One token must be left to compute (the logits of the last prompt token).
+        cap = (request.num_tokens - 1) // self.block_size * self.block_size
+        end = min((first + len(sources)) * chunk, cap)
+        self._count_lookup(len(keys) * chunk - num_computed_tokens, sources, first, end)
+        if end <= num_computed_tokens:
+            return 0, False
+        used = -(-(end - first * chunk) // chunk)  # chunks the capped range touches
+        self._plans[request.request_id] = _LoadPlan(num_computed_tokens, end, first, sources[:used])
+        return end - num_computed_tokens, False
+
+    def _find(self, key: ChunkKey) -> Tier | None:
+        if self.host is not None and key in self.host:
+            self.host.touch(key)
+            return Tier.HOST
+        if self.disk is not None and key in self.disk:
+            self.disk.touch(key)
+            return Tier.DISK
+        return None
+
+    def _count_lookup(
+        self, queried: int, sources: list[tuple[ChunkKey, Tier]], first: int, end: int
+    ) -> None:
+        if queried <= 0:
+            return
+        chunk = self.config.chunk_size
+        host_hits = disk_hits = 0
+        for i, (_, tier) in enumerate(sources):
+            start = (first + i) * chunk
+            tokens = max(min(start + chunk, end) - start, 0)
+            if tier is Tier.HOST:
+                host_hits += tokens
+            else:
+                disk_hits += tokens
+        if self.host is not None:
+            self.stats.host.queries += queried
+            self.stats.host.hits += host_hits
+        if self.disk is not None:
+            self.stats.disk.queries += queried - host_hits
+            self.stats.disk.hits += disk_hits
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        plan = self._plans.pop(request.request_id, None)
+        state = _RequestState(request)
+        if num_external_tokens > 0 and plan is not None:
+            state.load = plan
+        self._requests[request.request_id] = state
+
+    # ------------------------------------------------------------- per step
+    def build_connector_meta(self, so: SchedulerOutput) -> bytes:
+        for req_id in so.preempted_req_ids:
+            self._requests.pop(req_id, None)  # re-admitted through update_state_after_alloc
+        loads: list[ChunkLoad] = []
+        saves: list[ChunkSave] = []
+        self._load_history.append({})
+        scheduled = so.num_scheduled_tokens
+        for new in so.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+                self._step(state, end, loads, saves)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            self._extend_blocks(state, cached.new_block_ids[i], cached.resumed_from_preemption[i])
+            end = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            self._step(state, end, loads, saves)
+        meta = OffloadingMetadata(
+            loads=loads,
+            saves=self._still_indexed(saves),
+            evict_host=list(self._evict_host),
+            evict_disk=list(self._evict_disk),
+        )
+        self._evict_host.clear()
+        self._evict_disk.clear()
+        return msgspec.msgpack.encode(meta)
+
+    @staticmethod
+    def _extend_blocks(state: _RequestState, new: BlockIdsPerGroup | None, replace: bool) -> None:
+        blocks = list(new[0]) if new else []
+        if replace:
+            state.block_ids = blocks
+        else:
+            state.block_ids.extend(blocks)
+
+    def _step(
+        self,
+        state: _RequestState,
+        computed_end: int,
+        loads: list[ChunkLoad],
+        saves: list[ChunkSave],
+    ) -> None:
+        if state.load is not None:
+            emitted = self._emit_load(state, state.load)
+            loads.extend(emitted)
+            step = self._load_history[-1]
+            for load in emitted:
+                step.update(
+                    (b, (ChunkKey(load.key), state.request.request_id)) for b in load.block_ids
+                )
+            state.load = None
+        if self.can_save:
+            self._emit_saves(state, computed_end, saves)
+
+    def _emit_load(self, state: _RequestState, plan: _LoadPlan) -> list[ChunkLoad]:
+        bpc = self.blocks_per_chunk
+        local_blocks = plan.num_local // self.block_size
+        end_blocks = plan.end // self.block_size
+        out: list[ChunkLoad] = []
+        for j, (key, tier) in enumerate(plan.sources):
+            base = (plan.first_chunk + j) * bpc
+            first = max(local_blocks - base, 0)
+            last = min(end_blocks - base, bpc)
+            promote = False
+            if tier is Tier.DISK and self.host is not None:
+                result = self.host.insert(key, self.chunk_bytes)
+                self._evict_host.extend(result.evicted)
+                promote = result.inserted
+            ids = state.block_ids[base + first : base + last]
+            out.append(ChunkLoad(key, tier, ids, first, promote))
+        return out
+
+    def _emit_saves(self, state: _RequestState, computed_end: int, saves: list[ChunkSave]) -> None:
+        request = state.request
+        chunk = self.config.chunk_size
+        # Only full prompt chunks are saved (LMCache's default: no decode KV).
+        limit = min(computed_end, request.num_prompt_tokens) // chunk
+        if state.next_save_chunk >= limit:
+            return
+        keys = chunk_keys(request.block_hashes, self.blocks_per_chunk)
+        bpc = self.blocks_per_chunk
+        for i in range(state.next_save_chunk, min(limit, len(keys))):
+            key = keys[i]
+            to_host = self._insert(self.host, key, self._evict_host)
+            to_disk = self._insert(self.disk, key, self._evict_disk)
+            if to_host or to_disk:
+                saves.append(
+                    ChunkSave(key, state.block_ids[i * bpc : (i + 1) * bpc], to_host, to_disk)
+                )
+        state.next_save_chunk = max(state.next_save_chunk, min(limit, len(keys)))
+
+    def _insert(self, index: TierIndex | None, key: ChunkKey, evictions: list[ChunkKey]) -> bool:
+        """True if `key` must be written to this tier (it was not there and fits)."""
+        if index is None:
+            return False
+        if key in index:
+            index.touch(key)
+            return False
+        result = index.insert(key, self.chunk_bytes)
+        evictions.extend(result.evicted)
+        return result.inserted
+
+    def _still_indexed(self, saves: list[ChunkSave]) -> list[ChunkSave]:
+        # A chunk saved early in the step may be evicted by a later save of the same
+        # step; the worker runs evictions before saves, so drop such a write.
+        kept: list[ChunkSave] = []
+        for save in saves:
+            key = ChunkKey(save.key)
+            to_host = save.to_host and self.host is not None and key in self.host
+            to_disk = save.to_disk and self.disk is not None and key in self.disk
+            if to_host or to_disk:
+                kept.append(ChunkSave(save.key, save.block_ids, to_host, to_disk))
+        return kept
+
+    # ------------------------------------------------------------ feedback
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        bad: set[ChunkKey] = set()
+        for block in output.invalid_block_ids:
+            # Block ids are reused: the newest load that wrote this block is the one.
+            for step in reversed(self._load_history):
+                if block in step:
+                    key, req_id = step[block]
+                    bad.add(key)
+                    state = self._requests.get(req_id)
+                    if state is not None:
+                        # It recomputes from the first bad block: save its chunks again
+                        # as they are recomputed (chunks still stored are only touched).
+                        state.next_save_chunk = 0
+                    break
+        for key in bad:
+            # Corrupt, truncated, foreign or vanished: forget it and delete its file,
+            # so the recomputed KV is saved again.
+            if self.host is not None and self.host.remove(key):
+                self._evict_host.append(key)
+            if self.disk is not None and self.disk.remove(key):
+                self._evict_disk.append(key)
+
+    def take_stats(self) -> dict[str, float]:
+        """Lookup, eviction and load-error counters since the last call (flat deltas)."""
+        stats, self.stats = self.stats, OffloadingStats()
+        if self.host is not None:
+            stats.host.evictions = self.host.num_evictions - self._reported_evictions[0]
+            self._reported_evictions[0] = self.host.num_evictions
+        if self.disk is not None:
+            stats.disk.evictions = self.disk.num_evictions - self._reported_evictions[1]
+            self._reported_evictions[1] = self.disk.num_evictions
+        return stats.to_dict()
+
+    def request_finished(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        self._plans.pop(request.request_id, None)

@@ -1,0 +1,157 @@
+"""The worker side of `OffloadingConnector`: cross-layer copies between the paged cache and tiers.
+
+A chunk moves as one buffer holding its blocks across all layers,
+`[blocks, layers, 2, block_size, heads, head_size]` (see chunks.py), so a
+tier sees one object per chunk whatever the number of layers.
+
+Per step: `start_load_kv` loads synchronously (every layer, before the
+forward); `wait_for_save` runs the step's evictions and copies the saved
+blocks device->host, then hands them to the background `ChunkWriter`: the
+step waits for that copy only, never for a disk write or a checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import torch
+
+from paged.connectors.kv.offloading.chunks import ChunkError, ChunkKey, Fingerprint
+from paged.connectors.kv.offloading.config import OffloadingConfig
+from paged.connectors.kv.offloading.metadata import ChunkLoad, OffloadingMetadata, Tier
+from paged.connectors.kv.offloading.stats import OffloadingStats
+from paged.connectors.kv.offloading.storage import ChunkWriter, DiskStore, HostStore
+
+logger = logging.getLogger(__name__)
+
+
+def fingerprint_of(
+    kv_caches: Mapping[str, torch.Tensor], rank: int, world_size: int
+) -> Fingerprint:
+    """The layout every stored chunk of this engine must match; `ValueError` if layers differ."""
+    if not kv_caches:
+        raise ValueError("OffloadingConnector: no KV cache layers registered")
+    shapes = {(tuple(t.shape[2:]), t.dtype) for t in kv_caches.values()}
+    if len(shapes) != 1 or any(t.dim() != 5 or t.shape[0] != 2 for t in kv_caches.values()):
+        raise ValueError(
+            "OffloadingConnector: every layer must be [2, num_blocks, block_size, heads, "
+            f"head_size] with one shape and dtype, got {sorted(map(str, shapes))}"
+        )
+    (block_size, heads, head_size), dtype = next(iter(shapes))
+    return Fingerprint(
+        num_layers=len(kv_caches),
+        block_size=int(block_size),
+        num_kv_heads=int(heads),
+        head_size=int(head_size),
+        dtype=str(dtype).removeprefix("torch."),
+        layer_names=tuple(kv_caches),
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+class OffloadingWorker:
+    """Worker-side logic (composed by `OffloadingConnector`)."""
+
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        kv_caches: Mapping[str, torch.Tensor],
+        blocks_per_chunk: int,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        self.fingerprint = fingerprint_of(kv_caches, rank, world_size)
+        self.layers = list(kv_caches.values())
+        self.blocks_per_chunk = blocks_per_chunk
+        first = self.layers[0]
+        self.dtype = first.dtype
+        self.chunk_shape = (blocks_per_chunk, len(self.layers), *first.shape[0:1], *first.shape[2:])
+        self.host = HostStore() if config.has_host else None
+        disk_path = config.rank_disk_path(rank, world_size)
+        self.disk = DiskStore(disk_path, self.fingerprint) if disk_path is not None else None
+        self.writer = ChunkWriter(self.host, self.disk)
+        self.stats = OffloadingStats()
+        self._load_errors: set[int] = set()
+
+    # ----------------------------------------------------------------- loads
+    def load(self, meta: OffloadingMetadata) -> None:
+        for load in meta.loads:
+            try:
+                self._load_one(load)
+            except Exception as exc:  # ChunkError, but also torch errors on a bad buffer
+                # Never a wrong token: the blocks are reported and recomputed.
+                logger.warning("KV offload: load of chunk %s failed: %s", load.key[:16], exc)
+                self._load_errors.update(load.block_ids)
+                self.stats.load_errors += 1
+
+    def _load_one(self, load: ChunkLoad) -> None:
+        key = ChunkKey(load.key)
+        self.writer.wait_for(key)  # a save of this chunk may still be queued
+        start = time.perf_counter()
+        if load.source is Tier.HOST:
+            if self.host is None:
+                raise ChunkError("host tier is off")
+            chunk, stats = self.host.get(key), self.stats.host
+        else:
+            if self.disk is None:
+                raise ChunkError("disk tier is off")
+            chunk, stats = self.disk.get(key, self.chunk_shape, self.dtype), self.stats.disk
+        if tuple(chunk.shape) != self.chunk_shape:
+            raise ChunkError(f"chunk shape {tuple(chunk.shape)}, want {self.chunk_shape}")
+        n = len(load.block_ids)
+        part = chunk[load.first_block : load.first_block + n]
+        device = self.layers[0].device
+        ids = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
+        part_dev = part.to(device, non_blocking=False)
+        for layer_idx, kv_layer in enumerate(self.layers):
+            # [n, 2, B, H, D] -> [2, n, B, H, D], written into the blocks' rows.
+            kv_layer.index_copy_(1, ids, part_dev[:, layer_idx].transpose(0, 1))
+        stats.bytes_loaded += part.numel() * part.element_size()
+        stats.seconds_loaded += time.perf_counter() - start
+        if load.promote and self.host is not None:
+            self.host.put(key, chunk.clone())
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ----------------------------------------------------------------- saves
+    def save(self, meta: OffloadingMetadata) -> None:
+        for key in meta.evict_host:
+            self.writer.evict(ChunkKey(key), host=True, disk=False)
+        for key in meta.evict_disk:
+            self.writer.evict(ChunkKey(key), host=False, disk=True)
+        for save in meta.saves:
+            start = time.perf_counter()
+            chunk = self._gather(save.block_ids)
+            self.stats.host.seconds_saved += time.perf_counter() - start
+            self.writer.put(ChunkKey(save.key), chunk, to_host=save.to_host, to_disk=save.to_disk)
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks across all layers, copied to host memory in the cross-layer layout."""
+        device = self.layers[0].device
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        out = torch.empty(
+            (len(block_ids), *self.chunk_shape[1:]),
+            dtype=self.dtype,
+            pin_memory=device.type == "cuda",
+        )
+        for layer_idx, kv_layer in enumerate(self.layers):
+            out[:, layer_idx].copy_(kv_layer.index_select(1, ids).transpose(0, 1))
+        return out
+
+    def take_stats(self) -> dict[str, float]:
+        host, disk = self.writer.take_counters()
+        self.stats.host.bytes_saved += host.bytes_saved
+        self.stats.disk.bytes_saved += disk.bytes_saved
+        self.stats.disk.seconds_saved += disk.seconds_saved
+        out = self.stats.to_dict()
+        self.stats = OffloadingStats()
+        return out
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()

@@ -1,0 +1,83 @@
+"""vLLM's --kv-offloading-size / --kv-offloading-backend, --block-hash-seed, connector metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from paged.connectors.kv import parse_kv_transfer_config
+from paged.scheduler import SchedulerStats
+from paged.server.cli import build_parser, engine_args_from
+from paged.server.engine_args import EngineArgs
+from paged.server.kv_transfer import offloading_kv_transfer_config
+from paged.server.metrics import PrometheusStatLogger
+
+
+def test_offloading_size_maps_onto_the_offloading_connector_as_vllm_does() -> None:
+    cfg = offloading_kv_transfer_config(8.0, "native", 2)
+    assert cfg["kv_connector"] == "OffloadingConnector" and cfg["kv_role"] == "kv_both"
+    assert cfg["kv_connector_extra_config"] == {"kv_bytes_per_rank": 4.0 * (1 << 30)}
+    with pytest.raises(ValueError, match="'lmcache' is not supported"):
+        offloading_kv_transfer_config(1.0, "lmcache", 1)
+    with pytest.raises(ValueError, match="must be positive"):
+        offloading_kv_transfer_config(0.0, "native", 1)
+
+
+def test_cli_flags_reach_the_engine_args() -> None:
+    ns = build_parser().parse_args(
+        ["serve", "m", "--kv-offloading-size", "1.5", "--block-hash-seed", "7"]
+    )
+    args = engine_args_from(ns)
+    assert args.kv_offloading_size == 1.5 and args.kv_offloading_backend == "native"
+    assert args.block_hash_seed == 7
+    config = args._kv_transfer_config()
+    assert isinstance(config, dict)
+    parsed = parse_kv_transfer_config(json.dumps(config))
+    assert parsed.kv_connector == "OffloadingConnector"
+    assert parsed.kv_connector_extra_config["kv_bytes_per_rank"] == 1.5 * (1 << 30)
+    assert engine_args_from(build_parser().parse_args(["serve", "m"])).block_hash_seed == 0
+
+
+def test_offloading_size_and_a_transfer_config_are_exclusive() -> None:
+    args = EngineArgs(kv_offloading_size=1.0, kv_transfer_config='{"kv_connector":"X"}')
+    with pytest.raises(ValueError, match="exclusive"):
+        args._kv_transfer_config()
+
+
+def test_block_hashes_agree_across_processes_whatever_pythonhashseed() -> None:
+    # What a disk tier relies on after a restart: the same tokens hash alike in a
+    # new process, even with a different (or random) PYTHONHASHSEED.
+    code = (
+        "from paged.kvcache import init_none_hash, sha256, hash_block_tokens\n"
+        "init_none_hash(sha256, 0)\n"
+        "print(hash_block_tokens(sha256, None, [1, 2, 3, 4]).hex())\n"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+        ).stdout.strip()
+        for seed in ("1", "2", "random")
+    }
+    assert len(outs) == 1 and len(next(iter(outs))) == 64
+
+
+def test_connector_stats_become_per_tier_prometheus_counters() -> None:
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger("m", registry)
+    stats = {"host.hits": 32.0, "disk.bytes_loaded": 4096.0, "load_errors": 1.0, "x.y": 5.0}
+    logger.record(SchedulerStats(kv_connector_stats=stats), None)
+    logger.record(SchedulerStats(kv_connector_stats={"host.hits": 16.0}), None)
+    text = generate_latest(registry).decode()
+    assert 'paged:kv_offload_hits_tokens_total{model_name="m",tier="host"} 48.0' in text
+    assert 'paged:kv_offload_hits_tokens_total{model_name="m",tier="disk"} 0.0' in text
+    assert 'paged:kv_offload_loaded_bytes_total{model_name="m",tier="disk"} 4096.0' in text
+    assert 'paged:kv_offload_load_errors_total{model_name="m"} 1.0' in text
+    assert 'tier="x"' not in text
