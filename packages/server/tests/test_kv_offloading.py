@@ -71,7 +71,7 @@ def test_block_hashes_agree_across_processes_whatever_pythonhashseed() -> None:
 
 def test_connector_stats_become_per_tier_prometheus_counters() -> None:
     registry = CollectorRegistry()
-    logger = PrometheusStatLogger("m", registry)
+    logger = PrometheusStatLogger("m", registry, kv_connector_metrics=True)
     stats = {"host.hits": 32.0, "disk.bytes_loaded": 4096.0, "load_errors": 1.0, "x.y": 5.0}
     logger.record(SchedulerStats(kv_connector_stats=stats), None)
     logger.record(SchedulerStats(kv_connector_stats={"host.hits": 16.0}), None)
@@ -81,3 +81,10 @@ def test_connector_stats_become_per_tier_prometheus_counters() -> None:
     assert 'paged:kv_offload_loaded_bytes_total{model_name="m",tier="disk"} 4096.0' in text
     assert 'paged:kv_offload_load_errors_total{model_name="m"} 1.0' in text
     assert 'tier="x"' not in text
+
+
+def test_no_connector_counters_without_a_connector() -> None:
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger("m", registry)
+    logger.record(SchedulerStats(kv_connector_stats={"host.hits": 32.0}), None)
+    assert "kv_offload" not in generate_latest(registry).decode()

@@ -145,6 +145,10 @@ class EngineArgs:
         scheduler_config_from(config)
         return config
 
+    def has_kv_connector(self) -> bool:
+        """Whether these options configure a KV connector (offloading or a transfer config)."""
+        return self.kv_offloading_size is not None or self.kv_transfer_config is not None
+
     def _kv_transfer_config(self) -> str | dict[str, Any] | None:
         if self.kv_offloading_size is None:
             return self.kv_transfer_config

@@ -40,6 +40,7 @@ class PrometheusStatLogger:
         naming: MetricsNaming = PAGED_NAMING,
         *,
         kv_cache_metrics: bool = False,
+        kv_connector_metrics: bool = False,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         # Residency histograms exist only with --kv-cache-metrics (as in vLLM).
@@ -108,8 +109,9 @@ class PrometheusStatLogger:
         # Every engine metric's label values: (model_name,) or vLLM's (model_name, engine);
         # always `.labels(*self._lv)`, never the model name alone.
         self._lv = naming.label_values(model_name)
-        # paged's own per-tier connector counters keep the paged: names (vLLM has none).
-        self.kv_connector = KVConnectorMetrics(model_name, r)
+        # paged's own per-tier connector counters keep the paged: names (vLLM has none);
+        # registered only when a KV connector is configured, so other servers show none.
+        self.kv_connector = KVConnectorMetrics(model_name, r) if kv_connector_metrics else None
         for reason in FINISH_REASONS:  # export zeros so dashboards see every series
             self.request_success.labels(*self._lv, reason)
 
@@ -127,7 +129,8 @@ class PrometheusStatLogger:
             self.preemptions.labels(*m).inc(s.num_preempted_reqs)
             if self.kv_residency is not None:
                 self.kv_residency.observe(s.kv_cache_eviction_events)
-            self.kv_connector.record(s.kv_connector_stats)
+            if self.kv_connector is not None:
+                self.kv_connector.record(s.kv_connector_stats)
         if iteration_stats is not None:
             it = iteration_stats
             self.prompt_tokens.labels(*m).inc(it.num_prompt_tokens)

@@ -63,7 +63,12 @@ def run_server(
             info.num_gpu_blocks * info.block_size,
         )
         name = args.model_name()
-        stats = PrometheusStatLogger(name, naming=naming, kv_cache_metrics=args.kv_cache_metrics)
+        stats = PrometheusStatLogger(
+            name,
+            naming=naming,
+            kv_cache_metrics=args.kv_cache_metrics,
+            kv_connector_metrics=args.has_kv_connector(),
+        )
         llm = AsyncLLM(
             client,
             tokenizer,
