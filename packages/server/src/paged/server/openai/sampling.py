@@ -9,6 +9,7 @@ from paged.server.openai.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from paged.server.openai.structured import structured_outputs_of
 
 MAX_N = 128
 # The smallest normal float32. The runner samples in float32, where a top_p
@@ -80,14 +81,11 @@ def _base(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> 
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=structured_outputs_of(req),
     )
 
 
 def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequestError(
-            "response_format", f"response_format {req.response_format.type!r} is not supported"
-        )
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise InvalidRequestError("modalities", "only the 'text' modality is supported")
     if req.audio is not None:
