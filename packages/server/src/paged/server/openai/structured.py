@@ -69,7 +69,9 @@ def _from_structured_outputs(raw: dict[str, Any]) -> StructuredOutputsParams:
         if key in fields:
             fields[key] = _schema_text(f"structured_outputs.{key}", fields[key])
     try:
-        return msgspec.convert(fields, StructuredOutputsParams)
+        # The Struct is array_like: build it by keyword, then round-trip to check the types.
+        params = StructuredOutputsParams(**fields)
+        return msgspec.convert(msgspec.to_builtins(params), StructuredOutputsParams)
     except msgspec.ValidationError as e:
         raise InvalidRequestError("structured_outputs", f"structured_outputs: {e}") from None
 
