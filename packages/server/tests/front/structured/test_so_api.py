@@ -188,7 +188,10 @@ class Person(pydantic.BaseModel):
 
 async def test_openai_client_parse_with_a_pydantic_model(http: httpx.AsyncClient) -> None:
     client = openai.AsyncOpenAI(
-        api_key="unused", base_url="http://test/v1", http_client=http, max_retries=0
+        api_key="unused",
+        base_url="http://test/v1",
+        http_client=http,  # type: ignore[arg-type]
+        max_retries=0,
     )
     completion = await client.chat.completions.parse(
         model=MODEL,
