@@ -145,3 +145,14 @@ def test_json_object_accepts_objects_only(tokenizer: Any, compiler: Any) -> None
     assert ok.is_accepting()
     bad = compiler.new_matcher(key)
     assert not bad.consume_tokens(tokenizer.encode("[1]", add_special_tokens=False))
+
+
+def test_uncompilable_grammar_in_the_engine_fails_the_request(compiler: Any) -> None:
+    # The frontend refuses these; a direct engine user gets a failed request, not a crash.
+    backend = StructuredOutputBackend(compiler)
+    req = _request("bad", StructuredOutputsParams(regex="a(b"))
+    req.num_computed_tokens = req.num_tokens
+    assert backend.grammar_bitmask([req], SchedulerOutput(num_scheduled_tokens={"bad": 3})) is None
+    assert not backend.accept_tokens("bad", [5])
+    backend.remove_request("bad")
+    assert backend.num_requests == 0
