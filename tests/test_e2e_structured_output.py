@@ -62,13 +62,19 @@ def test_guided_choice_regex_and_bad_schema(client: openai.OpenAI) -> None:
         model=MODEL, prompt="Zip code:", max_tokens=10, extra_body={"guided_regex": "[0-9]{5}"}
     )
     assert len(done.choices[0].text) == 5 and done.choices[0].text.isdigit()
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     out = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "A number as JSON"}],
         max_tokens=40,
         extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
     )
+    assert out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
