@@ -156,3 +156,37 @@ def test_uncompilable_grammar_in_the_engine_fails_the_request(compiler: Any) -> 
     assert not backend.accept_tokens("bad", [5])
     backend.remove_request("bad")
     assert backend.num_requests == 0
+
+
+def test_uncached_grammar_compiles_off_the_loop_until_ready(
+    compiler: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    release = threading.Event()
+    build = compiler._build
+    threads: list[str] = []
+
+    def slow_build(key: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        release.wait(10)
+        return build(key)
+
+    monkeypatch.setattr(compiler, "_build", slow_build)
+    backend = StructuredOutputBackend(compiler)
+    req = _request("w", StructuredOutputsParams(regex="slow[0-9]"))
+    assert not backend.grammar_ready(req)  # compiling: the scheduler leaves it WAITING
+    assert not backend.grammar_ready(req)
+    release.set()
+    deadline = time.monotonic() + 10
+    while not backend.grammar_ready(req):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert threads and threads[0].startswith("paged-grammar")
+    again = _request("w2", StructuredOutputsParams(regex="slow[0-9]"))
+    assert backend.grammar_ready(again)  # cached now: ready at once, no thread hop
+    assert len(threads) == 1
+    req.num_computed_tokens = req.num_tokens
+    out = backend.grammar_bitmask([req], SchedulerOutput(num_scheduled_tokens={"w": 3}))
+    assert out is not None and out.structured_output_request_ids == ["w"]

@@ -7,7 +7,10 @@ Lives in the engine process, one `LLMatcher` per constrained request:
     accept_tokens(id, tokens)   advance the matcher; False if a token breaks the grammar
     remove_request(id)          drop the matcher (finished, aborted, failed)
 
-A finished grammar allows only the EOS tokens, so the model ends the request
+A grammar not in the compiler's cache compiles on a worker thread
+(`grammar_ready`, the scheduler's `GrammarCompileGate`): the request stays
+WAITING until it is done, other requests keep running (llguidance drops the GIL
+while it compiles). A finished grammar allows only the EOS tokens, so the model ends the request
 with finish_reason "stop" as soon as the output is complete. Masks are
 computed in parallel over the batch by llguidance's thread pool (it drops
 the GIL), into one int32 array.
@@ -16,6 +19,7 @@ the GIL), into one int32 array.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.numpy as llnp
@@ -27,9 +31,11 @@ from paged.server.structured_output.grammar import GrammarError, grammar_key
 
 
 class StructuredOutputBackend:
-    """Grammar state of every constrained request; satisfies `StructuredOutputProvider`.
+    """Grammar state of every constrained request; a `StructuredOutputProvider`
+    and a `GrammarCompileGate`.
 
-    Not thread-safe: the engine core's driver thread makes every call.
+    Not thread-safe: the engine core's driver thread makes every call (only
+    compilation runs on the backend's own worker thread).
     """
 
     def __init__(self, compiler: GrammarCompiler, *, num_threads: int | None = None) -> None:
@@ -39,6 +45,9 @@ class StructuredOutputBackend:
         # are failed on their first token (accept_tokens returns False).
         self._broken: set[str] = set()
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
+        # Grammars compiling for WAITING requests, by request id.
+        self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-grammar")
 
     @property
     def num_requests(self) -> int:
@@ -86,9 +95,38 @@ class StructuredOutputBackend:
                 return False
         return not matcher.is_error()
 
+    def grammar_ready(self, request: Request) -> bool:
+        req_id = request.request_id
+        if req_id in self._matchers or req_id in self._broken:
+            return True
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return True
+        future = self._compiling.get(req_id)
+        if future is None:
+            try:
+                key = grammar_key(params)
+            except GrammarError:
+                self._broken.add(req_id)
+                return True
+            if self.compiler.is_cached(key):  # the common case: no thread hop
+                self._matchers[req_id] = self.compiler.new_matcher(key)
+                return True
+            future = self._pool.submit(self.compiler.new_matcher, key)
+            self._compiling[req_id] = future
+        if not future.done():
+            return False
+        del self._compiling[req_id]
+        try:
+            self._matchers[req_id] = future.result()
+        except GrammarError:
+            self._broken.add(req_id)
+        return True
+
     def remove_request(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         self._broken.discard(request_id)
+        self._compiling.pop(request_id, None)  # a running compile is left to finish
 
     def _matcher_for(self, request: Request) -> llguidance.LLMatcher | None:
         req_id = request.request_id
@@ -98,8 +136,14 @@ class StructuredOutputBackend:
         params = request.sampling_params.structured_outputs
         if params is None:
             return None
+        future = self._compiling.pop(req_id, None)
         try:
-            matcher = self.compiler.new_matcher(grammar_key(params))
+            # Without the gate (or scheduled before it said ready): compile here.
+            matcher = (
+                future.result()
+                if future is not None
+                else self.compiler.new_matcher(grammar_key(params))
+            )
         except GrammarError:
             # The frontend validates first; only a direct engine user gets here.
             self._broken.add(req_id)

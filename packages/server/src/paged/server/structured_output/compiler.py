@@ -79,6 +79,11 @@ class GrammarCompiler:
             self.num_compiled += 1
         return matcher
 
+    def is_cached(self, key: GrammarKey) -> bool:
+        """Whether `key` is compiled already (does not refresh its LRU position)."""
+        with self._lock:
+            return key in self._cache
+
     def new_matcher(self, key: GrammarKey) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `key`'s grammar, owned by the caller."""
         return self.compile(key).deep_copy()
