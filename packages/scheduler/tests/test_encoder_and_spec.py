@@ -210,3 +210,33 @@ def test_grammar_sees_a_stop_token_and_its_rejection_wins() -> None:
     (out,) = all_outputs(sched.update_from_output(so, mro))
     assert grammar.seen == [("a", [77])]
     assert out.new_token_ids == [77] and out.finish_reason is FinishReason.ERROR
+
+
+@dataclass
+class GatedGrammar(FakeGrammar):
+    """A provider whose grammars compile off the loop: not ready until `ready` holds the id."""
+
+    ready: set[str] = field(default_factory=set)
+    asked: list[str] = field(default_factory=list)
+
+    def grammar_ready(self, request: Request) -> bool:
+        self.asked.append(request.request_id)
+        return request.request_id in self.ready
+
+
+def test_request_waits_for_its_grammar_while_others_run() -> None:
+    from paged.scheduler import StructuredOutputsParams
+
+    grammar = GatedGrammar(banned=-1)
+    sched = make_scheduler(structured_output=grammar)
+    constrained = StructuredOutputsParams(regex="a+")
+    sched.add_request(make_request("slow", distinct(1, 4), structured_outputs=constrained))
+    sched.add_request(make_request("free", distinct(100, 4)))
+    so = sched.schedule()
+    assert set(so.num_scheduled_tokens) == {"free"}  # "slow" set aside, "free" admitted
+    assert grammar.asked == ["slow"]  # unconstrained requests are never asked
+    sched.update_from_output(so, FakeRunner().execute(so))
+    sched.check_integrity()
+    grammar.ready.add("slow")
+    so = sched.schedule()
+    assert "slow" in so.num_scheduled_tokens

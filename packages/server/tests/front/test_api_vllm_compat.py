@@ -44,7 +44,7 @@ async def test_unknown_fields_are_ignored_with_a_warning(
         "messages": USER,
         "max_tokens": 2,
         "cache_prompt": True,  # llama.cpp's
-        "guided_json": {"x": 1},  # a vLLM field paged does not know
+        "guided_decoding_backend": "xgrammar",  # a vLLM field paged does not know
         "stream_options": None,
     }
     with caplog.at_level(logging.WARNING, logger="paged.server.openai.protocol"):
@@ -52,7 +52,7 @@ async def test_unknown_fields_are_ignored_with_a_warning(
     assert resp.status_code == 200, resp.text
     assert len(fake_engine.added) == 1
     warnings = [r.getMessage() for r in caplog.records if IGNORED in r.getMessage()]
-    assert warnings == [f"{IGNORED}: {{'cache_prompt', 'guided_json'}}"]
+    assert warnings == [f"{IGNORED}: {{'cache_prompt', 'guided_decoding_backend'}}"]
 
 
 async def test_unknown_fields_are_ignored_in_completions_and_nested_objects(

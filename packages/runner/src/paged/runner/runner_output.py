@@ -7,7 +7,9 @@ output crosses process boundaries as compact msgpack.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from paged.runner.input_batch import InputBatch
@@ -17,10 +19,45 @@ from paged.runner.sampler import LogprobsTensors, SamplerOutput, compute_logprob
 from paged.scheduler.boundary import GrammarOutput, LogprobsLists, ModelRunnerOutput
 
 
+def packed_mask_bytes(masks: Sequence[Sequence[int]]) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Rows of int32 mask words -> their little-endian bytes, [rows, 4 * words] uint8.
+
+    Byte k of word w then holds tokens 32w+8k .. 32w+8k+7, lowest bit first,
+    whatever the host's byte order.
+    """
+    try:
+        words = np.asarray(masks, dtype="<i4")  # the layout's signed words
+    except OverflowError:  # words written as unsigned (bit 31 as 2**31): same bits
+        words = np.asarray(masks, dtype=np.int64).astype("<i4")
+    return words.view(np.uint8).reshape(len(words), -1)
+
+
+def unpack_bitmask(mask_bytes: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`packed_mask_bytes` output (as a tensor) -> [rows, vocab] bool, True = allowed.
+
+    One shift-and over uint8 on the tensor's device (CPU or CUDA): 4x less
+    memory than shifting int32 words by 0..31.
+    """
+    rows = mask_bytes.shape[0]
+    as_bytes = mask_bytes.view(rows, -1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask_bytes.device)
+    bits = ((as_bytes.unsqueeze(-1) >> shifts) & 1).view(rows, -1)
+    if bits.shape[1] < vocab:
+        raise ValueError(
+            f"grammar_output: bitmask covers {bits.shape[1]} tokens, vocabulary has {vocab}"
+        )
+    return bits[:, :vocab].bool()
+
+
 def apply_grammar_bitmask(
     logits: torch.Tensor, sampling_req_ids: Sequence[str], grammar_output: GrammarOutput
 ) -> torch.Tensor:
-    """Mask to -inf every token a request's packed bitmask disallows (bit j of word w = 32w+j)."""
+    """Mask to -inf, in place, every token a request's packed bitmask disallows.
+
+    Bit j of word w allows token 32w+j. Only the first row per request is used
+    (no draft tokens are sampled here). `logits` are this step's, owned by the
+    caller, so they are overwritten rather than copied (vLLM masks in place too).
+    """
     ids = grammar_output.structured_output_request_ids
     if len(ids) != len(grammar_output.grammar_bitmask):
         raise ValueError(
@@ -28,25 +65,23 @@ def apply_grammar_bitmask(
             "bitmask rows"
         )
     position = {req_id: i for i, req_id in enumerate(sampling_req_ids)}
-    rows, masks = [], []
+    rows: list[int] = []
+    masks: list[list[int]] = []
+    seen: set[int] = set()
     for req_id, mask in zip(ids, grammar_output.grammar_bitmask, strict=True):
-        if req_id in position and position[req_id] not in rows:  # first row: no drafts here
-            rows.append(position[req_id])
+        row = position.get(req_id)
+        if row is not None and row not in seen:  # first row: no drafts here
+            seen.add(row)
+            rows.append(row)
             masks.append(mask)
     if not rows:
         return logits
-    vocab = logits.shape[-1]
-    words = torch.tensor(masks, dtype=torch.int64, device=logits.device)
-    shifts = torch.arange(32, dtype=torch.int64, device=logits.device)
-    bits = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1)
-    if bits.shape[1] < vocab:
-        raise ValueError(
-            f"grammar_output: bitmask covers {bits.shape[1]} tokens, vocabulary has {vocab}"
-        )
-    allowed = bits[:, :vocab].bool()
+    mask_bytes = torch.from_numpy(packed_mask_bytes(masks)).to(logits.device)
+    disallowed = ~unpack_bitmask(mask_bytes, logits.shape[-1])
+    if rows == list(range(logits.shape[0])):  # every row constrained, in order
+        return logits.masked_fill_(disallowed, float("-inf"))
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits = logits.clone()
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
     return logits
 
 

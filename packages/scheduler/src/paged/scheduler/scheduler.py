@@ -40,7 +40,7 @@ from paged.scheduler.state import SchedulerState, StepPlan
 from paged.scheduler.steps.output import advance_after_schedule, build_scheduler_output
 from paged.scheduler.steps.running import schedule_running
 from paged.scheduler.steps.waiting import schedule_waiting
-from paged.scheduler.structured_output import StructuredOutputProvider
+from paged.scheduler.structured_output import GrammarCompileGate, StructuredOutputProvider
 from paged.scheduler.update import StepResults, free_request, update_requests
 
 
@@ -119,6 +119,11 @@ class Scheduler:
             kv_connector=kv_connector,
             ec_connector=ec_connector,
             max_tokens_in_kv_cache=self.max_tokens_in_kv_cache,
+            grammar_ready=(
+                structured_output.grammar_ready
+                if isinstance(structured_output, GrammarCompileGate)
+                else None
+            ),
         )
 
     # -- requests in ------------------------------------------------------------

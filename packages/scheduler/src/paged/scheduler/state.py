@@ -8,6 +8,7 @@ each step be a function of (state, plan) instead of a method on a god class.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paged.kvcache import KVCacheManager
@@ -57,6 +58,8 @@ class SchedulerState:
     delayed_free_req_ids: set[str] = field(default_factory=set)
     num_preempted_since_stats: int = 0
     last_num_scheduled_tokens: int = 0
+    # The provider's GrammarCompileGate check (None: grammars are always ready).
+    grammar_ready: Callable[[Request], bool] | None = None
 
 
 @dataclass(slots=True)

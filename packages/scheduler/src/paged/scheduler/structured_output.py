@@ -10,7 +10,7 @@ grammar's state advances.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from paged.scheduler.boundary import GrammarOutput, SchedulerOutput
 from paged.scheduler.request import Request
@@ -35,4 +35,19 @@ class StructuredOutputProvider(Protocol):
 
     def remove_request(self, request_id: str) -> None:
         """Forget the request (finished or aborted). No-op for unknown ids."""
+        ...
+
+
+@runtime_checkable
+class GrammarCompileGate(Protocol):
+    """Optional for a provider: compiles grammars off the engine loop (vLLM's WAITING_FOR_FSM).
+
+    The scheduler asks before admitting a WAITING request that has a
+    constraint; False sets it aside for this step (it keeps its place at the
+    head of the queue) while the others are admitted, so one slow grammar
+    delays only its own request. Must be cheap: it is asked every step.
+    """
+
+    def grammar_ready(self, request: Request) -> bool:
+        """True once `request`'s grammar is compiled (or it failed: the request then fails)."""
         ...

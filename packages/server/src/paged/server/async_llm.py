@@ -31,6 +31,8 @@ from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
 from paged.server.parent import fan_out
 from paged.server.stats import IterationStats
+from paged.server.structured_output.compiler import GrammarCompiler
+from paged.server.structured_output.validate import check_compiles, constraint_size
 from paged.server.tokenizer import TokenizerLike
 
 logger = logging.getLogger(__name__)
@@ -50,8 +52,12 @@ class AsyncLLM:
         eos_token_ids: Sequence[int] = (),
         max_logprobs: int = 20,
         stat_loggers: Sequence[StatLogger] = (),
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         self.engine_client = engine_client
+        # Compiles (and caches) output constraints to refuse bad ones up front;
+        # None: this engine has no grammar backend, constrained requests are refused.
+        self.grammar_compiler = grammar_compiler
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.input_processor = InputProcessor(
@@ -100,6 +106,10 @@ class AsyncLLM:
     ) -> RequestOutputCollector:
         """Validate, register and submit one request; return its output collector."""
         self._check_can_add(request_id)
+        if params.structured_outputs is not None:
+            await self.offload.run(
+                constraint_size(params), check_compiles, self.grammar_compiler, params
+            )
         request, prompt_text = await self.offload.run(
             prompt_size(prompt),
             self.input_processor.process_inputs,

@@ -23,6 +23,8 @@ from paged.server.input_processor import InputProcessor, PromptType
 from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
 from paged.server.parent import fan_out
+from paged.server.structured_output.compiler import GrammarCompiler
+from paged.server.structured_output.validate import check_compiles
 from paged.server.tokenizer import TokenizerLike, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,9 +45,23 @@ class LLM:
         args = EngineArgs(model=model, **engine_options)
         core_options = args.engine_core_options()  # bad options fail before the model loads
         config = args.create_engine_config()
+        from paged.server.structured_output import (
+            GrammarCompiler,
+            StructuredOutputBackend,
+            load_ll_tokenizer,
+        )
+
         tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
-        client = InprocClient.from_factory(make_engine_core_factory(config, **core_options))
         mc = config.model_config
+        # In-process engine: the backend is handed over as is, and its compiler
+        # (with its cache) also checks constraints as requests are added.
+        ll_tokenizer = load_ll_tokenizer(tokenizer, mc.vocab_size, mc.eos_token_ids)
+        backend = StructuredOutputBackend(
+            GrammarCompiler(ll_tokenizer, eos_token_ids=mc.eos_token_ids)
+        )
+        client = InprocClient.from_factory(
+            make_engine_core_factory(config, structured_output=backend, **core_options)
+        )
         self._setup(
             client,
             tokenizer,
@@ -53,6 +69,7 @@ class LLM:
             mc.vocab_size,
             mc.eos_token_ids,
             config.scheduler_limits.max_logprobs,
+            backend.compiler,
         )
 
     @classmethod
@@ -65,10 +82,19 @@ class LLM:
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] = (),
         max_logprobs: int = 20,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> LLM:
         """An `LLM` over an existing engine client (tests, custom engines)."""
         self = cls.__new__(cls)
-        self._setup(client, tokenizer, max_model_len, vocab_size, eos_token_ids, max_logprobs)
+        self._setup(
+            client,
+            tokenizer,
+            max_model_len,
+            vocab_size,
+            eos_token_ids,
+            max_logprobs,
+            grammar_compiler,
+        )
         return self
 
     def _setup(
@@ -79,8 +105,10 @@ class LLM:
         vocab_size: int | None,
         eos_token_ids: Sequence[int],
         max_logprobs: int,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         self.engine_client = client
+        self.grammar_compiler = grammar_compiler
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.input_processor = InputProcessor(
@@ -183,6 +211,8 @@ class LLM:
     ) -> str:
         rid = str(next(self._counter))
         params = msgspec.structs.replace(params, output_kind=kind)
+        if params.structured_outputs is not None:
+            check_compiles(self.grammar_compiler, params)
         request, text = self.input_processor.process_inputs(rid, prompt, params)
         parent, requests = fan_out(request)
         for i, req in enumerate(requests):

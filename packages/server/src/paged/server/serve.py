@@ -35,6 +35,11 @@ def run_server(
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
+    from paged.server.structured_output import (
+        GrammarCompiler,
+        StructuredOutputConfig,
+        load_ll_tokenizer,
+    )
     from paged.server.tokenizer import load_tokenizer
 
     naming = metrics_naming(metrics_prefix)  # a bad prefix fails before the model loads
@@ -52,7 +57,16 @@ def run_server(
     )
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
     logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
-    client = AsyncMPClient(make_engine_core_factory(config, **core_options))
+    # The engine process builds its grammar backend from this recipe; the API
+    # process compiles constraints too, to refuse bad ones with a 400.
+    so_config = StructuredOutputConfig(
+        tokenizer_path(config, args.tokenizer), mc.vocab_size, tuple(mc.eos_token_ids)
+    )
+    ll_tokenizer = load_ll_tokenizer(tokenizer, mc.vocab_size, mc.eos_token_ids)
+    compiler = GrammarCompiler(ll_tokenizer, eos_token_ids=mc.eos_token_ids)
+    client = AsyncMPClient(
+        make_engine_core_factory(config, structured_output=so_config, **core_options)
+    )
     try:
         info = client.info
         logger.info(
@@ -77,6 +91,7 @@ def run_server(
             eos_token_ids=mc.eos_token_ids,
             max_logprobs=config.scheduler_limits.max_logprobs,
             stat_loggers=[stats],
+            grammar_compiler=compiler,
         )
         app = build_app(
             llm,

@@ -4,6 +4,7 @@ Skipped entirely in a step that preempted (admitting would only thrash).
 Per request at the head of the queue:
 
     WAITING_FOR_REMOTE_KVS, load not finished     -> set aside, look at the next one
+    grammar still compiling (GrammarCompileGate)  -> set aside, look at the next one
     local prefix-cache hit + connector hit        -> computed tokens (connector may
                                                      say "ask again": set aside)
     async external load                           -> allocate, park in WAITING_FOR_REMOTE_KVS
@@ -41,6 +42,13 @@ def schedule_waiting(state: SchedulerState, plan: StepPlan, long_prefill_thresho
                 skipped.add_request(waiting.pop_request())
                 continue
             request.status = RequestStatus.WAITING
+        if (
+            state.grammar_ready is not None
+            and request.sampling_params.structured_outputs is not None
+            and not state.grammar_ready(request)
+        ):
+            skipped.add_request(waiting.pop_request())  # grammar still compiling
+            continue
         if request.num_tokens > state.max_tokens_in_kv_cache:
             _finish_too_long(state, waiting.pop_request())
             continue

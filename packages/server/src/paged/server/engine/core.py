@@ -54,6 +54,7 @@ from paged.scheduler.structured_output import StructuredOutputProvider
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
 from paged.server.kv_transfer import kv_bytes_per_block, make_scheduler_connector
+from paged.server.structured_output.factory import StructuredOutputConfig
 
 if TYPE_CHECKING:
     from paged.connectors.kv import KVConnectorBase
@@ -82,8 +83,9 @@ class EngineCore:
     `executor_class` builds the executor from the config (default: the runner's
     choice for `parallel_config`); `scheduler_class` builds the scheduler with
     `Scheduler`'s signature; `structured_output` is the grammar provider the
-    scheduler consults for bitmasks. Not thread-safe: one driver thread calls
-    everything.
+    scheduler consults for bitmasks, or the `StructuredOutputConfig` to build
+    it from here (in the engine process: the tokenizer it loads is not
+    picklable). Not thread-safe: one driver thread calls everything.
     """
 
     def __init__(
@@ -94,7 +96,7 @@ class EngineCore:
         scheduler_config: SchedulerConfig | None = None,
         scheduler_class: SchedulerFactory | None = None,
         batch_queue_size: int = 1,
-        structured_output: StructuredOutputProvider | None = None,
+        structured_output: StructuredOutputProvider | StructuredOutputConfig | None = None,
         num_gpu_blocks_override: int | None = None,
         log_stats: bool = True,
         kv_events_config: KVEventsConfig | None = None,
@@ -115,6 +117,8 @@ class EngineCore:
         # The scheduler-side KV connector (built with the scheduler; None without one).
         self.kv_connector: KVConnectorBase | None = None
         try:
+            if isinstance(structured_output, StructuredOutputConfig):
+                structured_output = structured_output.build()
             self.kv_cache_config, kv_bytes = self._initialize_kv_caches(num_gpu_blocks_override)
             self.scheduler = self._make_scheduler(
                 scheduler_class, structured_output, log_stats, kv_cache_metrics_sample

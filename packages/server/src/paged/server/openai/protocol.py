@@ -188,6 +188,14 @@ class SamplingFields(TopLevelRequest):
     cache_salt: str | None = None
     # vLLM's KV connector instructions (checked in paged.server.kv_transfer).
     kv_transfer_params: dict[str, Any] | None = None
+    # Output constraints, at most one source (mapped and checked in openai/structured.py):
+    # OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatMessageParam(BaseModel):
@@ -211,7 +219,6 @@ class ChatCompletionRequest(SamplingFields):
         json_schema_extra=_range(1, INT64_MAX),
     )
     max_completion_tokens: int | None = Field(None, json_schema_extra=_range(1, INT64_MAX))
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

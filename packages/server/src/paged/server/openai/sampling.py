@@ -11,6 +11,7 @@ from paged.server.openai.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from paged.server.openai.structured import structured_outputs_of
 
 MAX_N = 128
 # The smallest normal float32. The runner samples in float32, where a top_p
@@ -82,6 +83,7 @@ def _base(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> 
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=structured_outputs_of(req),
     )
 
 
@@ -89,10 +91,6 @@ def chat_sampling_params(
     req: ChatCompletionRequest, tool_schema_json: str | None = None
 ) -> SamplingParams:
     """`tool_schema_json`: the schema a tool choice constrains the output to (tools.py)."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequestError(
-            "response_format", f"response_format {req.response_format.type!r} is not supported"
-        )
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise InvalidRequestError("modalities", "only the 'text' modality is supported")
     if req.audio is not None:
@@ -118,6 +116,13 @@ def chat_sampling_params(
     params = _base(req, max_tokens, logprobs)
     if tool_schema_json is None:
         return params
+    if params.structured_outputs is not None:
+        # One constraint per request: the tool call's schema or the user's, not both.
+        raise InvalidRequestError(
+            "tool_choice",
+            "tool_choice 'required' or a named function constrains the output to the tool "
+            "call; it cannot be combined with response_format or structured_outputs",
+        )
     return msgspec.structs.replace(
         params, structured_outputs=StructuredOutputsParams(json=tool_schema_json)
     )

@@ -1,0 +1,152 @@
+"""`StructuredOutputBackend`: the scheduler's `StructuredOutputProvider`, on llguidance.
+
+Lives in the engine process, one `LLMatcher` per constrained request:
+
+    grammar_bitmask(scheduled)  new request -> matcher (compiled or copied from the LRU)
+                                sampling rows -> packed allow-masks (one row per position)
+    accept_tokens(id, tokens)   advance the matcher; False if a token breaks the grammar
+    remove_request(id)          drop the matcher (finished, aborted, failed)
+
+A grammar not in the compiler's cache compiles on a worker thread
+(`grammar_ready`, the scheduler's `GrammarCompileGate`): the request stays
+WAITING until it is done, other requests keep running (llguidance drops the GIL
+while it compiles). A finished grammar allows only the EOS tokens, so the model ends the request
+with finish_reason "stop" as soon as the output is complete. Masks are
+computed in parallel over the batch by llguidance's thread pool (it drops
+the GIL), into one int32 array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.numpy as llnp
+
+from paged.scheduler.boundary import GrammarOutput, SchedulerOutput
+from paged.scheduler.request import Request
+from paged.server.structured_output.compiler import GrammarCompiler
+from paged.server.structured_output.grammar import GrammarError, grammar_key
+
+
+class StructuredOutputBackend:
+    """Grammar state of every constrained request; a `StructuredOutputProvider`
+    and a `GrammarCompileGate`.
+
+    Not thread-safe: the engine core's driver thread makes every call (only
+    compilation runs on the backend's own worker thread).
+    """
+
+    def __init__(self, compiler: GrammarCompiler, *, num_threads: int | None = None) -> None:
+        self.compiler = compiler
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        # Requests whose grammar failed to compile: they sample unmasked and
+        # are failed on their first token (accept_tokens returns False).
+        self._broken: set[str] = set()
+        self._executor = llguidance.LLExecutor(num_threads=num_threads)
+        # Grammars compiling for WAITING requests, by request id.
+        self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-grammar")
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._matchers) + len(self._broken)
+
+    def grammar_bitmask(
+        self, requests: Sequence[Request], scheduler_output: SchedulerOutput
+    ) -> GrammarOutput | None:
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        rows: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        ids: list[str] = []
+        for request in requests:
+            matcher = self._matcher_for(request)
+            # A partial prefill chunk samples nothing (num_computed_tokens is
+            # already advanced past this step's tokens when masks are asked for).
+            if matcher is None or request.num_computed_tokens < request.num_tokens:
+                continue
+            drafts = list(spec.get(request.request_id, ())) if spec else []
+            rows.append((matcher, len(ids), drafts))
+            ids.extend([request.request_id] * (len(drafts) + 1))
+        if not rows:
+            return None
+        bitmask = llnp.allocate_token_bitmask(len(ids), self.compiler.vocab_size)
+        if any(drafts for _, _, drafts in rows):
+            llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, rows, bitmask)
+        else:
+            llnp.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in rows], bitmask)
+        return GrammarOutput(structured_output_request_ids=ids, grammar_bitmask=bitmask.tolist())
+
+    def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        if request_id in self._broken:
+            return False
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return True  # not constrained
+        eos = self.compiler.eos_token_ids
+        for token in token_ids:
+            if matcher.is_stopped():
+                # A complete grammar's mask allows only EOS, which it then
+                # refuses to consume ("parser stopped"); EOS is what we want.
+                if token not in eos:
+                    return False
+                continue
+            if not matcher.consume_token(token):
+                return False
+        return not matcher.is_error()
+
+    def grammar_ready(self, request: Request) -> bool:
+        req_id = request.request_id
+        if req_id in self._matchers or req_id in self._broken:
+            return True
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return True
+        future = self._compiling.get(req_id)
+        if future is None:
+            try:
+                key = grammar_key(params)
+            except GrammarError:
+                self._broken.add(req_id)
+                return True
+            if self.compiler.is_cached(key):  # the common case: no thread hop
+                self._matchers[req_id] = self.compiler.new_matcher(key)
+                return True
+            future = self._pool.submit(self.compiler.new_matcher, key)
+            self._compiling[req_id] = future
+        if not future.done():
+            return False
+        del self._compiling[req_id]
+        try:
+            self._matchers[req_id] = future.result()
+        except GrammarError:
+            self._broken.add(req_id)
+        return True
+
+    def remove_request(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+        self._broken.discard(request_id)
+        self._compiling.pop(request_id, None)  # a running compile is left to finish
+
+    def _matcher_for(self, request: Request) -> llguidance.LLMatcher | None:
+        req_id = request.request_id
+        matcher = self._matchers.get(req_id)
+        if matcher is not None or req_id in self._broken:
+            return matcher
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return None
+        future = self._compiling.pop(req_id, None)
+        try:
+            # Without the gate (or scheduled before it said ready): compile here.
+            matcher = (
+                future.result()
+                if future is not None
+                else self.compiler.new_matcher(grammar_key(params))
+            )
+        except GrammarError:
+            # The frontend validates first; only a direct engine user gets here.
+            self._broken.add(req_id)
+            return None
+        self._matchers[req_id] = matcher
+        return matcher

@@ -1,0 +1,40 @@
+"""`StructuredOutputConfig`: what the engine process needs to build its grammar backend.
+
+The engine core is built from a picklable factory in a spawned process, and
+llguidance's tokenizer is not picklable; this small frozen record (a path and
+two numbers) crosses instead, and `build()` loads the tokenizer there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported in build(): the engine core imports this module at start-up
+    from paged.server.structured_output.backend import StructuredOutputBackend
+    from paged.server.structured_output.compiler import GrammarCompiler
+
+DEFAULT_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputConfig:
+    """Recipe for the backend: the tokenizer source, the model's vocabulary and EOS ids."""
+
+    tokenizer_path: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    cache_size: int = DEFAULT_CACHE_SIZE
+
+    def build_compiler(self) -> GrammarCompiler:
+        from paged.server.structured_output.compiler import GrammarCompiler, load_ll_tokenizer
+        from paged.server.tokenizer import load_tokenizer
+
+        hf = load_tokenizer(self.tokenizer_path)
+        ll = load_ll_tokenizer(hf, self.vocab_size, self.eos_token_ids)
+        return GrammarCompiler(ll, eos_token_ids=self.eos_token_ids, cache_size=self.cache_size)
+
+    def build(self) -> StructuredOutputBackend:
+        from paged.server.structured_output.backend import StructuredOutputBackend
+
+        return StructuredOutputBackend(self.build_compiler())

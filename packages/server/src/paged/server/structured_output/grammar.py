@@ -1,0 +1,117 @@
+"""`StructuredOutputsParams` -> the llguidance grammar that enforces it.
+
+One constraint kind per request (`SamplingParams.validate` checks that). The
+result is llguidance's grammar text, which `LLMatcher` compiles; nothing here
+touches a tokenizer, so the API process can turn bad input into a 400 cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from paged.scheduler import StructuredOutputsParams
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled; `param` names the request field, the message why."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+class GrammarKey(NamedTuple):
+    """What a compiled grammar is cached under: (kind, text, whitespace flag)."""
+
+    kind: str
+    text: str
+    disable_any_whitespace: bool
+
+
+def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
+    """The cache key of `params`' single constraint (`GrammarError` if it has none or several)."""
+    kinds = params.kinds()
+    if len(kinds) != 1:
+        raise GrammarError(
+            "structured_outputs", f"structured_outputs must set exactly one constraint, got {kinds}"
+        )
+    kind = kinds[0]
+    text: str
+    if kind == "json_object":
+        text = ""
+    elif kind == "choice":
+        text = json.dumps(params.choice)
+    else:
+        value = getattr(params, kind)
+        assert isinstance(value, str)
+        text = value
+    return GrammarKey(kind, text, params.disable_any_whitespace)
+
+
+def _json_options(disable_any_whitespace: bool) -> dict[str, Any]:
+    # vLLM's guidance backend: flexible whitespace unless the request disables it.
+    # Without it, JSON is compact (", " and ": " as Python's json.dumps writes).
+    if disable_any_whitespace:
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    return {"whitespace_flexible": True}
+
+
+def _json_schema(text: str, key: GrammarKey) -> str:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError("json", f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise GrammarError("json", "the JSON schema must be an object or a boolean")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema),
+            defaults=_json_options(key.disable_any_whitespace),  # type: ignore[arg-type]
+        )
+    except ValueError as e:
+        raise GrammarError("json", f"invalid JSON schema: {e}") from None
+
+
+def _choice(text: str) -> str:
+    choices = json.loads(text)
+    if not choices or not all(isinstance(c, str) for c in choices):
+        raise GrammarError("choice", "choice must be a non-empty list of strings")
+    # Lark string literals share JSON's escapes.
+    return llguidance.LLMatcher.grammar_from_lark(
+        "start: " + " | ".join(json.dumps(c) for c in choices)
+    )
+
+
+def _grammar(text: str) -> str:
+    if not text.strip():
+        raise GrammarError("grammar", "grammar must not be empty")
+    try:
+        lark = any_to_lark(text)  # Lark passes through; GBNF/EBNF (llama.cpp's) is converted
+    except Exception as e:  # the converter raises bare Exceptions on bad GBNF
+        raise GrammarError("grammar", f"cannot parse the grammar: {e}") from None
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def grammar_text(key: GrammarKey) -> str:
+    """The llguidance grammar for `key` (`GrammarError` for input that is malformed up front).
+
+    Errors that only compilation finds (an unsupported schema keyword, a regex
+    that does not parse) come from `GrammarCompiler`.
+    """
+    kind, text = key.kind, key.text
+    if kind == "json":
+        return _json_schema(text, key)
+    if kind == "json_object":
+        return _json_schema('{"type": "object"}', key)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    if kind == "choice":
+        return _choice(text)
+    if kind == "grammar":
+        return _grammar(text)
+    raise GrammarError(kind, f"structured output kind {kind!r} is not supported yet")

@@ -1,0 +1,39 @@
+"""Frontend check of a request's constraint: compile it (cached) before it reaches the engine.
+
+`AsyncLLM.add_request` runs this on its worker thread for large constraints
+(`BlockingWork`), `LLM` inline; a bad schema, regex or grammar becomes an
+`InvalidRequestError` (a 400 at the API) naming the field, and never an
+engine-side failure.
+"""
+
+from __future__ import annotations
+
+from paged.scheduler import SamplingParams
+from paged.server.errors import InvalidRequestError
+from paged.server.structured_output.compiler import GrammarCompiler
+from paged.server.structured_output.grammar import GrammarError, grammar_key
+
+
+def check_compiles(compiler: GrammarCompiler | None, params: SamplingParams) -> None:
+    """Compile `params`' constraint (cached); `InvalidRequestError` naming what is wrong."""
+    constraint = params.structured_outputs
+    if constraint is None:
+        return
+    if compiler is None:
+        raise InvalidRequestError(
+            "structured_outputs", "structured outputs are not enabled on this server"
+        )
+    try:
+        compiler.compile(grammar_key(constraint))
+    except GrammarError as e:
+        raise InvalidRequestError(e.param, e.message) from None
+
+
+def constraint_size(params: SamplingParams) -> int:
+    """How big the constraint's text is, for choosing inline vs worker-thread compilation."""
+    c = params.structured_outputs
+    if c is None:
+        return 0
+    return sum(len(t) for t in (c.json, c.regex, c.grammar, c.structural_tag) if t) + sum(
+        len(x) for x in c.choice or ()
+    )
