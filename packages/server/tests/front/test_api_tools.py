@@ -14,6 +14,7 @@ from paged.scheduler import EngineCoreRequest
 from paged.server.async_llm import AsyncLLM
 from paged.server.openai.api_server import build_app
 from paged.server.openai.tools import ToolCallingConfig
+from paged.server.structured_output import GrammarCompiler, load_ll_tokenizer
 
 MODEL = "tiny"
 WEATHER: dict[str, Any] = {
@@ -76,8 +77,16 @@ def fake_engine(engine_cls: Any, tokenizer: Any, reply: Reply) -> Any:
 @pytest.fixture
 async def llm(tokenizer: Any, fake_engine: Any) -> AsyncIterator[AsyncLLM]:
     # Rendered tools make long prompts for a 400-token vocabulary.
+    # A real compiler: the frontend compiles a tool choice's schema before submitting it
+    # (the scripted engine then answers without a mask).
+    eos = [tokenizer.eos_token_id]
+    compiler = GrammarCompiler(load_ll_tokenizer(tokenizer, len(tokenizer), eos), eos_token_ids=eos)
     engine = AsyncLLM(
-        fake_engine, tokenizer, max_model_len=4096, eos_token_ids=[tokenizer.eos_token_id]
+        fake_engine,
+        tokenizer,
+        max_model_len=4096,
+        eos_token_ids=eos,
+        grammar_compiler=compiler,
     )
     yield engine
     engine.shutdown()

@@ -46,6 +46,7 @@ def test_required_schema_is_vllms_array_of_name_and_parameters() -> None:
                         "parameters": params_without_defs,
                     },
                     "required": ["name", "parameters"],
+                    "additionalProperties": False,
                 },
                 {
                     "properties": {
@@ -53,6 +54,7 @@ def test_required_schema_is_vllms_array_of_name_and_parameters() -> None:
                         "parameters": {"type": "object", "properties": {}},
                     },
                     "required": ["name", "parameters"],
+                    "additionalProperties": False,
                 },
             ],
         },

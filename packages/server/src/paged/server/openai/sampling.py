@@ -124,7 +124,12 @@ def chat_sampling_params(
             "call; it cannot be combined with response_format or structured_outputs",
         )
     return msgspec.structs.replace(
-        params, structured_outputs=StructuredOutputsParams(json=tool_schema_json)
+        params,
+        # A tool call is read by a machine: no free whitespace (a weak model could fill
+        # max_tokens with it and never close the call).
+        structured_outputs=StructuredOutputsParams(
+            json=tool_schema_json, disable_any_whitespace=True
+        ),
     )
 
 

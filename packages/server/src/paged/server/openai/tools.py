@@ -213,6 +213,9 @@ def _tool_item_schema(tool: FunctionTool) -> dict[str, Any]:
             "parameters": params,
         },
         "required": ["name", "parameters"],
+        # Unlike vLLM: no keys beside name and parameters, which the call drops anyway;
+        # a weak model could otherwise fill max_tokens with them and never close the array.
+        "additionalProperties": False,
     }
 
 
