@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 import pytest
@@ -116,3 +116,39 @@ def launch_server(
     yield launch
     for server in started:
         stop_server(server)
+
+
+def _build_tiny_word_llama(path: Path) -> Path:
+    """A 2-layer random llama with a 128-word word-level tokenizer, saved to `path`."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    auto: Any = AutoModelForCausalLM
+    auto.from_config(config, dtype=torch.float32).save_pretrained(str(path))
+    vocab = {f"w{i}": i for i in range(128)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast_cls: Any = PreTrainedTokenizerFast  # untyped in transformers
+    fast = fast_cls(tokenizer_object=tk, bos_token="w1", eos_token="w2")
+    fast.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_word_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny random llama for every test that wants it (read-only: built once)."""
+    return _build_tiny_word_llama(tmp_path_factory.mktemp("tiny-word-llama"))

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from paged.connectors.kv.shared_storage import SharedStorageConnector, prefix_key
 from paged.runner.kv_connector import KVConnectorWorkerFactory
@@ -34,38 +33,9 @@ MAX_TOKENS = 6
 _FACTORY_CHECK: type[KVConnectorWorkerFactory] = KVConnectorBuilder
 
 
-def _tiny_model(path: Path) -> Path:
-    """A 2-layer random llama with a 128-word word-level tokenizer, saved to `path`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    auto: Any = AutoModelForCausalLM
-    auto.from_config(config, dtype=torch.float32).save_pretrained(str(path))
-    vocab = {f"w{i}": i for i in range(128)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast_cls: Any = PreTrainedTokenizerFast  # untyped in transformers
-    fast = fast_cls(tokenizer_object=tk, bos_token="w1", eos_token="w2")
-    fast.save_pretrained(str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+def tiny_model(tiny_word_llama: Path) -> Path:
+    return tiny_word_llama
 
 
 def _storage_config(path: Path) -> dict[str, Any]:

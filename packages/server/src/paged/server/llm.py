@@ -48,17 +48,20 @@ class LLM:
         from paged.server.structured_output import (
             GrammarCompiler,
             StructuredOutputBackend,
-            load_ll_tokenizer,
+            try_load_ll_tokenizer,
         )
 
         tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
         mc = config.model_config
         # In-process engine: the backend is handed over as is, and its compiler
         # (with its cache) also checks constraints as requests are added.
-        ll_tokenizer = load_ll_tokenizer(tokenizer, mc.vocab_size, mc.eos_token_ids)
-        backend = StructuredOutputBackend(
-            GrammarCompiler(ll_tokenizer, eos_token_ids=mc.eos_token_ids)
-        )
+        # A tokenizer llguidance cannot read turns structured outputs off (logged).
+        ll_tokenizer = try_load_ll_tokenizer(tokenizer, mc.vocab_size, mc.eos_token_ids)
+        backend = None
+        if ll_tokenizer is not None:
+            backend = StructuredOutputBackend(
+                GrammarCompiler(ll_tokenizer, eos_token_ids=mc.eos_token_ids)
+            )
         client = InprocClient.from_factory(
             make_engine_core_factory(config, structured_output=backend, **core_options)
         )
@@ -69,7 +72,7 @@ class LLM:
             mc.vocab_size,
             mc.eos_token_ids,
             config.scheduler_limits.max_logprobs,
-            backend.compiler,
+            None if backend is None else backend.compiler,
         )
 
     @classmethod

@@ -38,7 +38,7 @@ def run_server(
     from paged.server.structured_output import (
         GrammarCompiler,
         StructuredOutputConfig,
-        load_ll_tokenizer,
+        try_load_ll_tokenizer,
     )
     from paged.server.tokenizer import load_tokenizer
 
@@ -59,11 +59,14 @@ def run_server(
     logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
     # The engine process builds its grammar backend from this recipe; the API
     # process compiles constraints too, to refuse bad ones with a 400.
-    so_config = StructuredOutputConfig(
-        tokenizer_path(config, args.tokenizer), mc.vocab_size, tuple(mc.eos_token_ids)
-    )
-    ll_tokenizer = load_ll_tokenizer(tokenizer, mc.vocab_size, mc.eos_token_ids)
-    compiler = GrammarCompiler(ll_tokenizer, eos_token_ids=mc.eos_token_ids)
+    # A tokenizer llguidance cannot read turns structured outputs off (logged), not the server.
+    ll_tokenizer = try_load_ll_tokenizer(tokenizer, mc.vocab_size, mc.eos_token_ids)
+    so_config = compiler = None
+    if ll_tokenizer is not None:
+        so_config = StructuredOutputConfig(
+            tokenizer_path(config, args.tokenizer), mc.vocab_size, tuple(mc.eos_token_ids)
+        )
+        compiler = GrammarCompiler(ll_tokenizer, eos_token_ids=mc.eos_token_ids)
     client = AsyncMPClient(
         make_engine_core_factory(config, structured_output=so_config, **core_options)
     )

@@ -190,3 +190,29 @@ def test_uncached_grammar_compiles_off_the_loop_until_ready(
     req.num_computed_tokens = req.num_tokens
     out = backend.grammar_bitmask([req], SchedulerOutput(num_scheduled_tokens={"w": 3}))
     assert out is not None and out.structured_output_request_ids == ["w"]
+
+
+def test_a_tokenizer_llguidance_cannot_read_turns_structured_outputs_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A word-level tokenizer without a decoder: llguidance cannot map its tokens to bytes.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from paged.scheduler import SamplingParams, StructuredOutputsParams
+    from paged.server.errors import InvalidRequestError
+    from paged.server.structured_output import try_load_ll_tokenizer
+    from paged.server.structured_output.validate import check_compiles
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(8)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast_cls: Any = PreTrainedTokenizerFast
+    hf = fast_cls(tokenizer_object=tk, eos_token="w2")
+    with caplog.at_level("WARNING"):
+        assert try_load_ll_tokenizer(hf, 8, [2]) is None
+    assert "structured outputs are off" in caplog.text
+    # The server still serves; a constrained request is a 400 saying why.
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(InvalidRequestError, match="not available on this server") as info:
+        check_compiles(None, params)
+    assert info.value.param == "structured_outputs"

@@ -43,7 +43,9 @@ import abc
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+import msgspec
 import torch
 
 from paged.connectors.kv.config import KVTransferConfig
@@ -56,6 +58,8 @@ from paged.scheduler.boundary import (
     SchedulerOutput,
 )
 from paged.scheduler.request import Request
+
+_Metadata = TypeVar("_Metadata")
 
 
 class KVConnectorRole(enum.Enum):
@@ -110,6 +114,7 @@ class KVConnectorBase(abc.ABC):
         self._role = role
         self._context = context
         self._metadata_bytes: bytes | None = None
+        self._metadata_decoded: object | None = None  # this step's, decoded once
         self._kv_caches: dict[str, torch.Tensor] = {}
 
     @property
@@ -150,10 +155,12 @@ class KVConnectorBase(abc.ABC):
         """
         self._require_role(KVConnectorRole.WORKER, "bind_connector_metadata")
         self._metadata_bytes = metadata
+        self._metadata_decoded = None
 
     def clear_connector_metadata(self) -> None:
         """Forget this step's metadata; the next step binds its own."""
         self._metadata_bytes = None
+        self._metadata_decoded = None
 
     def has_connector_metadata(self) -> bool:
         return self._metadata_bytes is not None
@@ -166,6 +173,20 @@ class KVConnectorBase(abc.ABC):
                 "(bind_connector_metadata must come first)"
             )
         return self._metadata_bytes
+
+    def _decoded_connector_metadata(self, metadata_type: type[_Metadata]) -> _Metadata:
+        """The bound metadata as msgpack-decoded `metadata_type`, decoded once per step.
+
+        The forward asks for it once per layer; decoding the bytes each time would
+        cost a full decode per layer.
+        """
+        decoded = self._metadata_decoded
+        if not isinstance(decoded, metadata_type):
+            decoded = msgspec.msgpack.decode(
+                self._get_connector_metadata_bytes(), type=metadata_type
+            )
+            self._metadata_decoded = decoded
+        return decoded
 
     @abc.abstractmethod
     def start_load_kv(self) -> None:

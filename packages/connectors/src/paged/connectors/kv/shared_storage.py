@@ -129,7 +129,6 @@ class SharedStorageConnector(KVConnectorBase):
         self._pending_saves: dict[str, _PendingSave] = {}
         # Worker side.
         self._load_errors: set[int] = set()
-        self._decoded: SharedStorageMetadata | None = None
         if role is KVConnectorRole.WORKER:
             self.storage_path.mkdir(parents=True, exist_ok=True)
 
@@ -249,21 +248,8 @@ class SharedStorageConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ worker side
 
-    def bind_connector_metadata(self, metadata: bytes) -> None:
-        super().bind_connector_metadata(metadata)
-        self._decoded = None
-
-    def clear_connector_metadata(self) -> None:
-        super().clear_connector_metadata()
-        self._decoded = None
-
     def _metadata(self) -> SharedStorageMetadata:
-        # Decoded once per step, not once per layer.
-        if self._decoded is None:
-            self._decoded = msgspec.msgpack.decode(
-                self._get_connector_metadata_bytes(), type=SharedStorageMetadata
-            )
-        return self._decoded
+        return self._decoded_connector_metadata(SharedStorageMetadata)
 
     def start_load_kv(self) -> None:
         for load in self._metadata().loads:

@@ -8,7 +8,11 @@ validate.py  check_compiles: the frontend's check, a bad constraint is InvalidRe
 """
 
 from paged.server.structured_output.backend import StructuredOutputBackend
-from paged.server.structured_output.compiler import GrammarCompiler, load_ll_tokenizer
+from paged.server.structured_output.compiler import (
+    GrammarCompiler,
+    load_ll_tokenizer,
+    try_load_ll_tokenizer,
+)
 from paged.server.structured_output.factory import StructuredOutputConfig
 from paged.server.structured_output.grammar import GrammarError, GrammarKey, grammar_key
 
@@ -20,4 +24,5 @@ __all__ = [
     "StructuredOutputConfig",
     "grammar_key",
     "load_ll_tokenizer",
+    "try_load_ll_tokenizer",
 ]

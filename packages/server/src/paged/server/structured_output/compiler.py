@@ -12,6 +12,7 @@ leaves the event loop (or the engine's other thread) running.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ import llguidance
 
 from paged.server.structured_output.factory import DEFAULT_CACHE_SIZE
 from paged.server.structured_output.grammar import GrammarError, GrammarKey, grammar_text
+
+logger = logging.getLogger(__name__)
 
 
 def load_ll_tokenizer(
@@ -36,6 +39,21 @@ def load_ll_tokenizer(
 
     eos: int | list[int] | None = list(eos_token_ids) or None
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+
+
+def try_load_ll_tokenizer(
+    hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = ()
+) -> llguidance.LLTokenizer | None:
+    """`load_ll_tokenizer`, or None (logged) when llguidance cannot read this tokenizer.
+
+    A model whose tokenizer llguidance does not understand (e.g. one without a
+    decoder) is still served; only its constrained requests are refused with a 400.
+    """
+    try:
+        return load_ll_tokenizer(hf_tokenizer, vocab_size, eos_token_ids)
+    except Exception as e:  # llguidance raises plain ValueError/RuntimeError here
+        logger.warning("structured outputs are off for this model: llguidance: %s", e)
+        return None
 
 
 class GrammarCompiler:

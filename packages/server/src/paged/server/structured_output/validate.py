@@ -21,7 +21,9 @@ def check_compiles(compiler: GrammarCompiler | None, params: SamplingParams) -> 
         return
     if compiler is None:
         raise InvalidRequestError(
-            "structured_outputs", "structured outputs are not enabled on this server"
+            "structured_outputs",
+            "structured outputs are not available on this server (its model's tokenizer "
+            "could not be read by the grammar backend; see the server log)",
         )
     try:
         compiler.compile(grammar_key(constraint))

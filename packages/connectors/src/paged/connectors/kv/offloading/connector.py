@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import msgspec
 import torch
 
 from paged.connectors.kv.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
@@ -47,7 +46,6 @@ class OffloadingConnector(KVConnectorBase):
         )
         self._scheduler: OffloadingScheduler | None = None
         self._worker: OffloadingWorker | None = None
-        self._decoded: OffloadingMetadata | None = None
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = OffloadingScheduler(
                 self.offload_config,
@@ -105,20 +103,8 @@ class OffloadingConnector(KVConnectorBase):
             self.context.world_size,
         )
 
-    def bind_connector_metadata(self, metadata: bytes) -> None:
-        super().bind_connector_metadata(metadata)
-        self._decoded = None
-
-    def clear_connector_metadata(self) -> None:
-        super().clear_connector_metadata()
-        self._decoded = None
-
     def _metadata(self) -> OffloadingMetadata:
-        if self._decoded is None:
-            self._decoded = msgspec.msgpack.decode(
-                self._get_connector_metadata_bytes(), type=OffloadingMetadata
-            )
-        return self._decoded
+        return self._decoded_connector_metadata(OffloadingMetadata)
 
     def start_load_kv(self) -> None:
         self.worker_side.load(self._metadata())
