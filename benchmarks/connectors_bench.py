@@ -64,8 +64,9 @@ def _offload_config(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _llm(args: argparse.Namespace, kv_transfer_config: dict[str, Any] | None) -> LLM:
+def _llm(args: argparse.Namespace, kv_transfer_config: dict[str, Any] | None, **extra: Any) -> LLM:
     options: dict[str, Any] = {"device": args.device, "max_model_len": args.prompt_len + 64}
+    options.update(extra)
     if kv_transfer_config is not None:
         options["kv_transfer_config"] = kv_transfer_config
     return LLM(None, **options)
@@ -162,11 +163,17 @@ def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
             {"kv_bytes_per_rank": args.host_gib * (1 << 30), "chunk_size": args.decode_chunk}
         ),
     }
-    engines = {name: _llm(args, cfg) for name, cfg in configs.items()}
+    # Both engines get the same weight layout (panels are "auto" by default, decided by
+    # the free memory each engine sees at load: the second engine in a process can get
+    # a different layout, which would be measured as the connector's cost).
+    engines = {name: _llm(args, cfg, cpu_weight_panels="off") for name, cfg in configs.items()}
     results: dict[str, list[float]] = {name: [] for name in configs}
+    names = list(engines)
     for rep in range(args.reps):
-        for name, llm in engines.items():  # alternating: A B A B ...
-            results[name].append(_decode_tokens_per_s(llm, args, seed=10 + rep))
+        # A B, B A, A B ...: neither engine always runs first (warm caches, load drift).
+        order = names if rep % 2 == 0 else names[::-1]
+        for name in order:
+            results[name].append(_decode_tokens_per_s(engines[name], args, seed=10 + rep))
     for llm in engines.values():
         llm.engine_client.shutdown()
     out: dict[str, Any] = {
