@@ -150,3 +150,31 @@ def test_http_kv_transfer_params_and_reset_prefix_cache(
         )
         assert chat.status_code == 400, chat.text
         assert chat.json()["error"]["param"] == "kv_transfer_params"
+
+
+@pytest.mark.slow
+def test_offline_fail_policy_errors_a_corrupt_load_and_keeps_serving(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    storage = tmp_path / "kv-fail"
+    config = _storage_config(storage) | {"kv_load_failure_policy": "fail"}
+    llm = _engine(tiny_model, kv_transfer_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        _greedy(llm)  # saves the prefix
+        rank_dir = storage / prefix_key(PROMPT[:PREFIX], []) / "rank0"
+        saved = sorted(rank_dir.glob("*.safetensors"))
+        assert saved
+        saved[-1].write_bytes(b"junk")  # a layer file the worker can no longer read
+        assert llm.reset_prefix_cache()
+        corrupt: TokensPrompt = {"prompt_token_ids": PROMPT}
+        (failed,) = llm.generate([corrupt], params, use_tqdm=False)
+        assert failed.finished and failed.outputs[0].finish_reason == "error"
+        assert failed.outputs[0].token_ids == []
+        # The engine keeps serving: another prompt runs to its length.
+        other: TokensPrompt = {"prompt_token_ids": [p + 1 for p in PROMPT[:20]]}
+        (ok,) = llm.generate([other], params, use_tqdm=False)
+        assert ok.outputs[0].finish_reason == "length"
+        assert len(ok.outputs[0].token_ids) == MAX_TOKENS
+    finally:
+        llm.engine_client.shutdown()

@@ -11,6 +11,7 @@ from paged.kvcache import KVCacheBlocks
 from paged.kvcache.events import KVCacheEvent
 from paged.scheduler.boundary import (
     BlockIdsPerGroup,
+    EngineCoreOutput,
     FinishReason,
     KVConnectorOutput,
     KVTransferParams,
@@ -226,3 +227,75 @@ def test_take_kv_cache_events_merges_manager_and_connector() -> None:
     events = sched.take_kv_cache_events()
     assert events and sched.take_kv_cache_events() == []
     assert tokens_of([]) == []
+
+
+# ---- kv_load_failure_policy -------------------------------------------------------
+
+
+def _sync_load_error_step(
+    policy: str,
+) -> tuple[Scheduler, FakeRunner, list[EngineCoreOutput]]:
+    """`a` loads 8 tokens synchronously and its second block fails; `b` loads nothing."""
+    conn = FakeKVConnector(matches={"a": [(8, False)]})
+    sched = make_scheduler(kv_connector=conn, kv_load_failure_policy=policy)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", distinct(1, 12), max_tokens=2))
+    sched.add_request(make_request("b", distinct(2, 8), max_tokens=3))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 4, "b": 8}
+    a_blocks = sched.state.kv.get_block_ids("a")[0]
+    assert a_blocks == [1, 2, 3]
+    mro = with_kv(runner.execute(so), invalid_block_ids=[a_blocks[1]])
+    outs = all_outputs(sched.update_from_output(so, mro))
+    sched.check_integrity()
+    return sched, runner, outs
+
+
+def test_recompute_policy_rewinds_a_failed_sync_load() -> None:
+    sched, _, outs = _sync_load_error_step("recompute")
+    assert [o.request_id for o in outs] == ["b"]  # a's step output is discarded
+    a = sched.state.requests["a"]
+    assert a.status is RequestStatus.RUNNING and a.num_computed_tokens == 4
+    assert free_blocks(sched) == 63 - 3 - 2  # a keeps its blocks, b holds 2
+
+
+def test_fail_policy_finishes_a_failed_sync_load_with_error_and_frees_it() -> None:
+    sched, runner, first = _sync_load_error_step("fail")
+    (a_out,) = [o for o in first if o.request_id == "a"]
+    assert a_out.finish_reason is FinishReason.ERROR and a_out.new_token_ids == []
+    assert a_out.finish_detail is not None and "kv_load_failure_policy" in a_out.finish_detail
+    assert "a" not in sched.state.requests and "a" in sched.state.finished_req_ids
+    assert free_blocks(sched) == 63 - 2  # only b's blocks are held
+    b = sched.state.requests["b"]
+    assert b.status is RequestStatus.RUNNING and sched.state.running == [b]
+    # The bad block and the one computed after it left the prefix cache; the
+    # first (valid) block still hits.
+    sched.add_request(make_request("c", distinct(1, 12), max_tokens=1))
+    so = sched.schedule()
+    assert so.scheduled_new_reqs[0].req_id == "c"
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 4
+    second = all_outputs(sched.update_from_output(so, runner.execute(so)))
+    outs = run_to_completion(sched, runner)
+    assert outs["b"][-1].finish_reason is FinishReason.LENGTH
+    b_outs = [o for o in first + second if o.request_id == "b"] + outs["b"]
+    assert len(tokens_of(b_outs)) == 3  # b ran to max_tokens, untouched by a's failure
+    assert free_blocks(sched) == 63
+
+
+def test_fail_policy_finishes_a_failed_async_load_once_the_worker_is_done() -> None:
+    conn = FakeKVConnector(matches={"a": [(8, True)]})
+    sched = make_scheduler(kv_connector=conn, kv_load_failure_policy="fail")
+    runner = FakeRunner()
+    sched.add_request(make_request("a", distinct(1, 12), max_tokens=2))
+    so = sched.schedule()
+    bad = sched.state.kv.get_block_ids("a")[0][1]
+    # The error comes before the worker finished writing: blocks are held until then.
+    mro = with_kv(runner.execute(so), invalid_block_ids=[bad])
+    outs = all_outputs(sched.update_from_output(so, mro))
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ERROR)]
+    assert free_blocks(sched) == 61 and sched.has_requests()
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {}
+    sched.update_from_output(so, with_kv(runner.execute(so), finished_recving=["a"]))
+    sched.check_integrity()
+    assert free_blocks(sched) == 63 and not sched.has_requests()

@@ -148,6 +148,7 @@ def test_stop_token_beats_length_on_the_same_token() -> None:
         ({"max_model_len": 8, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"max_model_len": 8, "long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
         ({"max_model_len": 8, "policy": "lifo"}, "policy"),
+        ({"max_model_len": 8, "kv_load_failure_policy": "retry"}, "kv_load_failure_policy"),
         ({"max_model_len": 8, "encoder_cache_size": -1}, "encoder_cache_size"),
         ({"max_model_len": 4096, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
     ],

@@ -29,6 +29,7 @@ from paged.server.errors import InvalidRequestError
 from paged.server.kv_transfer import (
     KVConnectorBuilder,
     kv_connector_builder,
+    kv_load_failure_policy,
     kv_transfer_params_to_dict,
     make_scheduler_connector,
     parse_request_kv_transfer_params,
@@ -114,7 +115,7 @@ def test_builder_validates_at_start_up_and_pickles(tmp_path: Path) -> None:
             "cannot import module 'no_mod'",
         ),
         ('{"kv_connector": "SharedStorageConnector"}', "kv_role is required"),
-        (STORAGE + '"kv_load_failure_policy": "fail"}', "'fail' is not supported yet"),
+        (STORAGE + '"kv_load_failure_policy": "retry"}', "kv_load_failure_policy"),
     ],
 )
 def test_cli_stops_with_one_message_on_a_bad_config(
@@ -134,6 +135,21 @@ def test_scheduler_side_needs_the_servers_builder() -> None:
     config = _engine_config_stub(Other())
     with pytest.raises(TypeError, match="KVConnectorBuilder"):
         make_scheduler_connector(config, 1)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_the_load_failure_policy_is_read_off_the_transfer_config(
+    policy: str, tmp_path: Path
+) -> None:
+    config = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+    builder = kv_connector_builder(config, block_size=16)  # "fail" is no longer refused
+    assert kv_load_failure_policy(_engine_config_stub(builder)) == policy
+    assert kv_load_failure_policy(_engine_config_stub(None)) == "recompute"
 
 
 def _engine_config_stub(factory: object) -> EngineConfig:

@@ -11,6 +11,8 @@ from paged.scheduler.sampling_params import DEFAULT_MAX_LOGPROBS
 logger = logging.getLogger(__name__)
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+# vLLM's KVTransferConfig.kv_load_failure_policy values.
+KVLoadFailurePolicy = Literal["recompute", "fail"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +34,10 @@ class SchedulerConfig:
       across steps (the chunk stops before it instead).
     - `num_lookahead_tokens`: extra slots allocated per running request for
       speculative decoding drafts.
+    - `kv_load_failure_policy`: what a KV connector load error does to the
+      requests whose blocks failed (vLLM's `KVTransferConfig` field, copied
+      here by the engine core): "recompute" rewinds them to the first bad
+      block; "fail" finishes them with FinishReason.ERROR.
     """
 
     max_model_len: int
@@ -45,6 +51,7 @@ class SchedulerConfig:
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     num_lookahead_tokens: int = 0
+    kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -61,6 +68,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 0 or None, got {value}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                "kv_load_failure_policy must be 'recompute' or 'fail', "
+                f"got {self.kv_load_failure_policy!r}"
+            )
         self._check_limits_against_each_other()
 
     def _check_limits_against_each_other(self) -> None:

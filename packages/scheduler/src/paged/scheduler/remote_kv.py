@@ -4,8 +4,10 @@
   once the worker lists it in `finished_recving`; its loaded blocks are then
   registered in the prefix cache (they were allocated with
   `delay_cache_blocks=True`, so nobody could hit half-written blocks).
-- Load errors (`invalid_block_ids`): the affected requests fall back to
-  recompute from the first invalid block; the bad blocks leave the prefix cache.
+- Load errors (`invalid_block_ids`): with `kv_load_failure_policy`
+  "recompute" the affected requests fall back to recompute from the first
+  invalid block; with "fail" they are returned to the caller, which finishes
+  them with FINISHED_ERROR. Either way the bad blocks leave the prefix cache.
 - Delayed free: a finished request whose blocks a connector is still sending
   keeps them until the worker lists it in `finished_sending`.
 """
@@ -44,7 +46,11 @@ def finish_remote_kv_load(state: SchedulerState, request: Request) -> bool:
 def process_connector_output(
     state: SchedulerState, output: KVConnectorOutput, scheduled: dict[str, int]
 ) -> set[str]:
-    """Apply one step's worker feedback; returns ids whose step output must be discarded."""
+    """Apply one step's worker feedback; returns the ids whose KV load failed.
+
+    Under "recompute" their step output must be discarded (they were rewound);
+    under "fail" the caller must finish them with FINISHED_ERROR.
+    """
     if state.kv_connector is not None:
         state.kv_connector.update_connector_output(output)
     add_counters(state.kv_connector_stats, output.kv_connector_stats)
@@ -71,7 +77,9 @@ def _handle_invalid_blocks(
     if not invalid:
         return set()
     failed: set[str] = set()
+    evict = set(invalid)
     block_size = state.block_size
+    recompute = state.config.kv_load_failure_policy == "recompute"
     for request in list(state.requests.values()):
         if request.is_finished():
             continue
@@ -80,10 +88,20 @@ def _handle_invalid_blocks(
             continue
         if not state.kv.coordinator.has_request(request.request_id):
             continue
-        first_bad = _first_invalid_block(state.kv.get_block_ids(request.request_id), invalid)
+        block_ids = state.kv.get_block_ids(request.request_id)
+        first_bad = _first_invalid_block(block_ids, invalid)
         if first_bad is None:
             continue
         valid_tokens = first_bad * block_size
+        if not recompute:
+            # "fail": the caller finishes the request. As vLLM, the blocks after
+            # the bad one (computed from it) leave the prefix cache with it.
+            used = request.kv_load_target_tokens if loading else request.num_computed_tokens
+            if valid_tokens < used:
+                failed.add(request.request_id)
+                for group in block_ids:
+                    evict.update(group[first_bad:])
+            continue
         if loading:
             if valid_tokens < request.kv_load_target_tokens:
                 request.kv_load_target_tokens = valid_tokens
@@ -92,7 +110,8 @@ def _handle_invalid_blocks(
             # The tokens computed this step read corrupt KV: recompute from the bad block.
             request.num_computed_tokens = valid_tokens
             failed.add(request.request_id)
-    state.kv.evict_blocks(invalid)
+    # Before any failed request frees them: no later request may hit bad KV.
+    state.kv.evict_blocks(evict)
     return failed
 
 

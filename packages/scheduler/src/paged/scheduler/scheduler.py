@@ -41,7 +41,12 @@ from paged.scheduler.steps.output import advance_after_schedule, build_scheduler
 from paged.scheduler.steps.running import schedule_running
 from paged.scheduler.steps.waiting import schedule_waiting
 from paged.scheduler.structured_output import GrammarCompileGate, StructuredOutputProvider
-from paged.scheduler.update import StepResults, free_request, update_requests
+from paged.scheduler.update import (
+    StepResults,
+    fail_kv_loads,
+    finish_requests,
+    update_requests,
+)
 
 
 class Scheduler:
@@ -164,25 +169,7 @@ class Scheduler:
         if finished_status not in FINISHED_STATUSES:
             raise ValueError(f"finished_status must be a finished status, got {finished_status}")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        state = self.state
-        to_finish = []
-        for req_id in ids:
-            req = state.requests.get(req_id)
-            if req is not None and not req.is_finished() and req not in to_finish:
-                to_finish.append(req)
-        if not to_finish:
-            return
-        running_gone = {id(r) for r in to_finish if r.status is RequestStatus.RUNNING}
-        if running_gone:
-            state.running = [r for r in state.running if id(r) not in running_gone]
-        state.waiting.remove_requests(
-            [r for r in to_finish if r.status is not RequestStatus.RUNNING]
-        )
-        for req in to_finish:
-            req.status = finished_status
-            if self.structured_output is not None:
-                self.structured_output.remove_request(req.request_id)
-            free_request(state, req)
+        finish_requests(self.state, ids, finished_status, self.structured_output)
 
     def update_draft_token_ids(self, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
         """Draft tokens (speculative decoding) to verify in the next step."""
@@ -224,6 +211,9 @@ class Scheduler:
         kv_out = model_runner_output.kv_connector_output
         if kv_out is not None:
             failed = process_connector_output(state, kv_out, scheduler_output.num_scheduled_tokens)
+            if failed and self.config.kv_load_failure_policy == "fail":
+                fail_kv_loads(state, failed, self.structured_output)
+                failed = set()
         results = update_requests(
             state, scheduler_output, model_runner_output, failed, self.structured_output
         )

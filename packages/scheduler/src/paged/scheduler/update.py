@@ -8,10 +8,12 @@ and emit an `EngineCoreOutput` when there is something to report.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from paged.scheduler.boundary import (
     EngineCoreOutput,
+    FinishReason,
     KVTransferParams,
     LogprobsLists,
     ModelRunnerOutput,
@@ -75,6 +77,57 @@ def free_request(state: SchedulerState, request: Request) -> KVTransferParams | 
     else:
         release_blocks(state, request)
     return params
+
+
+def finish_requests(
+    state: SchedulerState,
+    request_ids: Iterable[str],
+    status: RequestStatus,
+    structured: StructuredOutputProvider | None,
+) -> list[Request]:
+    """Finish requests outside a model step; returns those finished (unknown/finished skipped)."""
+    to_finish: list[Request] = []
+    for req_id in request_ids:
+        req = state.requests.get(req_id)
+        if req is not None and not req.is_finished() and req not in to_finish:
+            to_finish.append(req)
+    if not to_finish:
+        return to_finish
+    running_gone = {id(r) for r in to_finish if r.status is RequestStatus.RUNNING}
+    if running_gone:
+        state.running = [r for r in state.running if id(r) not in running_gone]
+    state.waiting.remove_requests([r for r in to_finish if r.status is not RequestStatus.RUNNING])
+    for req in to_finish:
+        req.status = status
+        if structured is not None:
+            structured.remove_request(req.request_id)
+        free_request(state, req)
+    return to_finish
+
+
+def fail_kv_loads(
+    state: SchedulerState, request_ids: set[str], structured: StructuredOutputProvider | None
+) -> None:
+    """kv_load_failure_policy "fail": finish requests whose KV load failed with ERROR.
+
+    As vLLM: FINISHED_ERROR, blocks freed (a still-running async load keeps
+    them until the worker reports it done), and one output with no tokens and
+    finish_reason ERROR queued for the next `update_from_output` result. The
+    bad blocks already left the prefix cache (`process_connector_output`).
+    """
+    for req in finish_requests(
+        state, sorted(request_ids), RequestStatus.FINISHED_ERROR, structured
+    ):
+        req.finish_detail = "KV cache load failed (kv_load_failure_policy: fail)"
+        cached = req.num_cached_tokens
+        output = EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            finish_detail=req.finish_detail,
+            num_cached_tokens=cached if cached > 0 else 0,
+        )
+        state.pending_outputs.append((req.client_index, output))
 
 
 def _trim_logprobs(logprobs: LogprobsLists | None, n: int) -> LogprobsLists | None:

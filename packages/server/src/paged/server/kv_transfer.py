@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from paged.connectors.kv import KVConnectorBase, KVTransferConfig
     from paged.kvcache import KVCacheConfig
     from paged.runner.config import EngineConfig
+    from paged.scheduler.config import KVLoadFailurePolicy
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,6 @@ def kv_connector_builder(
     )
     if parsed.kv_connector is None:
         return None
-    if parsed.kv_load_failure_policy != "recompute":
-        # The scheduler recomputes failed loads; failing the request instead is
-        # not built. Refusing beats silently doing the other thing.
-        raise ValueError(
-            f"kv_transfer_config: kv_load_failure_policy {parsed.kv_load_failure_policy!r} "
-            "is not supported yet; use 'recompute' (failed loads are recomputed)"
-        )
     # Import the class here, in the process that parses the flag, so an unknown
     # connector stops start-up before any engine process is spawned.
     KVConnectorFactory.with_builtins().get_connector_class(parsed)
@@ -120,6 +114,14 @@ def make_scheduler_connector(
         )
     tp = engine_config.parallel_config.tensor_parallel_size
     return builder.make_scheduler_connector(tp, num_kv_cache_groups, kv_bytes_per_block)
+
+
+def kv_load_failure_policy(engine_config: EngineConfig) -> KVLoadFailurePolicy:
+    """The configured connector's `kv_load_failure_policy` ("recompute" without one)."""
+    builder = engine_config.kv_connector_factory
+    if not isinstance(builder, KVConnectorBuilder):
+        return "recompute"
+    return builder.config().kv_load_failure_policy
 
 
 def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:

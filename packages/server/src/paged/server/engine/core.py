@@ -30,6 +30,7 @@ scheduler, publishes the KV cache events that step produced as one batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import deque
@@ -53,7 +54,11 @@ from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.structured_output import StructuredOutputProvider
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
-from paged.server.kv_transfer import kv_bytes_per_block, make_scheduler_connector
+from paged.server.kv_transfer import (
+    kv_bytes_per_block,
+    kv_load_failure_policy,
+    make_scheduler_connector,
+)
 from paged.server.structured_output.factory import StructuredOutputConfig
 
 if TYPE_CHECKING:
@@ -181,10 +186,16 @@ class EngineCore:
         self.kv_connector = make_scheduler_connector(
             self.engine_config, groups, kv_bytes_per_block(self.kv_cache_config)
         )
+        scheduler_config = self.scheduler_config
         if self.kv_connector is not None:
             extra["kv_connector"] = self.kv_connector
+            # vLLM's scheduler reads kv_load_failure_policy off the transfer config.
+            scheduler_config = dataclasses.replace(
+                scheduler_config,
+                kv_load_failure_policy=kv_load_failure_policy(self.engine_config),
+            )
         return (scheduler_class or Scheduler)(
-            self.scheduler_config,
+            scheduler_config,
             self.kv_cache_config,
             cache.block_size,
             enable_caching=cache.enable_prefix_caching,
