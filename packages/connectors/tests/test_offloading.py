@@ -16,6 +16,7 @@ from paged.connectors.kv import (
 )
 from paged.connectors.kv.offloading import OffloadingConnector
 from paged.connectors.kv.offloading.chunks import chunk_keys
+from paged.connectors.kv.offloading.metadata import Tier
 from paged.connectors.kv.offloading.storage import CHUNK_SUFFIX
 from paged.connectors.kv.testing import (
     HEAD_SIZE,
@@ -25,7 +26,13 @@ from paged.connectors.kv.testing import (
     expected_kv,
     make_kv_caches,
 )
-from paged.kvcache import get_request_block_hasher, sha256
+from paged.kvcache import (
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    get_request_block_hasher,
+    sha256,
+)
 from paged.scheduler.boundary import ModelRunnerOutput, SchedulerOutput
 from paged.scheduler.connectors import KVConnectorScheduler
 from paged.scheduler.request import Request
@@ -53,13 +60,19 @@ class _Engine:
     """A scheduler and a simulated worker sharing one OffloadingConnector config."""
 
     def __init__(
-        self, extra: dict[str, Any], role: str = "kv_both", dtype: torch.dtype = torch.float32
+        self,
+        extra: dict[str, Any],
+        role: str = "kv_both",
+        dtype: torch.dtype = torch.float32,
+        events: bool = False,
     ) -> None:
         cfg = _config(extra, role)
         ctx = KVConnectorContext(block_size=BLOCK_SIZE, kv_bytes_per_block=BLOCK_BYTES)
         self.sched_side = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, ctx)
         self.worker_side = OffloadingConnector(cfg, KVConnectorRole.WORKER, ctx)
-        self.sched: Scheduler = make_scheduler(NUM_BLOCKS, kv_connector=self.sched_side)
+        self.sched: Scheduler = make_scheduler(
+            NUM_BLOCKS, kv_connector=self.sched_side, enable_kv_cache_events=events
+        )
         caches = {k: v.to(dtype) for k, v in make_kv_caches(NUM_BLOCKS, BLOCK_SIZE).items()}
         self.sim = KVWorkerSim(self.worker_side, caches, BLOCK_SIZE)
 
@@ -358,3 +371,64 @@ def test_the_factory_builds_it_and_bad_configs_are_named(tmp_path: Path) -> None
         OffloadingConnector(
             _config({"kv_bytes_per_rank": 1, "chunk_size": 6}), KVConnectorRole.WORKER, ctx
         )
+
+
+# ------------------------------------------------------------ KV cache events
+def _stored(events: list[Any], medium: str) -> list[BlockStored]:
+    return [e for e in events if isinstance(e, BlockStored) and e.medium == medium]
+
+
+def _removed(events: list[Any], medium: str) -> list[list[BlockHash]]:
+    return [e.block_hashes for e in events if isinstance(e, BlockRemoved) and e.medium == medium]
+
+
+def test_tiers_publish_the_device_pools_hashes_and_their_evictions(tmp_path: Path) -> None:
+    extra = {"kv_bytes_per_rank": 2 * CHUNK_BYTES, "disk_path": str(tmp_path)}
+    engine = _Engine(extra, events=True)
+    engine.run("a", PROMPT)
+    events = engine.sched.take_kv_cache_events()
+    gpu = [h for e in _stored(events, "GPU") for h in e.block_hashes]
+    assert len(gpu) == 6  # the pool's hashes of the prompt's full blocks, in order
+    for medium in ("CPU", "DISK"):  # write-through: every chunk to both tiers, in order
+        stored = _stored(events, medium)
+        assert [e.block_hashes for e in stored] == [gpu[0:2], gpu[2:4], gpu[4:6]]
+        assert [e.parent_block_hash for e in stored] == [None, gpu[1], gpu[3]]
+        assert [e.token_ids for e in stored] == [PROMPT[0:8], PROMPT[8:16], PROMPT[16:24]]
+        assert {(e.block_size, e.group_idx) for e in stored} == {(BLOCK_SIZE, 0)}
+        assert stored[0].extra_keys == [None, None]
+    # Host memory holds two chunks: the third one evicted chunk 0 there, not on disk.
+    assert _removed(events, "CPU") == [gpu[0:2]]
+    assert _removed(events, "DISK") == []
+    side = engine.sched_side.scheduler_side
+    keys = _keys(PROMPT)
+    assert side.tier_block_hashes(Tier.HOST) == {keys[1]: gpu[2:4], keys[2]: gpu[4:6]}
+    assert list(side.tier_block_hashes(Tier.DISK).values()) == [gpu[0:2], gpu[2:4], gpu[4:6]]
+    assert engine.sched.take_kv_cache_events() == []  # taken once
+    engine.close()
+
+
+def test_a_restart_announces_the_disk_and_a_load_error_removes_the_chunk(
+    tmp_path: Path,
+) -> None:
+    first = _Engine({"disk_path": str(tmp_path)})
+    first.run("a", PROMPT)
+    first.close()
+    path = tmp_path / f"{_keys(PROMPT)[1]}{CHUNK_SUFFIX}"
+    path.write_bytes(path.read_bytes()[:-64])
+    second = _Engine({"disk_path": str(tmp_path)}, events=True)
+    # Known only by their keys (the last block's hash); scan order is write order.
+    keys = [bytes.fromhex(k) for k in _keys(PROMPT)]
+    startup = second.sched.take_kv_cache_events()
+    assert sorted(e.block_hashes for e in _stored(startup, "DISK")) == sorted([k] for k in keys)
+    assert {(e.block_size, len(e.token_ids)) for e in _stored(startup, "DISK")} == {(CHUNK, 0)}
+    second.sched.add_request(make_request("b", PROMPT, max_tokens=2))
+    so = second.sched.schedule()
+    second.update(so, second.sim.execute(so))  # chunk 1 fails its load
+    assert _removed(second.sched.take_kv_cache_events(), "DISK") == [[keys[1]]]
+    so = second.sched.schedule()  # recomputed and saved again, now with every hash
+    second.update(so, second.sim.execute(so))
+    again = _stored(second.sched.take_kv_cache_events(), "DISK")
+    assert [e.block_hashes[-1] for e in again] == [keys[1]] and len(again[0].block_hashes) == 2
+    side = second.sched_side.scheduler_side
+    assert len(side.tier_block_hashes(Tier.DISK)) == 3
+    second.close()

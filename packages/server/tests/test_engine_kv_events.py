@@ -6,6 +6,7 @@ hashes and must agree with the pool's own index after a random workload.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
 import time
@@ -23,12 +24,16 @@ from paged.connectors.events import (
     ZmqEventPublisher,
     external_block_hash,
 )
+from paged.connectors.kv.offloading import OffloadingConnector
+from paged.connectors.kv.offloading.metadata import Tier
+from paged.connectors.kv.offloading.storage import CHUNK_SUFFIX
 from paged.kvcache.ids import get_block_hash, get_group_id
 from paged.scheduler.boundary import EngineCoreRequest
 from paged.scheduler.sampling_params import SamplingParams
 from paged.server.engine.client import SyncMPClient
 from paged.server.engine.core import EngineCore, make_engine_core_factory
 from paged.server.engine.errors import EngineStartupError
+from paged.server.kv_transfer import kv_bytes_per_block, kv_connector_builder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,6 +138,88 @@ def test_subscriber_rebuilds_the_pools_cached_blocks(
             assert late_index.hashes("GPU") == pool_blocks(core)
     finally:
         live.close()
+        core.shutdown()
+
+
+def _with_offloading(config: Any, executor: Any, disk: Path, host_chunks: int) -> Any:
+    """`config` with an OffloadingConnector: chunks of 8 tokens, a small host tier, a disk."""
+    probe = EngineCore(config, executor)  # only for the bytes of one block
+    chunk_bytes = 2 * kv_bytes_per_block(probe.kv_cache_config)
+    probe.shutdown()
+    extra = {"chunk_size": 8, "kv_bytes_per_rank": host_chunks * chunk_bytes}
+    builder = kv_connector_builder(
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {**extra, "disk_path": str(disk)},
+        },
+        config.cache_config.block_size,
+    )
+    return dataclasses.replace(config, kv_connector_factory=builder)
+
+
+def tier_blocks(core: EngineCore, tier: Tier) -> Counter[tuple[int | None, int | bytes]]:
+    """What one tier of the connector holds, as (group, published hash) with multiplicity."""
+    connector = core.kv_connector
+    assert isinstance(connector, OffloadingConnector)
+    chunks = connector.scheduler_side.tier_block_hashes(tier)
+    return Counter((0, external_block_hash(h)) for hashes in chunks.values() for h in hashes)
+
+
+def test_subscriber_rebuilds_the_offload_tiers_next_to_the_pool(
+    tmp_path: Path, engine_config_factory: Any, fake_executor_cls: Any
+) -> None:
+    cfg = _config(tmp_path)
+    base = engine_config_factory(kv_cache_memory_bytes=1 << 13)
+    config = _with_offloading(base, fake_executor_cls, tmp_path / "kv", host_chunks=6)
+    core = EngineCore(config, fake_executor_cls, kv_events_config=cfg)
+    live = KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint, topic=cfg.topic)
+    try:
+        publisher = core.event_publisher
+        assert isinstance(publisher, ZmqEventPublisher)
+        index = CachedBlockIndex()
+        _random_workload(core, random.Random(7), 30, vocab=128)
+        kinds = _drain(live, index, publisher.next_seq)
+        assert kinds["BlockRemoved"] > 0  # the pool and the host tier churned
+        expected = {"GPU": pool_blocks(core), "CPU": tier_blocks(core, Tier.HOST)}
+        expected["DISK"] = tier_blocks(core, Tier.DISK)
+        assert all(expected.values())
+        assert {m: index.hashes(m) for m in expected} == expected
+        assert index.num_unknown_removals == 0 and live.num_lost == 0
+        # A tier block is a pool block of the same prompt: one hash form for all media.
+        assert set(expected["CPU"]) <= set(expected["DISK"])
+        connector = core.kv_connector
+        assert isinstance(connector, OffloadingConnector)
+        disk_keys = list(connector.scheduler_side.tier_block_hashes(Tier.DISK))
+    finally:
+        live.close()
+        core.shutdown()
+
+    # The fake executor runs no worker side: write the files it would have, then a
+    # new engine on the same disk announces what it finds (known by key only, the
+    # hash of each chunk's last block) and a late subscriber learns it from replay.
+    (tmp_path / "kv").mkdir(exist_ok=True)
+    for key in disk_keys:
+        (tmp_path / "kv" / f"{key}{CHUNK_SUFFIX}").write_bytes(b"\0" * 64)
+    (tmp_path / "second").mkdir()
+    cfg = _config(tmp_path / "second")
+    core = EngineCore(config, fake_executor_cls, kv_events_config=cfg)
+    try:
+        publisher = core.event_publisher
+        assert isinstance(publisher, ZmqEventPublisher)
+        assert publisher.next_seq == 1  # the start-up batch
+        with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint, topic=cfg.topic) as late:
+            late_index = CachedBlockIndex()
+            for _, batch in late.catch_up():
+                late_index.apply(batch)
+            disk = tier_blocks(core, Tier.DISK)
+            assert sorted(h for _, h in disk) == sorted(
+                external_block_hash(bytes.fromhex(k)) for k in disk_keys
+            )
+            assert set(disk) <= set(expected["DISK"])  # each a block hash published before
+            assert late_index.hashes("DISK") == disk
+            assert late_index.hashes("GPU") == Counter() == late_index.hashes("CPU")
+    finally:
         core.shutdown()
 
 

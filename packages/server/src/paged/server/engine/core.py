@@ -133,6 +133,9 @@ class EngineCore:
         except BaseException:
             self.model_executor.shutdown()
             raise
+        # What start-up found (a KV connector's disk tier) is the first batch, so
+        # a subscriber that joins later learns it through replay.
+        self._publish_kv_events()
         self._info = EngineCoreInfo(
             num_gpu_blocks=self.kv_cache_config.num_blocks,
             block_size=engine_config.cache_config.block_size,

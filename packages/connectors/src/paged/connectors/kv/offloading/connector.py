@@ -9,7 +9,7 @@ Loads are synchronous (`get_num_new_matched_tokens` answers `(N, False)`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -19,7 +19,7 @@ from paged.connectors.kv.offloading.config import OffloadingConfig
 from paged.connectors.kv.offloading.metadata import OffloadingMetadata
 from paged.connectors.kv.offloading.scheduler_side import OffloadingScheduler
 from paged.connectors.kv.offloading.worker_side import OffloadingWorker
-from paged.kvcache import KVCacheBlocks
+from paged.kvcache import KVCacheBlocks, KVCacheEvent
 from paged.scheduler.boundary import (
     BlockIdsPerGroup,
     KVConnectorOutput,
@@ -130,6 +130,12 @@ class OffloadingConnector(KVConnectorBase):
         if self._worker is not None:
             return self._worker.take_stats()
         return None
+
+    def take_events(self) -> Sequence[KVCacheEvent]:
+        # The tiers' events are scheduler-side decisions; a worker has none.
+        if self._scheduler is not None:
+            return self._scheduler.take_events()
+        return ()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -13,17 +13,22 @@ Loads are synchronous: `(N, False)`, done in the worker's `start_load_kv`
 of the step that schedules the request. Saves: every full prompt chunk, in
 the step whose forward computes its last token, to every configured tier
 that does not hold it yet (write-through: host and disk).
+
+Every insert into a tier index, eviction and drop is also a KV cache event
+(`events.TierEvents`, taken by the engine through `take_events()`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys
 from paged.connectors.kv.offloading.config import OffloadingConfig
+from paged.connectors.kv.offloading.events import TierEvents
 from paged.connectors.kv.offloading.index import TierIndex
 from paged.connectors.kv.offloading.metadata import (
     ChunkLoad,
@@ -33,6 +38,7 @@ from paged.connectors.kv.offloading.metadata import (
 )
 from paged.connectors.kv.offloading.stats import OffloadingStats
 from paged.connectors.kv.offloading.storage import scan_disk
+from paged.kvcache import BlockHash, KVCacheEvent
 from paged.scheduler.boundary import BlockIdsPerGroup, KVConnectorOutput, SchedulerOutput
 from paged.scheduler.request import Request
 
@@ -84,11 +90,15 @@ class OffloadingScheduler:
         self.disk: TierIndex | None = None
         self._evict_host: list[ChunkKey] = []
         self._evict_disk: list[ChunkKey] = []
+        self.events = TierEvents(block_size, self.blocks_per_chunk)
         disk_path = config.rank_disk_path(0, world_size)  # rank 0 speaks for all ranks
         if disk_path is not None:
             self.disk = TierIndex("disk", config.disk_bytes)
             # A restarted engine finds its chunks again (contents checked on load).
             self._evict_disk.extend(self.disk.rebuild(scan_disk(disk_path)))
+            # Trimmed files were never announced; the rest are, so a subscriber that
+            # joins later learns them through replay.
+            self.events.stored_by_key(Tier.DISK, self.disk.keys_lru_first())
         self.stats = OffloadingStats()
         self._reported_evictions = [0, 0]  # host, disk: evictions already in a report
         self._requests: dict[str, _RequestState] = {}
@@ -231,9 +241,7 @@ class OffloadingScheduler:
             last = min(end_blocks - base, bpc)
             promote = False
             if tier is Tier.DISK and self.host is not None:
-                result = self.host.insert(key, self.chunk_bytes)
-                self._evict_host.extend(result.evicted)
-                promote = result.inserted
+                promote = self._insert(Tier.HOST, key, state.request, plan.first_chunk + j)
             ids = state.block_ids[base + first : base + last]
             out.append(ChunkLoad(key, tier, ids, first, promote))
         return out
@@ -249,24 +257,40 @@ class OffloadingScheduler:
         bpc = self.blocks_per_chunk
         for i in range(state.next_save_chunk, min(limit, len(keys))):
             key = keys[i]
-            to_host = self._insert(self.host, key, self._evict_host)
-            to_disk = self._insert(self.disk, key, self._evict_disk)
+            to_host = self._insert(Tier.HOST, key, request, i, touch=True)
+            to_disk = self._insert(Tier.DISK, key, request, i, touch=True)
             if to_host or to_disk:
                 saves.append(
                     ChunkSave(key, state.block_ids[i * bpc : (i + 1) * bpc], to_host, to_disk)
                 )
         state.next_save_chunk = max(state.next_save_chunk, min(limit, len(keys)))
 
-    def _insert(self, index: TierIndex | None, key: ChunkKey, evictions: list[ChunkKey]) -> bool:
-        """True if `key` must be written to this tier (it was not there and fits)."""
+    def _insert(
+        self, tier: Tier, key: ChunkKey, request: Request, chunk_idx: int, *, touch: bool = False
+    ) -> bool:
+        """True if chunk `chunk_idx` of `request` must be written to `tier` (absent, fits).
+
+        A chunk already there is touched; a save then skips it (`touch`), while a
+        promotion still writes it (the same bytes; another save of this step may
+        have just indexed it). Only a real insert is announced.
+        """
+        index, evictions = self._tier(tier)
         if index is None:
             return False
         if key in index:
             index.touch(key)
-            return False
+            return not touch
         result = index.insert(key, self.chunk_bytes)
         evictions.extend(result.evicted)
+        self.events.removed(tier, result.evicted)
+        if result.inserted:
+            self.events.stored(tier, key, request, chunk_idx)
         return result.inserted
+
+    def _tier(self, tier: Tier) -> tuple[TierIndex | None, list[ChunkKey]]:
+        if tier is Tier.HOST:
+            return self.host, self._evict_host
+        return self.disk, self._evict_disk
 
     def _still_indexed(self, saves: list[ChunkSave]) -> list[ChunkSave]:
         # A chunk saved early in the step may be evicted by a later save of the same
@@ -300,8 +324,10 @@ class OffloadingScheduler:
             # so the recomputed KV is saved again.
             if self.host is not None and self.host.remove(key):
                 self._evict_host.append(key)
+                self.events.removed(Tier.HOST, [key])
             if self.disk is not None and self.disk.remove(key):
                 self._evict_disk.append(key)
+                self.events.removed(Tier.DISK, [key])
 
     def take_stats(self) -> dict[str, float]:
         """Lookup, eviction and load-error counters since the last call (flat deltas)."""
@@ -313,6 +339,26 @@ class OffloadingScheduler:
             stats.disk.evictions = self.disk.num_evictions - self._reported_evictions[1]
             self._reported_evictions[1] = self.disk.num_evictions
         return stats.to_dict()
+
+    def take_events(self) -> Sequence[KVCacheEvent]:
+        """`BlockStored` / `BlockRemoved` of the tiers since the last call (medium CPU / DISK)."""
+        return self.events.take()
+
+    def tier_block_hashes(self, tier: Tier) -> dict[ChunkKey, list[BlockHash]]:
+        """What `tier` holds, LRU first, with the hashes its `BlockStored` announced.
+
+        `KeyError` if the index holds a chunk that was never announced (an event
+        path was missed); a chunk announced but gone unannounced is absent here
+        and shows up as a mismatch against a subscriber's index.
+        """
+        index, _ = self._tier(tier)
+        announced = self.events.announced(tier)
+        keys = index.keys_lru_first() if index is not None else []
+        if len(announced) != len(keys):
+            raise AssertionError(
+                f"{tier.name}: {len(announced)} chunks announced, {len(keys)} held"
+            )
+        return {key: announced[key] for key in keys}
 
     def request_finished(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
