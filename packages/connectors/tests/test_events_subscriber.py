@@ -51,7 +51,9 @@ def test_index_counts_copies_groups_and_clears() -> None:
     index.apply(make_batch([_stored(9, medium="CPU")], ts=0))
     assert index.hashes("CPU") == Counter({(0, 9): 1})
     index.apply(make_batch([AllBlocksCleared(), _stored(3)], ts=0))
-    assert index.hashes() == Counter({(0, 3): 1}) and index.hashes("CPU") == Counter()
+    # A device reset: the device's blocks go, the offload tier keeps its own.
+    assert index.hashes() == Counter({(0, 3): 1})
+    assert index.hashes("CPU") == Counter({(0, 9): 1})
 
 
 @pytest.fixture
@@ -192,15 +194,21 @@ def test_batches_gone_from_the_ring_are_counted_lost(tmp_path: Path) -> None:
     try:
         for i in range(6):
             pub.publish(_batch(i))
+        # First wait until the publisher has sent all six (its thread sends them
+        # asynchronously): a subscriber connected meanwhile would get some live.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint) as sub:
                 got = sub.catch_up()
                 if got and got[-1][0] == 5:
-                    assert [s for s, _ in got] == [4, 5] and sub.num_lost == 4
-                    return
+                    break
             time.sleep(0.05)
-        raise AssertionError("never caught up")
+        else:
+            raise AssertionError("never caught up")
+        # A subscriber joining now gets only what the ring of 2 still holds.
+        with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint) as sub:
+            got = sub.catch_up()
+            assert [s for s, _ in got] == [4, 5] and sub.num_lost == 4
     finally:
         pub.shutdown()
 

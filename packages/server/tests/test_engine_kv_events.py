@@ -88,7 +88,9 @@ def _drain(sub: KVEventSubscriber, index: CachedBlockIndex, until_seq: int) -> C
     kinds: Counter[str] = Counter()
     deadline = time.monotonic() + 30
     while sub.next_seq < until_seq and time.monotonic() < deadline:
-        for _, batch in sub.poll(100):
+        # A SUB socket misses what was sent before it finished connecting (ZMQ's slow
+        # joiner); with nothing newer arriving, only replay brings those batches.
+        for _, batch in sub.poll(100) or sub.catch_up(timeout_ms=500):
             index.apply(batch)
             kinds.update(type(e).__name__ for e in batch.events)
     assert sub.next_seq == until_seq, f"got {sub.next_seq} of {until_seq} batches"

@@ -40,6 +40,10 @@ from paged.connectors.events.wire import (
 BlockKey = tuple[str | None, int | None, ExternalBlockHash]  # (medium, group_idx, hash)
 
 
+# The media a device prefix-cache reset (AllBlocksCleared) empties.
+DEVICE_MEDIA = frozenset({"GPU", None})
+
+
 class KVEventDecodeError(ValueError):
     """A payload is not a `KVEventBatch` in the layout the subscriber was given."""
 
@@ -47,9 +51,11 @@ class KVEventDecodeError(ValueError):
 class CachedBlockIndex:
     """The multiset of cached blocks implied by a stream of events.
 
-    `AllBlocksCleared` carries no medium, so it clears every medium (it is
-    what a prefix cache reset publishes). A removal of a block the index
-    does not hold (its store was lost) is counted, not raised.
+    `AllBlocksCleared` carries no medium; it is what a reset of the device
+    prefix cache publishes, so it clears the device's blocks ("GPU", or no
+    medium as older vLLM sends) and keeps the offload tiers' ("CPU", "DISK"),
+    which announce their own removals. A removal of a block the index does
+    not hold (its store was lost) is counted, not raised.
     """
 
     def __init__(self) -> None:
@@ -71,7 +77,8 @@ class CachedBlockIndex:
                     if self.blocks[key] == 0:
                         del self.blocks[key]
             elif isinstance(event, AllBlocksCleared):
-                self.blocks.clear()
+                for key in [k for k in self.blocks if k[0] in DEVICE_MEDIA]:
+                    del self.blocks[key]
 
     def hashes(self, medium: str | None = "GPU") -> Counter[tuple[int | None, ExternalBlockHash]]:
         """Cached blocks of one medium: count per (group_idx, hash)."""
