@@ -132,7 +132,7 @@ def _build_tiny_word_llama(path: Path) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=4096,
         bos_token_id=1,
         eos_token_id=2,
     )

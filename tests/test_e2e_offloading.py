@@ -4,7 +4,9 @@ Each test runs a 37-token prompt (two 16-token chunks and five tokens) on a
 tiny random llama. The reference is the greedy output of an engine with no
 connector; every run with the connector must give exactly those tokens,
 whether the prefix was computed, loaded from host memory, loaded from disk
-by a new engine, or recomputed after a corrupt chunk was detected.
+by a new engine, or recomputed after a corrupt chunk was detected. One test
+runs the issue's full scenario with a 2,048-token prompt through real
+`paged serve` processes (host tier, disk tier after a restart, corruption).
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ def _offload_config(extra: dict[str, Any]) -> dict[str, Any]:
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"chunk_size": CHUNK, **extra},
+    }
+
+
+def _offload_config_chunks(extra: dict[str, Any]) -> dict[str, Any]:
+    """`_offload_config` with the chunk size (and everything else) given by `extra`."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -190,3 +201,69 @@ def test_http_host_tier_and_its_metrics(
     saved = re.search(r'paged:kv_offload_saved_bytes_total\{[^}]*tier="host"[^}]*\} (\S+)', metrics)
     # Two chunks of 2 blocks x 2 layers x K/V x 8 tokens x 2 heads x 16 dims x 4 bytes.
     assert saved is not None and float(saved.group(1)) == 2 * 2 * 2 * 2 * 8 * 2 * 16 * 4
+
+
+LONG_PROMPT = [(7 * i + 3) % 124 + 3 for i in range(2048)]
+LONG_HIT = 2032  # eight full chunks saved; a hit stops one block short (the last token is computed)
+
+
+def _stop(server: Any) -> None:
+    """SIGINT and wait: the engine shuts down, flushing the disk tier's writer."""
+    import signal
+
+    server.process.send_signal(signal.SIGINT)
+    server.process.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_http_2048_token_prompt_host_tier_disk_restart_and_corruption(
+    tiny_model: Path, launch_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    # The issue's scenario through real `paged serve` processes on loopback: a 2,048-token
+    # prompt, reset, host-tier hit; a new server on the same directory, disk-tier hit;
+    # every chunk corrupted, a new server recomputes: identical greedy tokens each time.
+    config = _offload_config_chunks(
+        {
+            "chunk_size": 256,
+            "kv_bytes_per_rank": 64 << 20,
+            "disk_path": str(tmp_path / "kv"),
+            "disk_bytes_per_rank": 256 << 20,
+        }
+    )
+    args = ["--device", "cpu", "--max-model-len", "2200", "--kv-cache-memory", "64MiB"]
+    args += ["--kv-transfer-config", json.dumps(config)]
+    body = {"model": str(tiny_model), "prompt": LONG_PROMPT, "max_tokens": MAX_TOKENS}
+    body |= {"temperature": 0.0, "ignore_eos": True}
+
+    def complete(server: Any) -> tuple[str, int]:
+        with httpx.Client(base_url=server.base_url, timeout=300) as client:
+            resp = client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            out = resp.json()
+            return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    reference = launch_server(str(tiny_model), "--device", "cpu", "--max-model-len", "2200")
+    expected, _ = complete(reference)
+    _stop(reference)
+
+    first = launch_server(str(tiny_model), *args)
+    assert complete(first) == (expected, 0)
+    with httpx.Client(base_url=first.base_url, timeout=60) as client:
+        assert client.post("/reset_prefix_cache").status_code == 200
+    assert complete(first) == (expected, LONG_HIT)  # from host memory
+    _stop(first)
+    files = sorted((tmp_path / "kv").rglob("*.kvchunk"))
+    assert len(files) == 8  # every full chunk of the prompt, written through to disk
+
+    second = launch_server(str(tiny_model), *args)
+    assert complete(second) == (expected, LONG_HIT)  # from disk, after a restart
+    _stop(second)
+
+    for path in files:  # one payload byte each; the headers stay valid
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x40
+        path.write_bytes(bytes(data))
+    third = launch_server(str(tiny_model), *args)
+    text, _ = complete(third)
+    assert text == expected  # the checksums failed: recomputed, never wrong tokens
+    _stop(third)
