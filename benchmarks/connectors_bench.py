@@ -197,6 +197,7 @@ def main() -> None:
     parser.add_argument("--decode-chunk", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-ttft", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {
@@ -212,7 +213,8 @@ def main() -> None:
         "decode_tokens": args.decode_tokens,
         "load_avg_before": [round(x, 2) for x in os.getloadavg()],
     }
-    result.update(bench_ttft(args))
+    if not args.skip_ttft:
+        result.update(bench_ttft(args))
     if not args.skip_decode:
         result.update(bench_decode(args))
     result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
