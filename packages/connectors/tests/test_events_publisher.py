@@ -217,8 +217,10 @@ def test_a_subscriber_that_never_reads_does_not_block_publishing(
         pub.shutdown()  # flushes: every batch went out (ZMQ dropped for the stalled one)
         assert time.monotonic() - start < 20
         assert pub.num_dropped == 0
-        # Only about the high-water marks' worth reached the stalled subscriber.
-        assert len(_recv_all(stalled, 5000, timeout_s=1)) < 200
+        # ZMQ dropped most for the stalled subscriber: it holds about the two high-water
+        # marks' worth plus what the kernel's socket buffers took (seen: 20 to 219), far
+        # from all 5,000.
+        assert len(_recv_all(stalled, 5000, timeout_s=1)) < 1000
     finally:
         stalled.close()
         pub.shutdown()
