@@ -100,7 +100,9 @@ class EngineArgs:
         from paged.server.kv_transfer import kv_connector_builder
 
         # Validated first: a bad connector config must stop start-up before the model loads.
-        kv_connector = kv_connector_builder(self._kv_transfer_config(), self.block_size)
+        kv_connector = kv_connector_builder(
+            self._kv_transfer_config(), self.block_size, model_name=self.model_name()
+        )
         device = self.resolved_device()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(

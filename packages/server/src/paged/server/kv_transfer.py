@@ -15,6 +15,7 @@ scheduler side) and to every worker process (which builds its worker side).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,9 @@ class KVConnectorBuilder:
 
     config_json: str
     block_size: int
+    # What P/D engines compare in their handshake: the served name, or the model
+    # path's last component (the same checkpoint sits at different paths on two hosts).
+    model_name: str = ""
 
     def config(self) -> KVTransferConfig:
         from paged.connectors.kv import parse_kv_transfer_config
@@ -58,6 +62,7 @@ class KVConnectorBuilder:
             world_size=world_size,
             num_kv_cache_groups=num_groups,
             kv_bytes_per_block=kv_bytes_per_block,
+            model_name=self.model_name,
         )
         role = KVConnectorRole[role_name]
         return KVConnectorFactory.with_builtins().create_connector(self.config(), role, context)
@@ -72,7 +77,7 @@ class KVConnectorBuilder:
 
 
 def kv_connector_builder(
-    config: str | dict[str, Any] | None, block_size: int
+    config: str | dict[str, Any] | None, block_size: int, model_name: str = ""
 ) -> KVConnectorBuilder | None:
     """Validate a kv-transfer config; None when it names no connector.
 
@@ -97,7 +102,11 @@ def kv_connector_builder(
     # Import the class here, in the process that parses the flag, so an unknown
     # connector stops start-up before any engine process is spawned.
     KVConnectorFactory.with_builtins().get_connector_class(parsed)
-    return KVConnectorBuilder(config_json=parsed.to_json(), block_size=block_size)
+    return KVConnectorBuilder(
+        config_json=parsed.to_json(),
+        block_size=block_size,
+        model_name=os.path.basename(model_name.rstrip("/")),
+    )
 
 
 def make_scheduler_connector(

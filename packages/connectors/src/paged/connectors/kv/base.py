@@ -80,6 +80,7 @@ class KVConnectorContext:
     kv_bytes_per_block: bytes of one block across every layer on one rank
         (0 when the builder does not know it; byte-budgeted stores need it on
         the scheduler side, which never sees the KV tensors).
+    model_name: the model's name as engines compare it (P/D handshake); "" if unknown.
     """
 
     block_size: int
@@ -87,6 +88,7 @@ class KVConnectorContext:
     world_size: int = 1
     num_kv_cache_groups: int = 1
     kv_bytes_per_block: int = 0
+    model_name: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -41,6 +41,7 @@ _BUILTINS: dict[str, _Registration] = {
     "OffloadingConnector": _Registration(
         "paged.connectors.kv.offloading.connector", "OffloadingConnector"
     ),
+    "PagedZmqConnector": _Registration("paged.connectors.kv.p2p.connector", "PagedZmqConnector"),
 }
 
 

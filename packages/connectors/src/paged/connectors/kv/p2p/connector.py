@@ -1,0 +1,349 @@
+"""`PagedZmqConnector`: prefill/decode disaggregation over ZMQ (seed: KV Transfer, P/D).
+
+vLLM's NixlConnector request protocol, so a vLLM router works unchanged:
+
+    1. router -> prefill  kv_transfer_params {"do_remote_decode": true}, max_tokens 1
+    2. prefill: the request finishes (length capped); `request_finished` keeps its
+       blocks (delay_free) and returns {"do_remote_prefill": true,
+       "do_remote_decode": false, "remote_engine_id", "remote_request_id",
+       "remote_block_ids", "remote_host", "remote_port", "tp_size"}
+    3. router -> decode   the original request with those params
+    4. decode: `get_num_new_matched_tokens` -> (prompt - 1 - local hit, async): blocks
+       are allocated, the request waits in WAITING_FOR_REMOTE_KVS while a thread
+       pulls the blocks (the engine keeps stepping the others); the last prompt
+       token is computed locally, so the first token comes from the decoder
+    5. decode acknowledges (DONE): the prefill frees the blocks; a decoder that
+       never comes is covered by `abort_request_timeout` (vLLM: 480 s)
+
+Roles: kv_producer serves blocks, kv_consumer pulls them, kv_both does both.
+Only single-group (non-hybrid) models; equal TP sizes (the handshake checks).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from paged.connectors.kv.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
+from paged.connectors.kv.config import KVTransferConfig
+from paged.connectors.kv.p2p import wire
+from paged.connectors.kv.p2p.config import ZmqConnectorConfig
+from paged.connectors.kv.p2p.handshake import layout_info
+from paged.connectors.kv.p2p.puller import BlockPuller, PullResult
+from paged.connectors.kv.p2p.sender import BlockSender
+from paged.connectors.kv.p2p.stats import TransferStats
+from paged.connectors.kv.p2p.tensors import scatter_blocks
+from paged.kvcache import KVCacheBlocks
+from paged.scheduler.boundary import (
+    BlockIdsPerGroup,
+    KVConnectorOutput,
+    KVTransferParams,
+    SchedulerOutput,
+)
+from paged.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# An idle engine (nothing scheduled, transfers pending) waits this long for
+# transfer news per step instead of spinning a core.
+_IDLE_WAIT_S = 0.005
+
+
+@dataclass
+class _PendingPull:
+    """Decode side: matched in get_num_new_matched_tokens, awaiting its allocation."""
+
+    params: KVTransferParams
+    num_local_tokens: int
+    num_external_tokens: int
+
+
+class PagedZmqConnector(KVConnectorBase):
+    """See the module docstring; extra-config keys in `paged.connectors.kv.p2p.config`."""
+
+    def __init__(
+        self, config: KVTransferConfig, role: KVConnectorRole, context: KVConnectorContext
+    ) -> None:
+        super().__init__(config, role, context)
+        if context.num_kv_cache_groups != 1:
+            raise ValueError(
+                "PagedZmqConnector supports one KV cache group, the model has "
+                f"{context.num_kv_cache_groups}"
+            )
+        self.zmq_config = ZmqConnectorConfig.from_extra_config(config.kv_connector_extra_config)
+        self.engine_id = config.engine_id
+        self.block_size = context.block_size
+        # Scheduler side.
+        self._pending: dict[str, _PendingPull] = {}
+        self._loading: set[str] = set()  # WAITING_FOR_REMOTE_KVS until finished_recving
+        self._handled: set[str] = set()  # pulled once: a preempted request recomputes
+        self._sends: list[wire.SendSpec] = []
+        self._recvs: list[wire.RecvSpec] = []
+        self._releases: list[wire.ReleaseSpec] = []
+        self._waiting_delta = 0
+        # Worker side (threads start in register_kv_caches).
+        self._news = threading.Event()
+        self._sender: BlockSender | None = None
+        self._puller: BlockPuller | None = None
+        self._pulling: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._recv_stats = TransferStats()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _remote_params(self, request: Request) -> KVTransferParams | None:
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_prefill or not self._config.is_kv_consumer:
+            return None
+        if request.request_id in self._handled:
+            return None
+        missing = [
+            name
+            for name in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+            if getattr(params, name) is None
+        ]
+        if missing:
+            # As vLLM: a malformed set of params computes the prompt locally.
+            logger.warning(
+                "request %s: kv_transfer_params with do_remote_prefill lack %s; "
+                "computing the prompt locally",
+                request.request_id,
+                ", ".join(missing),
+            )
+            self._handled.add(request.request_id)
+            return None
+        return params
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = self._remote_params(request)
+        if params is None:
+            return 0, False
+        remote_blocks = params.remote_block_ids or []
+        # The last prompt token is computed here: its logits give the first token.
+        available = min(request.num_prompt_tokens - 1, len(remote_blocks) * self.block_size)
+        count = available - num_computed_tokens
+        if count <= 0:
+            self._handled.add(request.request_id)
+            self._releases.append(_release_spec(params))
+            return 0, False
+        self._pending[request.request_id] = _PendingPull(params, num_computed_tokens, count)
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        pending = self._pending.pop(request.request_id, None)
+        if pending is None or num_external_tokens == 0:
+            return
+        self._handled.add(request.request_id)
+        params = pending.params
+        first = pending.num_local_tokens // self.block_size
+        end = -(-(pending.num_local_tokens + num_external_tokens) // self.block_size)
+        local = blocks.get_block_ids()[0]
+        remote = params.remote_block_ids or []
+        assert params.remote_engine_id is not None and params.remote_host is not None
+        assert params.remote_port is not None
+        self._recvs.append(
+            wire.RecvSpec(
+                req_id=request.request_id,
+                remote=wire.RemoteAddress(
+                    params.remote_engine_id, params.remote_host, params.remote_port
+                ),
+                remote_request_id=params.remote_request_id or request.request_id,
+                local_block_ids=list(local[first:end]),
+                remote_block_ids=list(remote[first:end]),
+            )
+        )
+        self._loading.add(request.request_id)
+        self._waiting_delta += 1
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes:
+        meta = wire.ZmqStepMetadata(
+            sends=self._sends,
+            recvs=self._recvs,
+            releases=self._releases,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
+        self._sends, self._recvs, self._releases = [], [], []
+        self._pending.clear()  # admission and allocation happen in the same schedule()
+        return wire.ENCODER.encode(meta)
+
+    def request_finished(
+        self, request: Request, block_ids: BlockIdsPerGroup
+    ) -> tuple[bool, KVTransferParams | None]:
+        req_id = request.request_id
+        params = request.kv_transfer_params
+        was_handled = req_id in self._handled
+        self._handled.discard(req_id)
+        self._pending.pop(req_id, None)
+        if not was_handled and self._remote_params(request) is not None:
+            # Aborted before its pull started: let the prefill free its blocks now
+            # rather than at its abort timeout.
+            assert params is not None
+            self._releases.append(_release_spec(params))
+        self._handled.discard(req_id)
+        if params is None or not params.do_remote_decode or not self._config.is_kv_producer:
+            return False, None
+        # As vLLM: only a prefill that ran to its max_tokens hands its KV over
+        # (an aborted or stopped request frees its blocks at once).
+        if request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None
+        blocks = list(block_ids[0]) if block_ids else []
+        if blocks:
+            self._sends.append(wire.SendSpec(req_id, blocks))
+        return bool(blocks), KVTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.engine_id,
+            remote_request_id=req_id,
+            remote_block_ids=blocks,
+            remote_host=self.zmq_config.side_channel_host,
+            remote_port=self.zmq_config.side_channel_port,
+            remote_num_tokens=request.num_prompt_tokens,
+            extra={"tp_size": self.context.world_size},
+        )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_recving:
+            if req_id in self._loading:
+                self._loading.discard(req_id)
+                self._waiting_delta -= 1
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        info = layout_info(
+            self.engine_id,
+            self.context.model_name,
+            self.block_size,
+            self.context.world_size,
+            self.context.rank,
+            self._kv_caches,
+        )
+        if self._config.is_kv_producer:
+            self._sender = BlockSender(
+                self.zmq_config, self.context.rank, info, self._kv_caches, self._news
+            )
+        if self._config.is_kv_consumer:
+            self._puller = BlockPuller(self.zmq_config, self.context.rank, info, self._news)
+
+    def _metadata(self) -> wire.ZmqStepMetadata:
+        return self._decoded_connector_metadata(wire.ZmqStepMetadata)
+
+    def start_load_kv(self) -> None:
+        meta = self._metadata()
+        if meta.sends and self._sender is not None:
+            self._sender.hold(meta.sends)
+        if self._puller is not None:
+            for recv in meta.recvs:
+                self._pulling.add(recv.req_id)
+                self._puller.submit(recv)
+            for release in meta.releases:
+                self._puller.release(release)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Pulled blocks are complete before their request is scheduled: nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """The prefill's blocks are served from the paged cache itself: nothing to save."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved during the forward."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.has_connector_metadata() and self._metadata().idle:
+            self._news.wait(_IDLE_WAIT_S)
+        self._news.clear()
+        sending = self._sender.take_finished() if self._sender is not None else set()
+        recving: set[str] = set()
+        # Finished (aborted) while pulling: its blocks may be freed now, as only this
+        # thread writes the cache; the bytes, when they come, are dropped.
+        for req_id in finished_req_ids & self._pulling:
+            self._pulling.discard(req_id)
+            self._cancelled.add(req_id)
+            recving.add(req_id)
+        if self._puller is not None:
+            for result in self._puller.collect():
+                if self._apply(result):
+                    recving.add(result.req_id)
+        return sending or None, recving or None
+
+    def _apply(self, result: PullResult) -> bool:
+        """Copy a finished pull into the cache; True if its request still waits for it."""
+        if result.req_id in self._cancelled:
+            self._cancelled.discard(result.req_id)
+            return False
+        self._pulling.discard(result.req_id)
+        stats = self._recv_stats
+        stats.seconds += result.seconds
+        n = result.num_blocks
+        if result.error is None and n:
+            try:
+                ids = result.local_block_ids[:n]
+                for (_, cache), frame in zip(self._kv_caches.items(), result.frames, strict=True):
+                    scatter_blocks(cache, ids, frame)
+            except ValueError as exc:
+                result.error, n = str(exc), 0
+        if result.error is not None:
+            logger.error("KV pull for request %s failed: %s", result.req_id, result.error)
+            stats.failures += 1
+        else:
+            stats.transfers += 1
+            stats.bytes += sum(f.nbytes for f in result.frames)
+            if n < len(result.local_block_ids):
+                logger.warning(
+                    "KV pull for request %s delivered %d of %d blocks; recomputing the rest",
+                    result.req_id,
+                    n,
+                    len(result.local_block_ids),
+                )
+        self._load_errors.update(result.local_block_ids[n:])
+        return True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> dict[str, float] | None:
+        if self._role is KVConnectorRole.SCHEDULER:
+            delta, self._waiting_delta = self._waiting_delta, 0
+            return {"p2p.requests_waiting_for_remote_kv": float(delta)} if delta else None
+        out = self._recv_stats.take("recv")
+        if self._sender is not None:
+            out.update(self._sender.take_stats())
+        return out or None
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        if self._puller is not None:
+            self._puller.close()
+            self._puller = None
+
+    # ------------------------------------------------------------------ for tests
+
+    def num_held_for_decoders(self) -> int:
+        """Prefill worker: requests whose blocks are held for a decoder."""
+        return self._sender.num_held() if self._sender is not None else 0
+
+    @property
+    def sender_endpoints(self) -> list[str]:
+        return list(self._sender.endpoints) if self._sender is not None else []
+
+
+def _release_spec(params: KVTransferParams) -> wire.ReleaseSpec:
+    assert params.remote_engine_id is not None and params.remote_host is not None
+    assert params.remote_port is not None
+    return wire.ReleaseSpec(
+        wire.RemoteAddress(params.remote_engine_id, params.remote_host, params.remote_port),
+        params.remote_request_id or "",
+    )
