@@ -3,6 +3,7 @@
     paged serve [MODEL]          OpenAI-compatible server (default: SmolLM2-135M-Instruct)
     paged generate [MODEL] -p .. one completion, printed to stdout
     paged chat [MODEL]           an interactive chat in the terminal
+    paged proxy --prefill URL --decode URL   prefill/decode disaggregation router
 
 Engine options are shared by all three (see `paged serve --help`).
 """
@@ -335,7 +336,50 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.add_argument("--system", help="a system message to start the conversation")
     _add_sampling_args(chat, max_tokens=256)
+    _add_proxy_parser(sub)
     return parser
+
+
+def _add_proxy_parser(sub: Any) -> None:
+    proxy = sub.add_parser(
+        "proxy",
+        help="route OpenAI requests to prefill and decode instances (P/D disaggregation)",
+        description="Send each request to a prefill instance (max_tokens 1, "
+        "kv_transfer_params do_remote_decode), then to a decode instance with the KV "
+        "it returned; round robin over each list. The instances run `paged serve` with "
+        "--kv-transfer-config naming PagedZmqConnector (or vLLM with NixlConnector).",
+    )
+    proxy.add_argument(
+        "--prefill", action="append", required=True, metavar="URL", help="a prefill instance"
+    )
+    proxy.add_argument(
+        "--decode", action="append", required=True, metavar="URL", help="a decode instance"
+    )
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for an instance's answer"
+    )
+
+
+def _proxy(ns: argparse.Namespace) -> int:
+    from paged.server.proxy import run_proxy
+
+    try:
+        run_proxy(
+            ns.prefill,
+            ns.decode,
+            host=ns.host,
+            port=ns.port,
+            log_level=ns.log_level,
+            timeout_s=ns.timeout,
+        )
+    except ValueError as e:
+        print(f"paged proxy: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -345,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if ns.command == "proxy":
+        return _proxy(ns)
     args = engine_args_from(ns)
     try:
         if ns.command == "serve":

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter
 
+from paged.server.kv_transfer_metrics import KVTransferMetrics
+
 # counter name in the stats -> (metric name, help)
 _COUNTERS: dict[str, tuple[str, str]] = {
     "queries": ("paged:kv_offload_queries_tokens", "Tokens looked up in an offloading tier"),
@@ -44,8 +46,10 @@ class KVConnectorMetrics:
             for tier in TIERS:
                 counter.labels(model_name, tier)
         self.load_errors.labels(model_name)
+        self.transfer = KVTransferMetrics(model_name, registry)  # P/D (PagedZmqConnector)
 
     def record(self, stats: Mapping[str, float]) -> None:
+        self.transfer.record(stats)
         for name, value in stats.items():
             if name == "load_errors":
                 self.load_errors.labels(self._m).inc(value)

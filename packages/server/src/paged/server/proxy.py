@@ -1,0 +1,302 @@
+"""`paged proxy`: an OpenAI-compatible router for prefill/decode disaggregation.
+
+    client --> proxy --1--> prefill  (kv_transfer_params {"do_remote_decode": true},
+                                      max_tokens 1, stream false, n 1)
+                   <------- {"kv_transfer_params": {... remote_block_ids, host, port ...}}
+                   --2--> decode     (the original request + those params; streamed back
+                                      as it comes when the client asked for a stream)
+
+The protocol is vLLM's (its toy P/D proxy and NixlConnector), so the proxy
+also routes vLLM instances, and a vLLM router routes paged instances.
+Instances are picked round robin, prefill and decode independently. An
+error from either side is passed through as sent (status and OpenAI error
+body); an unreachable instance is a 502 in OpenAI's schema. `/health` is
+200 only while every upstream answers its own `/health`.
+
+A client that disconnects cancels the upstream call, which the paged server
+answers by aborting the request (a prefill aborted before it finishes frees
+its blocks at once; a finished prefill nobody pulls frees them after its
+abort_request_timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger("paged.server.proxy")
+
+T = TypeVar("T")
+
+# What the prefill request must carry, as vLLM's proxy sends it.
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    timeout_s: float = 600.0
+    health_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls:
+            raise ValueError("--prefill: at least one prefill instance URL is required")
+        if not self.decode_urls:
+            raise ValueError("--decode: at least one decode instance URL is required")
+        for url in (*self.prefill_urls, *self.decode_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"instance URL {url!r} must start with http:// or https://")
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The body sent to the prefill instance: one token, no stream, one choice."""
+    req = copy.deepcopy(body)
+    req["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    req["stream"] = False
+    req["max_tokens"] = 1
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    req.pop("stream_options", None)
+    # The decoder samples every choice from the same pulled prompt KV.
+    req["n"] = 1
+    req.pop("best_of", None)
+    return req
+
+
+class _UpstreamError(Exception):
+    def __init__(self, response: Response) -> None:
+        super().__init__("upstream error")
+        self.response = response
+
+
+class Router:
+    """Round robin over the instances; one shared HTTP client."""
+
+    def __init__(self, config: ProxyConfig, client: httpx.AsyncClient) -> None:
+        self.config = config
+        self.client = client
+        self._prefill = itertools.cycle(config.prefill_urls)
+        self._decode = itertools.cycle(config.decode_urls)
+
+    def next_prefill(self) -> str:
+        return next(self._prefill)
+
+    def next_decode(self) -> str:
+        return next(self._decode)
+
+    async def post_json(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST and return the JSON body; `_UpstreamError` carries a response to pass on."""
+        try:
+            resp = await self.client.post(url + path, json=body, headers=_forward_headers())
+        except httpx.HTTPError as exc:
+            raise _UpstreamError(_unreachable(url, exc)) from None
+        if resp.status_code != 200:
+            raise _UpstreamError(_passthrough(resp.status_code, resp.content, resp.headers))
+        data = resp.json()
+        if not isinstance(data, dict):
+            raise _UpstreamError(error_response(502, f"{url}{path} answered with non-object JSON"))
+        return data
+
+
+def _forward_headers() -> dict[str, str]:
+    return {"content-type": "application/json"}
+
+
+def _unreachable(url: str, exc: Exception) -> JSONResponse:
+    logger.warning("upstream %s failed: %s", url, exc)
+    return error_response(502, f"instance {url} is unreachable: {type(exc).__name__}: {exc}")
+
+
+def _passthrough(status: int, content: bytes, headers: httpx.Headers) -> Response:
+    media = headers.get("content-type", "application/json")
+    return Response(content=content, status_code=status, media_type=media)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run `work`; cancel it (closing its upstream connections) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    logger.info("client disconnected; upstream request cancelled")
+    return None
+
+
+async def _handle(router: Router, request: Request, path: str) -> Response:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(400, "We could not parse the JSON body of your request.")
+    if not isinstance(body, dict):
+        return error_response(400, "The request body must be a JSON object.")
+    stream = body.get("stream") is True
+
+    async def prefill_then_decode_params() -> dict[str, Any]:
+        prefill_url = router.next_prefill()
+        answer = await router.post_json(prefill_url, path, prefill_request(body))
+        params = answer.get("kv_transfer_params")
+        decode_body = copy.deepcopy(body)
+        if isinstance(params, dict):
+            decode_body["kv_transfer_params"] = params
+        else:
+            # The prefill handed nothing over (its one token ended the request):
+            # the decoder computes the prompt itself.
+            decode_body.pop("kv_transfer_params", None)
+        return decode_body
+
+    try:
+        decode_body = await _until_disconnect(request, prefill_then_decode_params())
+        if decode_body is None:
+            return Response(status_code=499)
+        decode_url = router.next_decode()
+        if not stream:
+            result = await _until_disconnect(
+                request, router.post_json(decode_url, path, decode_body)
+            )
+            return Response(status_code=499) if result is None else JSONResponse(result)
+        return await _stream(router, decode_url, path, decode_body)
+    except _UpstreamError as exc:
+        return exc.response
+
+
+async def _stream(router: Router, url: str, path: str, body: dict[str, Any]) -> Response:
+    req = router.client.build_request("POST", url + path, json=body, headers=_forward_headers())
+    try:
+        upstream = await router.client.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        return _unreachable(url, exc)
+    if upstream.status_code != 200:
+        content = await upstream.aread()
+        await upstream.aclose()
+        return _passthrough(upstream.status_code, content, upstream.headers)
+
+    async def relay() -> AsyncIterator[bytes]:
+        # Closing the upstream response (also when the client goes away and this
+        # generator is closed) drops the decode connection: the decoder aborts.
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+
+    return StreamingResponse(relay(), media_type="text/event-stream")
+
+
+async def _health(router: Router) -> Response:
+    urls = [*router.config.prefill_urls, *router.config.decode_urls]
+
+    async def one(url: str) -> str:
+        try:
+            resp = await router.client.get(url + "/health", timeout=router.config.health_timeout_s)
+        except httpx.HTTPError as exc:
+            return f"unreachable ({type(exc).__name__})"
+        return "ok" if resp.status_code == 200 else f"status {resp.status_code}"
+
+    states = await asyncio.gather(*(one(u) for u in urls))
+    upstreams = dict(zip(urls, states, strict=True))
+    healthy = all(s == "ok" for s in states)
+    return JSONResponse(
+        {"status": "ok" if healthy else "unhealthy", "upstreams": upstreams},
+        status_code=200 if healthy else 503,
+    )
+
+
+def build_proxy_app(
+    config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
+    """The proxy's FastAPI app; `transport` lets tests route to in-process apps."""
+    timeout = httpx.Timeout(config.timeout_s, connect=10.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    holder: dict[str, Router] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as c:
+            holder["router"] = Router(config, c)
+            yield
+
+    app = FastAPI(title="paged proxy", lifespan=lifespan)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _handle(holder["router"], request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _handle(holder["router"], request, "/v1/chat/completions")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await _health(holder["router"])
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        router = holder["router"]
+        url = router.config.decode_urls[0]
+        try:
+            resp = await router.client.get(url + "/v1/models")
+        except httpx.HTTPError as exc:
+            return _unreachable(url, exc)
+        return _passthrough(resp.status_code, resp.content, resp.headers)
+
+    return app
+
+
+def run_proxy(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    timeout_s: float = 600.0,
+) -> None:
+    import uvicorn
+
+    config = ProxyConfig(
+        tuple(u.rstrip("/") for u in prefill),
+        tuple(u.rstrip("/") for u in decode),
+        timeout_s=timeout_s,
+    )
+    logger.info("proxy: prefill %s, decode %s", config.prefill_urls, config.decode_urls)
+    uvicorn.run(build_proxy_app(config), host=host, port=port, log_level=log_level)

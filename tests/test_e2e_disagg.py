@@ -1,0 +1,255 @@
+"""P/D disaggregation end to end: prefill, decode and proxy as three real processes on loopback.
+
+A tiny random llama (2 layers, 128 words). 32 prompts of 32-1,024 tokens go
+through `paged proxy` to a prefill `paged serve` (PagedZmqConnector,
+kv_producer) and a decode one (kv_consumer); greedy output must equal a
+single colocated instance's, token for token. Then n > 1, streaming, error
+pass-through, the prefill's KV usage back at zero and the transfer metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import LiveServer, _free_port, _paged_command
+
+BLOCK = 16
+MAX_TOKENS = 8
+NUM_PROMPTS = 32
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(13)
+    lengths = [32, 1024] + [rng.randint(32, 1024) for _ in range(NUM_PROMPTS - 2)]
+    return [[rng.randint(3, 127) for _ in range(n)] for n in lengths]
+
+
+PROMPTS = _prompts()
+
+
+def _engine_args(model: Path) -> list[str]:
+    return [str(model), "--device", "cpu", "--block-size", str(BLOCK)]
+    # (the defaults size the KV cache; 1,024-token prompts fit the tiny model's 4,096)
+
+
+def _zmq_config(role: str, side_port: int, **extra: Any) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "PagedZmqConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "side_channel_host": "127.0.0.1",
+                "side_channel_port": side_port,
+                **extra,
+            },
+        }
+    )
+
+
+@dataclass
+class Proxy:
+    process: subprocess.Popen[str]
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_proxy(tmp: Path, prefill: list[str], decode: list[str]) -> Proxy:
+    port = _free_port()
+    log_path = tmp / f"proxy-{port}.log"
+    args = ["proxy", "--port", str(port)]
+    for url in prefill:
+        args += ["--prefill", url]
+    for url in decode:
+        args += ["--decode", url]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [*_paged_command(), *args], stdout=log, stderr=subprocess.STDOUT, text=True
+        )
+    proxy = Proxy(process, port, log_path)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"paged proxy exited:\n{log_path.read_text()}")
+        try:
+            httpx.get(proxy.base_url + "/health", timeout=2)
+            return proxy
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError("paged proxy did not start")
+
+
+@dataclass
+class Cluster:
+    prefill: LiveServer
+    decode: LiveServer
+    reference: LiveServer
+    proxy: Proxy
+    model: str
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_word_llama: Path,
+    launch_server: Callable[..., LiveServer],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Cluster]:
+    side_port = _free_port()
+    args = _engine_args(tiny_word_llama)
+    prefill = launch_server(*args, "--kv-transfer-config", _zmq_config("kv_producer", side_port))
+    decode = launch_server(*args, "--kv-transfer-config", _zmq_config("kv_consumer", _free_port()))
+    reference = launch_server(*args)
+    proxy = start_proxy(tmp_path_factory.mktemp("proxy"), [prefill.base_url], [decode.base_url])
+    yield Cluster(prefill, decode, reference, proxy, str(tiny_word_llama))
+    proxy.process.terminate()
+    proxy.process.wait(timeout=30)
+
+
+def _body(cluster: Cluster, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {
+        "model": cluster.model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        **extra,
+    }
+
+
+def _tokens(choice: dict[str, Any]) -> list[str]:
+    tokens: list[str] = choice["logprobs"]["tokens"]
+    return tokens
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.slow
+def test_32_prompts_through_the_proxy_equal_a_single_instance(cluster: Cluster) -> None:
+    def complete(base_url: str, prompt: list[int]) -> list[str]:
+        with httpx.Client(base_url=base_url, timeout=300) as client:
+            resp = client.post("/v1/completions", json=_body(cluster, prompt))
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            assert choice["finish_reason"] == "length"
+            return _tokens(choice)
+
+    with ThreadPoolExecutor(NUM_PROMPTS) as pool:
+        disagg = list(pool.map(lambda p: complete(cluster.proxy.base_url, p), PROMPTS))
+    with ThreadPoolExecutor(8) as pool:
+        single = list(pool.map(lambda p: complete(cluster.reference.base_url, p), PROMPTS))
+    assert disagg == single
+    assert all(len(t) == MAX_TOKENS for t in disagg)
+
+    # The prefill handed every prompt over and freed all its blocks.
+    deadline = time.monotonic() + 10
+    while True:
+        prefill_metrics = httpx.get(cluster.prefill.base_url + "/metrics").text
+        usage = _metric(prefill_metrics, "vllm:kv_cache_usage_perc")
+        if usage == 0.0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert usage == 0.0, prefill_metrics
+    decode_metrics = httpx.get(cluster.decode.base_url + "/metrics").text
+    assert _metric(prefill_metrics, "paged:kv_transfer_transfers_total", direction="send") >= 32
+    recv = _metric(decode_metrics, "paged:kv_transfer_transfers_total", direction="recv")
+    assert recv >= 32
+    moved = _metric(decode_metrics, "paged:kv_transfer_bytes_total", direction="recv")
+    # Every prompt's blocks but the one its last token sits in may be partial:
+    # at least (len - 1) tokens x 2 layers x K/V x 2 heads x 16 dims x 4 bytes.
+    assert moved >= sum(len(p) - 1 for p in PROMPTS) * 2 * 2 * 2 * 16 * 4
+    assert _metric(decode_metrics, "paged:kv_transfer_requests_waiting") == 0
+    assert _metric(decode_metrics, "paged:kv_transfer_failures_total") == 0
+
+
+@pytest.mark.slow
+def test_n_greater_than_one_and_streaming(cluster: Cluster) -> None:
+    prompt = PROMPTS[5]
+    with httpx.Client(timeout=300) as client:
+        ref = client.post(
+            cluster.reference.base_url + "/v1/completions", json=_body(cluster, prompt)
+        )
+        assert ref.status_code == 200, ref.text
+        expected_text = ref.json()["choices"][0]["text"]
+
+        two = client.post(
+            cluster.proxy.base_url + "/v1/completions", json=_body(cluster, prompt, n=2)
+        )
+        assert two.status_code == 200, two.text
+        choices = two.json()["choices"]
+        assert [c["index"] for c in choices] == [0, 1]
+        assert all(c["text"] == expected_text for c in choices)
+
+        text = ""
+        events = 0
+        with client.stream(
+            "POST",
+            cluster.proxy.base_url + "/v1/completions",
+            json=_body(cluster, prompt, stream=True, logprobs=None),
+        ) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events += 1
+                text += json.loads(line[len("data: ") :])["choices"][0]["text"]
+        assert text == expected_text and events >= 2
+
+        chat = {
+            "model": cluster.model,
+            "messages": [{"role": "user", "content": " ".join(f"w{t}" for t in prompt[:64])}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        via_proxy = client.post(cluster.proxy.base_url + "/v1/chat/completions", json=chat)
+        direct = client.post(cluster.reference.base_url + "/v1/chat/completions", json=chat)
+        assert via_proxy.status_code == direct.status_code
+        if direct.status_code == 200:
+            assert (
+                via_proxy.json()["choices"][0]["message"]["content"]
+                == direct.json()["choices"][0]["message"]["content"]
+            )
+
+
+@pytest.mark.slow
+def test_errors_pass_through_and_health(cluster: Cluster) -> None:
+    with httpx.Client(base_url=cluster.proxy.base_url, timeout=60) as client:
+        bad = client.post("/v1/completions", json=_body(cluster, [5, 6, 7], temperature=-1))
+        assert bad.status_code == 400
+        err = bad.json()["error"]
+        assert err["type"] == "invalid_request_error" and "temperature" in err["message"]
+        not_json = client.post(
+            "/v1/completions", content=b"{", headers={"content-type": "application/json"}
+        )
+        assert not_json.status_code == 400 and "error" in not_json.json()
+        health = client.get("/health")
+        assert health.status_code == 200
+        assert set(health.json()["upstreams"]) == {
+            cluster.prefill.base_url,
+            cluster.decode.base_url,
+        }
