@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator

@@ -7,7 +7,7 @@ which this class sums into a gauge.
 
     paged:kv_transfer_transfers_total{direction}   blocks sets sent (prefill) / received (decode)
     paged:kv_transfer_bytes_total{direction}       KV bytes moved
-    paged:kv_transfer_seconds_total{direction}     time spent (decode: request of the pull to bytes in)
+    paged:kv_transfer_seconds_total{direction}     time spent (decode: pull asked -> bytes in)
     paged:kv_transfer_failures_total{direction}    pulls refused / failed (timeouts, handshake)
     paged:kv_transfer_expired_total                holds freed by abort_request_timeout
     paged:kv_transfer_requests_waiting             decode requests in WAITING_FOR_REMOTE_KVS

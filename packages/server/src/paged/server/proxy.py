@@ -214,7 +214,7 @@ async def _stream(router: Router, url: str, path: str, body: dict[str, Any]) -> 
         # Closing the upstream response (also when the client goes away and this
         # generator is closed) drops the decode connection: the decoder aborts.
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.aiter_bytes():
                 yield chunk
         finally:
             await upstream.aclose()
