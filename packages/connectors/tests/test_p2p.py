@@ -358,3 +358,24 @@ def test_port_in_use_is_a_clear_error(engines: list[Engine]) -> None:
     engines.append(make_engine("kv_producer", port))
     with pytest.raises(ValueError, match="side_channel_port"):
         make_engine("kv_producer", port, use_ipc=False)
+
+
+def test_siblings_with_the_same_remote_kv_pull_once(engines: list[Engine]) -> None:
+    # n > 1: the frontend fans one request out; every child carries the same params.
+    p = make_engine("kv_producer", free_port())
+    d = make_engine("kv_consumer", free_port())
+    engines += [p, d]
+    params = prefill(p)
+    d.sched.add_request(decode_request("d1-0", params))
+    d.sched.add_request(decode_request("d1-1", params))
+    run_until(
+        [p, d],
+        lambda: d.finished("d1-0") is not None and d.finished("d1-1") is not None,
+    )
+    assert d.stats["p2p.recv_transfers"] == 1
+    assert d.stats.get("p2p.recv_failures", 0) == 0
+    assert d.tokens("d1-0") == d.tokens("d1-1")
+    n = len(PROMPT)
+    # The second child hit the first's pulled blocks in the prefix cache.
+    assert d.sim.computed_positions["d1-1"][0] == (n - 1) // BLOCK_SIZE * BLOCK_SIZE
+    run_until([p, d], lambda: p.usage == 0.0, timeout=3.0)

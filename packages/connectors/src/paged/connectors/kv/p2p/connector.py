@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 # An idle engine (nothing scheduled, transfers pending) waits this long for
 # transfer news per step instead of spinning a core.
 _IDLE_WAIT_S = 0.005
+_PULLED_REMEMBERED = 4096  # remote requests already pulled (n > 1 siblings come together)
 
 
 @dataclass
@@ -85,6 +87,11 @@ class PagedZmqConnector(KVConnectorBase):
         self._recvs: list[wire.RecvSpec] = []
         self._releases: list[wire.ReleaseSpec] = []
         self._waiting_delta = 0
+        # Several requests may carry the same remote KV (n > 1 fans one request out):
+        # one pulls, the others wait for it and then hit the prefix cache.
+        self._remote_loading: dict[tuple[str, str], str] = {}  # remote key -> request pulling
+        self._remote_pulled: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._loading_keys: dict[str, tuple[str, str]] = {}  # request -> remote key
         # Worker side (threads start in register_kv_caches).
         self._news = threading.Event()
         self._sender: BlockSender | None = None
@@ -125,6 +132,15 @@ class PagedZmqConnector(KVConnectorBase):
         params = self._remote_params(request)
         if params is None:
             return 0, False
+        key = _remote_key(params, request)
+        puller = self._remote_loading.get(key)
+        if puller is not None and puller != request.request_id:
+            return None, False  # ask again once the sibling's pull is done
+        if key in self._remote_pulled:
+            # Pulled once already (and acknowledged: the prefill has freed it); what the
+            # prefix cache does not hold is computed here.
+            self._handled.add(request.request_id)
+            return 0, False
         remote_blocks = params.remote_block_ids or []
         # The last prompt token is computed here: its logits give the first token.
         available = min(request.num_prompt_tokens - 1, len(remote_blocks) * self.block_size)
@@ -162,6 +178,9 @@ class PagedZmqConnector(KVConnectorBase):
             )
         )
         self._loading.add(request.request_id)
+        key = _remote_key(params, request)
+        self._remote_loading[key] = request.request_id
+        self._loading_keys[request.request_id] = key
         self._waiting_delta += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes:
@@ -183,11 +202,13 @@ class PagedZmqConnector(KVConnectorBase):
         was_handled = req_id in self._handled
         self._handled.discard(req_id)
         self._pending.pop(req_id, None)
-        if not was_handled and self._remote_params(request) is not None:
-            # Aborted before its pull started: let the prefill free its blocks now
-            # rather than at its abort timeout.
-            assert params is not None
-            self._releases.append(_release_spec(params))
+        remote = None if was_handled else self._remote_params(request)
+        if remote is not None:
+            key = _remote_key(remote, request)
+            if key not in self._remote_loading and key not in self._remote_pulled:
+                # Aborted before any pull started: let the prefill free its blocks
+                # now rather than at its abort timeout.
+                self._releases.append(_release_spec(remote))
         self._handled.discard(req_id)
         if params is None or not params.do_remote_decode or not self._config.is_kv_producer:
             return False, None
@@ -215,6 +236,12 @@ class PagedZmqConnector(KVConnectorBase):
             if req_id in self._loading:
                 self._loading.discard(req_id)
                 self._waiting_delta -= 1
+            key = self._loading_keys.pop(req_id, None)
+            if key is not None:
+                self._remote_loading.pop(key, None)
+                self._remote_pulled[key] = None
+                while len(self._remote_pulled) > _PULLED_REMEMBERED:
+                    self._remote_pulled.popitem(last=False)
 
     # ------------------------------------------------------------------ worker side
 
@@ -338,6 +365,10 @@ class PagedZmqConnector(KVConnectorBase):
     @property
     def sender_endpoints(self) -> list[str]:
         return list(self._sender.endpoints) if self._sender is not None else []
+
+
+def _remote_key(params: KVTransferParams, request: Request) -> tuple[str, str]:
+    return (params.remote_engine_id or "", params.remote_request_id or request.request_id)
 
 
 def _release_spec(params: KVTransferParams) -> wire.ReleaseSpec:
