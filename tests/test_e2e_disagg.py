@@ -182,7 +182,7 @@ def test_32_prompts_through_the_proxy_equal_a_single_instance(cluster: Cluster) 
     # at least (len - 1) tokens x 2 layers x K/V x 2 heads x 16 dims x 4 bytes.
     assert moved >= sum(len(p) - 1 for p in PROMPTS) * 2 * 2 * 2 * 16 * 4
     assert _metric(decode_metrics, "paged:kv_transfer_requests_waiting") == 0
-    assert _metric(decode_metrics, "paged:kv_transfer_failures_total") == 0
+    assert _metric(decode_metrics, "paged:kv_transfer_failures_total") == 0  # (runs first)
 
 
 @pytest.mark.slow
@@ -252,3 +252,35 @@ def test_errors_pass_through_and_health(cluster: Cluster) -> None:
             cluster.prefill.base_url,
             cluster.decode.base_url,
         }
+
+
+@pytest.mark.slow
+def test_dead_prefill_is_recomputed_by_the_decoder(cluster: Cluster) -> None:
+    # Params naming a prefill that is gone (nothing listens on the port): the decoder's
+    # pull times out (transfer_timeout, 5 s) and, kv_load_failure_policy being
+    # "recompute", it computes the prompt itself: same tokens, bounded in time.
+    prompt = PROMPTS[3]
+    stale = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "gone",
+        "remote_request_id": "cmpl-gone",
+        "remote_block_ids": list(range(1, len(prompt) // BLOCK + 2)),
+        "remote_host": "127.0.0.1",
+        "remote_port": _free_port(),
+    }
+    with httpx.Client(timeout=120) as client:
+        ref = client.post(
+            cluster.reference.base_url + "/v1/completions", json=_body(cluster, prompt)
+        )
+        start = time.monotonic()
+        got = client.post(
+            cluster.decode.base_url + "/v1/completions",
+            json=_body(cluster, prompt, kv_transfer_params=stale),
+        )
+        elapsed = time.monotonic() - start
+        assert got.status_code == 200, got.text
+        assert _tokens(got.json()["choices"][0]) == _tokens(ref.json()["choices"][0])
+        assert elapsed < 30
+        metrics = client.get(cluster.decode.base_url + "/metrics").text
+    assert _metric(metrics, "paged:kv_transfer_failures_total", direction="recv") >= 1
+    assert "no reply from the prefill engine" in cluster.decode.log()
