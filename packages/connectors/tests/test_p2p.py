@@ -379,3 +379,39 @@ def test_siblings_with_the_same_remote_kv_pull_once(engines: list[Engine]) -> No
     # The second child hit the first's pulled blocks in the prefix cache.
     assert d.sim.computed_positions["d1-1"][0] == (n - 1) // BLOCK_SIZE * BLOCK_SIZE
     run_until([p, d], lambda: p.usage == 0.0, timeout=3.0)
+
+
+def test_decoder_dying_mid_transfer_leaves_nothing_held(engines: list[Engine]) -> None:
+    # A decoder that handshakes, pulls, receives the blocks and dies before its DONE:
+    # the prefill frees the blocks at abort_request_timeout; nothing leaks.
+    import zmq
+
+    from paged.connectors.kv.p2p import wire
+
+    port = free_port()
+    p = make_engine("kv_producer", port, abort_request_timeout=0.5)
+    engines.append(p)
+    params = prefill(p)
+    assert params.remote_block_ids is not None
+    info = p.worker_side._sender._info  # type: ignore[union-attr]  # the same layout
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send_multipart([wire.HELLO, wire.ENCODER.encode(info)])
+    assert sock.poll(3000)
+    assert sock.recv_multipart()[0] == wire.HELLO
+    pull = wire.PullRequest(1, "p1", list(params.remote_block_ids))
+    sock.send_multipart([wire.PULL, wire.ENCODER.encode(pull)])
+    p.step()  # the sender learns of the hold in the step after the response
+    assert sock.poll(3000)
+    frames = sock.recv_multipart()
+    header = wire.DATA_DECODER.decode(frames[1])
+    assert header.error is None and header.num_blocks == len(params.remote_block_ids)
+    sock.close(linger=0)  # dies: no DONE
+    ctx.term()
+    assert p.usage > 0
+    start = time.monotonic()
+    run_until([p], lambda: p.usage == 0.0, timeout=3.0)
+    assert time.monotonic() - start < 2.0
+    assert p.worker_side.num_held_for_decoders() == 0
+    p.sched.check_integrity()
