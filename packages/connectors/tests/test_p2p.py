@@ -415,3 +415,11 @@ def test_decoder_dying_mid_transfer_leaves_nothing_held(engines: list[Engine]) -
     assert time.monotonic() - start < 2.0
     assert p.worker_side.num_held_for_decoders() == 0
     p.sched.check_integrity()
+
+
+def test_registered_in_the_factory() -> None:
+    from paged.connectors.kv import KVConnectorFactory
+
+    config = KVTransferConfig(kv_connector="PagedZmqConnector", kv_role="kv_consumer")
+    factory = KVConnectorFactory.with_builtins()
+    assert factory.get_connector_class(config) is PagedZmqConnector
