@@ -423,3 +423,25 @@ def test_registered_in_the_factory() -> None:
     config = KVTransferConfig(kv_connector="PagedZmqConnector", kv_role="kv_consumer")
     factory = KVConnectorFactory.with_builtins()
     assert factory.get_connector_class(config) is PagedZmqConnector
+
+
+def test_prefill_aborted_before_it_finishes_frees_at_once(engines: list[Engine]) -> None:
+    # The client went away during the prefill: no params, nothing held.
+    p = make_engine("kv_producer", free_port())
+    engines.append(p)
+    req = make_request("p1", PROMPT, max_tokens=1)
+    p.sched.add_request(
+        msgspec.structs.replace(req, kv_transfer_params=KVTransferParams(do_remote_decode=True))
+    )
+    p.sched.finish_requests("p1", RequestStatus.FINISHED_ABORTED)
+    p.step()
+    assert p.usage == 0.0 and p.worker_side.num_held_for_decoders() == 0
+    # A prompt that ends on its one token (EOS) hands nothing over either, as vLLM.
+    eos_req = make_request("p2", PROMPT, max_tokens=1, eos=(sum(PROMPT[-3:]) % 50) + 1)
+    p.sched.add_request(
+        msgspec.structs.replace(eos_req, kv_transfer_params=KVTransferParams(do_remote_decode=True))
+    )
+    run_until([p], lambda: p.finished("p2") is not None)
+    out = p.finished("p2")
+    assert out is not None and out.kv_transfer_params is None
+    assert p.usage == 0.0
