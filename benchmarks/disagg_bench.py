@@ -13,14 +13,17 @@ Modes:
   colocated  one `paged serve`
   disagg     prefill `paged serve` (PagedZmqConnector kv_producer) + decode
              `paged serve` (kv_consumer) + `paged proxy`
-Each engine runs torch on `--threads` threads (OMP_NUM_THREADS): disagg uses
-two engine processes, so on a 2-core machine it also gets twice the cores.
+Each disagg engine runs torch on `--threads` threads (OMP_NUM_THREADS), the
+colocated one on twice that (`--colocated-threads`), so both modes use the
+same number of compute threads on the machine.
 
 Reported per mode (median over `--reps`): TTFT p50/p99, inter-token latency
 p50/p99 over all streams and over the short streams only (the ones a long
 prompt's prefill would stall), output tok/s, and for disagg the KV bytes
 moved per request, transfer seconds per request and per 1,000 prompt tokens
-(from the decode instance's paged:kv_transfer_* counters). Load average and
+(from the decode instance's paged:kv_transfer_* counters: a pull's time runs
+from the decoder asking to the bytes being in its memory, so it includes
+waiting for the prefill to register the hold). Load average and
 thread counts are recorded beside the figures.
 """
 
@@ -165,8 +168,6 @@ async def workload(url: str, model: str, ns: argparse.Namespace, seed: int) -> d
     tasks = []
     limits = httpx.Limits(max_connections=ns.num_short + ns.num_long + 4)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-        # warm-up: first-call costs out of the figures
-        await one(client, url, model, Stream("w", 8), [5] * 8, 2, 0.0)
         t0 = time.perf_counter()
         for i in range(ns.num_short + ns.num_long):
             kind = "short" if i < ns.num_short else "long"
@@ -206,12 +207,21 @@ def counter(url: str, name: str, direction: str) -> float:
     return total
 
 
+async def warm_up(url: str, model: str) -> None:
+    """First-call costs (and the first handshake) out of the figures."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one(client, url, model, Stream("warm-up", 40), [5] * 40, 2, 0.0)
+
+
 def run_mode(mode: str, model: str, ns: argparse.Namespace, rep: int) -> dict[str, Any]:
     base = ["serve", model, "--device", "cpu", "--block-size", "16", "--max-model-len", "2048"]
     procs: list[subprocess.Popen[bytes]] = []
     try:
+        threads = ns.threads
         if mode == "colocated":
-            proc, url = start(base, ns.threads)
+            # The same torch threads in all as the two disagg engines together.
+            threads = ns.colocated_threads or 2 * ns.threads
+            proc, url = start(base, threads)
             procs.append(proc)
             decode_url = None
         else:
@@ -230,18 +240,19 @@ def run_mode(mode: str, model: str, ns: argparse.Namespace, rep: int) -> dict[st
             procs.append(d)
             x, url = start(["proxy", "--prefill", p_url, "--decode", decode_url], 1)
             procs.append(x)
+        asyncio.run(warm_up(url, model))
         load_before = [round(v, 2) for v in os.getloadavg()]
         before = {}
         if decode_url is not None:
             before = {k: counter(decode_url, f"paged:kv_transfer_{k}_total", "recv")
                       for k in ("bytes", "seconds", "transfers")}  # fmt: skip
         result = asyncio.run(workload(url, model, ns, seed=rep))
+        result["torch_threads"] = threads if mode == "colocated" else [ns.threads, ns.threads]
         result["load_avg_before"] = load_before
         result["load_avg_after"] = [round(v, 2) for v in os.getloadavg()]
         if decode_url is not None:
             moved = {k: counter(decode_url, f"paged:kv_transfer_{k}_total", "recv") - before[k]
                      for k in before}  # fmt: skip
-            # The warm-up request pulled too; the figures are per measured request.
             n = moved["transfers"] or 1
             result["kv_transfers"] = moved["transfers"]
             result["kv_bytes_per_request"] = moved["bytes"] / n
@@ -272,7 +283,10 @@ def main() -> None:
     )
     p.add_argument("--model", help="a model directory (default: build a random llama)")
     p.add_argument("--reps", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per disagg engine")
+    p.add_argument(
+        "--colocated-threads", type=int, default=0, help="torch threads (default 2 x --threads)"
+    )
     p.add_argument("--num-short", type=int, default=24)
     p.add_argument("--num-long", type=int, default=8)
     p.add_argument("--short-len", type=int, default=64)
@@ -302,7 +316,6 @@ def main() -> None:
         "workload": {k: getattr(ns, k) for k in ("num_short", "num_long", "short_len", "long_len",
                                                  "max_tokens", "long_start_s", "long_gap_s")},
         "reps": ns.reps,
-        "torch_threads_per_engine": ns.threads,
         "engine_processes": {"colocated": 1, "disagg": 2},
         "cpu_count": os.cpu_count(),
         "colocated": co,
