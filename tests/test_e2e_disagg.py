@@ -143,12 +143,15 @@ def _tokens(choice: dict[str, Any]) -> list[str]:
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
+    """The sum of a series' samples with these labels; AssertionError if there is none."""
+    total, found = 0.0, False
     for line in text.splitlines():
         if not line.startswith(name + "{") and not line.startswith(name + " "):
             continue
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"no {name} {labels} in /metrics"
     return total
 
 
@@ -173,7 +176,7 @@ def test_32_prompts_through_the_proxy_equal_a_single_instance(cluster: Cluster) 
     deadline = time.monotonic() + 10
     while True:
         prefill_metrics = httpx.get(cluster.prefill.base_url + "/metrics").text
-        usage = _metric(prefill_metrics, "vllm:kv_cache_usage_perc")
+        usage = _metric(prefill_metrics, "paged:kv_cache_usage_perc")
         if usage == 0.0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
