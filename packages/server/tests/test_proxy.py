@@ -186,3 +186,50 @@ def test_config_and_cli_validation() -> None:
     assert ns.prefill == [P1, P2] and ns.decode == [D1]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["proxy", "--prefill", P1])
+
+
+def test_client_disconnect_cancels_the_upstream_call() -> None:
+    # The client goes away while the prefill computes: the proxy cancels that call
+    # (closing its connection, which the instance answers by aborting) and never
+    # sends the request on to a decoder.
+    import asyncio
+
+    calls: list[str] = []
+    cancelled: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(str(request.url.host))
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(str(request.url.host))
+            raise
+        return httpx.Response(200, json={})
+
+    app = build_proxy_app(ProxyConfig((P1,), (D1,)), httpx.MockTransport(handler))
+    body_read: list[bool] = []
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if not body_read:
+            body_read.append(True)
+            return {"type": "http.request", "body": b'{"prompt": "hi"}', "more_body": False}
+        await started.wait()  # disconnect once the prefill is busy
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [
+        (b"content-type", b"application/json")], "query_string": b"", "http_version": "1.1",
+        "scheme": "http", "server": ("test", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
+
+    async def main() -> None:
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(app(scope, receive, send), timeout=10)  # type: ignore[arg-type]
+
+    started = asyncio.Event()
+    asyncio.run(main())
+    assert calls == ["p1"] and cancelled == ["p1"]  # the decoder was never called
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
