@@ -146,8 +146,13 @@ class StreamOptions(StrictRequest):
 
 
 class ResponseFormat(StrictRequest):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's response_format; `structures`/`triggers` (or `format`) for vLLM's structural_tag."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class SamplingFields(TopLevelRequest):
