@@ -162,10 +162,20 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a batch of conversations."""
+        """Generate replies to one conversation or a batch of conversations.
+
+        `tools` (OpenAI's `{"type": "function", "function": {...}}` items, as
+        vLLM's `LLM.chat`) are checked and handed to the chat template; the
+        replies are text: parse tool calls with a `paged.server.tool_parsers` parser.
+        """
+        from paged.server.openai.tools import parse_tools
+
         single = bool(messages) and isinstance(messages[0], Mapping)
         conversations = cast(Sequence[ChatMessages], [messages] if single else messages)
+        tool_dicts = [t.template_dict() for t in parse_tools([dict(t) for t in tools or ()])]
         prompts: list[PromptType] = []
         for conv in conversations:
             text = apply_chat_template(
@@ -174,6 +184,8 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tool_dicts or None,
             )
             prompts.append({"prompt": text, "add_special_tokens": False})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -209,3 +209,34 @@ async def test_openai_client_parse_with_a_pydantic_model(http: httpx.AsyncClient
     )
     parsed = completion.choices[0].message.parsed
     assert isinstance(parsed, Person) and 0 <= parsed.age <= 120
+
+
+async def test_response_format_structural_tag(http: httpx.AsyncClient, tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    schema["additionalProperties"] = False
+    lt = tokenizer.encode("<", add_special_tokens=False)[0]
+    f = tokenizer.encode("f", add_special_tokens=False)[0]
+    rf = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f=n>", "schema": schema, "end": "</f>"}],
+        "triggers": ["<f"],
+    }
+    found = 0
+    for seed in range(4):
+        resp = await http.post(
+            "/v1/chat/completions",
+            json=_chat(
+                response_format=rf, max_tokens=60, seed=seed, logit_bias={str(lt): 8, str(f): 8}
+            ),
+        )
+        assert resp.status_code == 200, resp.text
+        text = resp.json()["choices"][0]["message"]["content"]
+        for m in re.finditer(r"<f(.*?)</f>", text, re.S):
+            assert m.group(1).startswith("=n>"), text
+            jsonschema.validate(json.loads(m.group(1)[3:]), schema)
+            found += 1
+    assert found >= 4
+    bad = await http.post(
+        "/v1/chat/completions", json=_chat(response_format={"type": "structural_tag"})
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structural_tag"

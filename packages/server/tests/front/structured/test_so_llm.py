@@ -136,3 +136,37 @@ def test_llm_refuses_bad_constraints(tiny_llm: Any) -> None:
     # The engine still serves.
     out = tiny_llm.generate(["x"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_structural_tag_output_holds_every_tag(tiny_llm: Any, tokenizer: Any) -> None:
+    """Pushed towards the trigger (logit_bias), the random model opens tags again and
+    again; each one is `begin`, JSON valid for its schema, `end`."""
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
+    tag = {
+        "structures": [{"begin": "<f=get>", "schema": schema, "end": "</f>"}],
+        "triggers": ["<f"],
+    }
+    lt, f = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "<f")
+    so = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    params = [
+        SamplingParams(max_tokens=80, seed=i, structured_outputs=so, logit_bias={lt: 8, f: 8})
+        for i in range(6)
+    ]
+    outs = tiny_llm.generate(["go"] * len(params), params, use_tqdm=False)
+    tags = 0
+    for out in outs:
+        text = out.outputs[0].text
+        for m in re.finditer("<f", text):
+            body = text[m.start() :]
+            if "</f>" not in body:
+                continue  # the last tag, cut by max_tokens
+            assert body.startswith("<f=get>"), text
+            payload = body[len("<f=get>") : body.index("</f>")]
+            jsonschema.validate(json.loads(payload), schema)
+            tags += 1
+    assert tags >= 6  # the trigger really fired

@@ -266,6 +266,8 @@ class TokenizeRequest(TopLevelRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    # Chat form only: tools for the chat template (vLLM's TokenizeChatRequest.tools).
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(TopLevelRequest):
