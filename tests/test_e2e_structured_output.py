@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import openai
@@ -88,27 +88,31 @@ def test_guided_choice_regex_and_bad_schema(client: openai.OpenAI) -> None:
     assert "uniqueItems" in str(info.value)
 
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
+CITY_ARGS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
 }
+# Typed Any: the openai client's TypedDicts add nothing to a test's literals.
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": CITY_ARGS,
+        },
+    }
+]
 
 
 def test_tool_call_round_trip_with_the_openai_client(client: openai.OpenAI) -> None:
-    question = {"role": "user", "content": "What is the weather in Paris?"}
+    question: Any = {"role": "user", "content": "What is the weather in Paris?"}
     first = client.chat.completions.create(
         model=MODEL,
-        messages=[question],  # type: ignore[list-item]
-        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        messages=[question],
+        tools=TOOLS,
         tool_choice="required",
         max_tokens=60,
         temperature=0,
@@ -117,27 +121,23 @@ def test_tool_call_round_trip_with_the_openai_client(client: openai.OpenAI) -> N
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls or []
     assert call.type == "function" and call.function.name == "get_weather"
-    args = json.loads(call.function.arguments)
-    jsonschema.validate(args, WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
+    jsonschema.validate(json.loads(call.function.arguments), CITY_ARGS)
     # The call and its result go back; the model answers in text.
+    history: Any = [
+        question,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+    ]
     second = client.chat.completions.create(
-        model=MODEL,
-        messages=[
-            question,  # type: ignore[list-item]
-            choice.message.model_dump(exclude_none=True),  # type: ignore[list-item]
-            {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
-        ],
-        tools=[WEATHER_TOOL],  # type: ignore[list-item]
-        tool_choice="none",
-        max_tokens=16,
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=16,
         temperature=0,
-    )
+    )  # fmt: skip
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
     # Streamed with a named choice: the name first, then the arguments in pieces.
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=[question],  # type: ignore[list-item]
-        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        messages=[question],
+        tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=60,
         temperature=0,
@@ -149,4 +149,4 @@ def test_tool_call_round_trip_with_the_openai_client(client: openai.OpenAI) -> N
     assert deltas[0].function is not None and deltas[0].function.name == "get_weather"
     pieces = [d.function.arguments for d in deltas[1:] if d.function and d.function.arguments]
     assert len(pieces) > 1
-    jsonschema.validate(json.loads("".join(pieces)), WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
+    jsonschema.validate(json.loads("".join(pieces)), CITY_ARGS)

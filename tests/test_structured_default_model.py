@@ -63,7 +63,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
 
 def random_object_schemas(seed: int, n: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    out = []
+    out: list[dict[str, Any]] = []
     while len(out) < n:
         s = random_schema(rng)
         if s.get("type") != "object":  # the top level is an object, as tools and APIs use
@@ -110,8 +110,9 @@ def test_random_schemas_regexes_and_choices_always_hold(llm: Any) -> None:
     texts = []
     for p, out in zip(params, outs, strict=True):
         completion = out.outputs[0]
-        so = p.structured_outputs
-        assert so is not None
+        constraint = p.structured_outputs
+        assert constraint is not None
+        so = constraint
         assert completion.finish_reason == "stop", (so, completion.text)
         text = completion.text
         if so.json is not None:

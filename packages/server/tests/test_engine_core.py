@@ -264,7 +264,7 @@ def test_grammar_mask_is_computed_while_the_model_runs(
 ) -> None:
     forward: list[tuple[float, float]] = []
 
-    class SlowForward(fake_executor_cls):  # type: ignore[misc, valid-type]
+    class SlowForward(fake_executor_cls):  # type: ignore[misc]
         def execute_model(self, scheduler_output: SchedulerOutput) -> Any:
             start = time.monotonic()
             time.sleep(0.05)

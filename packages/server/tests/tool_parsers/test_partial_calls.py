@@ -18,7 +18,7 @@ from paged.server.tool_parsers import (
 )
 from paged.server.tool_parsers.partial_json import PartialCall, stable_json_prefix
 
-ARGS = {"city": "Paris \"15e\" é", "days": 3, "units": ["c", None], "x": 1.5, "ok": True}
+ARGS = {"city": 'Paris "15e" é', "days": 3, "units": ["c", None], "x": 1.5, "ok": True}
 
 
 def _raw(args: dict[str, Any]) -> str:
@@ -29,7 +29,10 @@ def _raw(args: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     ("parser", "text"),
     [
-        (HermesToolParser(), f'ok <tool_call>{{"name": "get", "arguments": {_raw(ARGS)}}}</tool_call>'),
+        (
+            HermesToolParser(),
+            f'ok <tool_call>{{"name": "get", "arguments": {_raw(ARGS)}}}</tool_call>',
+        ),
         (Llama3JsonToolParser(), f'{{"name": "get", "parameters": {_raw(ARGS)}}}'),
         (RequiredArrayParser(), f'[{{"name": "get", "parameters": {_raw(ARGS)}}}]'),
     ],
@@ -37,7 +40,7 @@ def _raw(args: dict[str, Any]) -> str:
 def test_arguments_arrive_token_by_token_and_add_up(parser: ToolParser, text: str) -> None:
     streamer = ParserStreamer(parser)
     deltas = []
-    for i, ch in enumerate(text):  # one character per "token"
+    for ch in text:  # one character per "token"
         deltas.extend(streamer.feed(ch, final=False).tool_calls)
     deltas.extend(streamer.feed("", final=True).tool_calls)
     assert deltas[0].name == "get" and deltas[0].id and deltas[0].arguments == ""
@@ -68,7 +71,7 @@ def test_the_name_is_sent_before_the_arguments_are_complete() -> None:
         ('{"a": 10,', '{"a": 10, '),
         ('{"a": "\\u00e', '{"a": "'),  # a partial escape waits
         ('{"a": "\\u00e9\\n', '{"a": "é\\n'),
-        ('{"a": "\\ud83d\\ude00"}', '{"a": "\\U0001f600"}'.encode().decode("unicode_escape")),
+        ('{"a": "\\ud83d\\ude00"}', '{"a": "\U0001f600"}'),
         ('{"a": [1.50, tru', '{"a": [1.5, '),
         ('{"a": {}} trailing', '{"a": {}}'),
     ],
@@ -79,7 +82,9 @@ def test_stable_prefix(raw: str, stable: str) -> None:
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-1000, 1000) | st.floats(-1e3, 1e3) | st.text(),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 

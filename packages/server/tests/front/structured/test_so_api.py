@@ -212,8 +212,8 @@ async def test_openai_client_parse_with_a_pydantic_model(http: httpx.AsyncClient
 
 
 async def test_response_format_structural_tag(http: httpx.AsyncClient, tokenizer: Any) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    schema["additionalProperties"] = False
+    schema: dict[str, Any] = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    schema.update(required=["n"], additionalProperties=False)
     lt = tokenizer.encode("<", add_special_tokens=False)[0]
     f = tokenizer.encode("f", add_special_tokens=False)[0]
     rf = {

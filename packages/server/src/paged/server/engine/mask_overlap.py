@@ -59,7 +59,7 @@ class GrammarMaskOverlap:
         *,
         enabled: bool = True,
     ) -> None:
-        """`requests`: the scheduler's live requests by id (None: assume every step is constrained)."""
+        """`requests`: the scheduler's live requests by id (None: every step is constrained)."""
         self._compute = compute_mask
         self._requests = requests
         self.enabled = enabled
