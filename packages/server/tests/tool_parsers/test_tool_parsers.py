@@ -220,6 +220,6 @@ def test_auto_picks_the_parser_from_the_template(template: str, expected: str) -
 def test_auto_without_a_known_format_and_unknown_names_fail() -> None:
     with pytest.raises(ValueError, match="name the parser"):
         resolve_tool_parser_name("auto", "{{ messages }}")
-    with pytest.raises(ValueError, match="invalid tool call parser: mistral"):
-        resolve_tool_parser_name("mistral", None)
+    with pytest.raises(ValueError, match="invalid tool call parser: granite"):
+        resolve_tool_parser_name("granite", None)
     assert resolve_tool_parser_name("hermes", None) == "hermes"
