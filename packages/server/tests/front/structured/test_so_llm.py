@@ -114,13 +114,24 @@ def test_choice_outputs_are_one_of_the_choices(tiny_llm: Any) -> None:
 
 
 def test_unconstrained_outputs_unchanged_by_constrained_neighbours(tiny_llm: Any) -> None:
-    prompts = ["hello world", "the quick brown fox", "0123456789"]
-    free = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
+    """The issue's batch of 32: 12 unconstrained (greedy and seeded) beside 20 constrained."""
+    words = ["hello world", "the quick brown fox", "0123456789", "abc"]
+    prompts = [f"{words[i % 4]} {i}" for i in range(12)]
+    free = [
+        SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+        for i in range(12)
+    ]
     alone = tiny_llm.generate(prompts, free, use_tqdm=False)
     rng = random.Random(7)
-    constrained = [_json_params(random_schema(rng, depth=2), seed=i) for i in range(5)]
-    mixed = tiny_llm.generate([*prompts, *["json:"] * 5], [*free, *constrained], use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in mixed[:3]] == [o.outputs[0].token_ids for o in alone]
+    constrained = [_json_params(random_schema(rng, depth=2), seed=i) for i in range(14)]
+    constrained += [
+        SamplingParams(max_tokens=24, seed=i, structured_outputs=StructuredOutputsParams(regex=r))
+        for i, r in enumerate([r"[a-c]{2,5}-\d\d", r"(yes|no)!?", r"\d+"] * 2)
+    ]
+    batch = [*prompts, *["json:"] * 20]
+    mixed = tiny_llm.generate(batch, [*free, *constrained], use_tqdm=False)
+    assert len(mixed) == 32
+    assert [o.outputs[0].token_ids for o in mixed[:12]] == [o.outputs[0].token_ids for o in alone]
 
 
 def test_llm_refuses_bad_constraints(tiny_llm: Any) -> None:

@@ -1,9 +1,9 @@
 """Frontend check of a request's constraint: compile it (cached) before it reaches the engine.
 
-`AsyncLLM.add_request` runs this on its worker thread for large constraints
-(`BlockingWork`), `LLM` inline; a bad schema, regex or grammar becomes an
-`InvalidRequestError` (a 400 at the API) naming the field, and never an
-engine-side failure.
+`AsyncLLM.add_request` awaits `check_compiles_async` (a grammar not compiled
+yet is compiled on a thread), `LLM` calls `check_compiles` inline; a bad
+schema, regex or grammar becomes an `InvalidRequestError` (a 400 at the API)
+naming the field, and never an engine-side failure.
 """
 
 from __future__ import annotations
@@ -52,13 +52,3 @@ async def check_compiles_async(compiler: GrammarCompiler | None, params: Samplin
             await asyncio.to_thread(check_compiles, compiler, params)
             return
     check_compiles(compiler, params)
-
-
-def constraint_size(params: SamplingParams) -> int:
-    """How big the constraint's text is, for choosing inline vs worker-thread compilation."""
-    c = params.structured_outputs
-    if c is None:
-        return 0
-    return sum(len(t) for t in (c.json, c.regex, c.grammar, c.structural_tag) if t) + sum(
-        len(x) for x in c.choice or ()
-    )
