@@ -240,3 +240,40 @@ async def test_response_format_structural_tag(http: httpx.AsyncClient, tokenizer
         "/v1/chat/completions", json=_chat(response_format={"type": "structural_tag"})
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "structural_tag"
+
+
+async def test_a_slow_compile_is_a_400_after_the_timeout_and_stalls_no_one(
+    http: httpx.AsyncClient, tiny_llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    compiler = tiny_llm.grammar_compiler
+    release = threading.Event()
+    build = compiler._build
+
+    def build_slowly_if_slow(key: Any) -> Any:
+        if "slowgrammar" in key.text:
+            release.wait(30)  # a compile that would never end on its own within the test
+        return build(key)
+
+    monkeypatch.setattr(compiler, "_build", build_slowly_if_slow)
+    monkeypatch.setattr(compiler, "compile_timeout_s", 5.0)
+    t = time.monotonic()
+    slow = asyncio.create_task(
+        http.post("/v1/completions", json={"prompt": "a", "max_tokens": 4,
+                                           "guided_regex": "slowgrammar[0-9]+"})
+    )  # fmt: skip
+    await asyncio.sleep(0.1)
+    # Meanwhile a constrained and an unconstrained request are served.
+    fast = await http.post(
+        "/v1/completions", json={"prompt": "b", "max_tokens": 4, "guided_regex": "[0-9]{2}"}
+    )
+    free = await http.post("/v1/completions", json={"prompt": "c", "max_tokens": 4})
+    assert fast.status_code == free.status_code == 200
+    assert not slow.done() and time.monotonic() - t < 5.0
+    resp = await slow
+    release.set()
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "regex" and "took longer than 5 s" in err["message"]
