@@ -44,6 +44,7 @@ class LLM:
 
         args = EngineArgs(model=model, **engine_options)
         core_options = args.engine_core_options()  # bad options fail before the model loads
+        so_options = args.structured_output_options()
         config = args.create_engine_config()
         from paged.server.structured_output import (
             GrammarCompiler,
@@ -60,7 +61,12 @@ class LLM:
         backend = None
         if ll_tokenizer is not None:
             backend = StructuredOutputBackend(
-                GrammarCompiler(ll_tokenizer, eos_token_ids=mc.eos_token_ids)
+                GrammarCompiler(
+                    ll_tokenizer,
+                    eos_token_ids=mc.eos_token_ids,
+                    cache_size=so_options.cache_size,
+                    compile_timeout_s=so_options.compile_timeout_s,
+                )
             )
         client = InprocClient.from_factory(
             make_engine_core_factory(config, structured_output=backend, **core_options)
