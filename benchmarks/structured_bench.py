@@ -9,12 +9,23 @@ vocabulary is what masks cover):
   mid-way through a JSON object (the engine's per-step cost, the int32 array
   converted to the boundary's lists included), and the runner applying
   those 32 masks to float32 logits (`apply_grammar_bitmask`).
+- step_overlap: real engine steps of 1 and 32 JSON-schema streams, with the
+  mask overlapping the forward pass (`EngineCore.mask_overlap`, the default)
+  and without (the mask computed after `execute_model`). Per step that
+  computed a mask: `mask_ms` (the mask's own time, on whichever thread),
+  `exposed_ms` (what the engine thread waited for it after the forward pass:
+  the cost left on the step), `step_ms`, and their medians' shares of the step.
 - throughput: output tokens/s of `--streams` requests constrained by a JSON
   schema against the same number unconstrained (same prompts, same
   max_tokens, `ignore_eos` for the unconstrained ones so both run to length),
-  best of `--runs` alternating rounds; ratio = constrained / unconstrained.
+  `--runs` rounds in alternating order; the ratio (constrained /
+  unconstrained) is the median of the rounds' ratios, each round's pair
+  measured back to back so that load drift cancels.
 
-Run: .venvs/all/bin/python benchmarks/structured_bench.py [--streams 32 --tokens 48 --runs 2]
+Each figure sits beside the load average and torch's thread count it was
+measured under (the CPU is shared: read ratios, not absolutes).
+
+Run: .venvs/all/bin/python benchmarks/structured_bench.py [--streams 32 --tokens 48 --runs 4]
 Prints one JSON object.
 """
 
@@ -115,6 +126,89 @@ def bench_compile_and_masks(llm: Any) -> dict[str, Any]:
     return out
 
 
+class _StepTimer:
+    """Wraps one EngineCore's step, mask computation and mask wait with timers."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.steps: list[tuple[float, float, float]] = []  # (step, mask, exposed) seconds
+        self._mask = self._exposed = 0.0
+        self._orig_step = core.step
+        self._orig_mask = core.scheduler.get_grammar_bitmask
+        self._orig_start = core.mask_overlap.start
+        core.step = self._step
+        core.scheduler.get_grammar_bitmask = self._timed_mask
+        core.mask_overlap.start = self._start
+
+    def close(self) -> None:
+        del self.core.__dict__["step"]
+        del self.core.scheduler.__dict__["get_grammar_bitmask"]
+        del self.core.mask_overlap.__dict__["start"]
+
+    def _timed_mask(self, so: Any) -> Any:
+        t = time.perf_counter()
+        out = self._orig_mask(so)
+        self._mask += time.perf_counter() - t
+        return out
+
+    def _start(self, so: Any) -> Any:
+        pending = self._orig_start(so)
+        timer = self
+
+        class _Timed:
+            def result(self) -> Any:
+                t = time.perf_counter()
+                out = pending.result()
+                timer._exposed += time.perf_counter() - t
+                return out
+
+        return _Timed()
+
+    def _step(self) -> Any:
+        self._mask = self._exposed = 0.0
+        t = time.perf_counter()
+        out = self._orig_step()
+        elapsed = time.perf_counter() - t
+        if self._mask > 0:
+            self.steps.append((elapsed, self._mask, self._exposed))
+        return out
+
+
+def bench_step_overlap(llm: Any, tokens: int) -> dict[str, Any]:
+    core = llm.engine_client.core
+    constraint = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    out: dict[str, Any] = {}
+    for batch in (1, 32):
+        prompts = [f"Describe person number {i} as JSON." for i in range(batch)]
+        params = [
+            SamplingParams(max_tokens=tokens, seed=i, structured_outputs=constraint)
+            for i in range(batch)
+        ]
+        llm.generate(prompts[:1], params[:1], use_tqdm=False)  # compile + warm up
+        for overlap in (True, False):
+            core.mask_overlap.enabled = overlap
+            timer = _StepTimer(core)
+            load = os.getloadavg()[0]
+            try:
+                llm.generate(prompts, params, use_tqdm=False)
+            finally:
+                timer.close()
+            step, mask, exposed = (
+                statistics.median(x[i] for x in timer.steps) * 1000 for i in range(3)
+            )
+            out[f"batch_{batch}_{'overlap' if overlap else 'no_overlap'}"] = {
+                "steps": len(timer.steps),
+                "step_ms": round(step, 3),
+                "mask_ms": round(mask, 3),
+                "exposed_ms": round(exposed, 3),
+                "mask_share": round(mask / step, 4),
+                "exposed_share": round(exposed / step, 4),
+                "loadavg": round(load, 2),
+            }
+    core.mask_overlap.enabled = True
+    return out
+
+
 def bench_throughput(llm: Any, streams: int, tokens: int, runs: int) -> dict[str, Any]:
     prompts = [f"Describe person number {i} as JSON." for i in range(streams)]
     constraint = StructuredOutputsParams(json=json.dumps(SCHEMA))
@@ -123,19 +217,28 @@ def bench_throughput(llm: Any, streams: int, tokens: int, runs: int) -> dict[str
         SamplingParams(max_tokens=tokens, seed=i, structured_outputs=constraint)
         for i in range(streams)
     ]
-    best = {"unconstrained": 0.0, "json_schema": 0.0}
-    for _ in range(runs):
-        for name, params in (("unconstrained", free), ("json_schema", con)):
+    rates: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
+    ratios: list[float] = []
+    load = os.getloadavg()[0]
+    order = [("unconstrained", free), ("json_schema", con)]
+    for run in range(runs):
+        # Alternate which goes first: the shared CPU's load drifts between rounds.
+        for name, params in order if run % 2 == 0 else order[::-1]:
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            best[name] = max(best[name], n / elapsed)
+            rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+        ratios.append(rates["json_schema"][-1] / rates["unconstrained"][-1])
     return {
         "streams": streams,
         "max_tokens": tokens,
-        "tok_s": {k: round(v, 1) for k, v in best.items()},
-        "ratio": round(best["json_schema"] / best["unconstrained"], 3),
+        "runs": runs,
+        "tok_s_median": {k: round(statistics.median(v), 1) for k, v in rates.items()},
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_per_round": [round(r, 3) for r in ratios],
+        "loadavg_before": round(load, 2),
+        "loadavg_after": round(os.getloadavg()[0], 2),
+        "torch_threads": torch.get_num_threads(),
     }
 
 
@@ -143,7 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=4)
     args = parser.parse_args()
     from paged.server import LLM
 
@@ -154,8 +257,10 @@ def main() -> None:
         "vocab": llm.grammar_compiler.vocab_size,
         "torch_threads": torch.get_num_threads(),
         "loadavg_before": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
     }
     result.update(bench_compile_and_masks(llm))
+    result["step_overlap"] = bench_step_overlap(llm, args.tokens)
     result["throughput"] = bench_throughput(llm, args.streams, args.tokens, args.runs)
     result["loadavg_after"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))

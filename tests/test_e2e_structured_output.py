@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import openai
@@ -32,7 +32,10 @@ class City(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def client(launch_server: Callable[..., LiveServer]) -> Iterator[openai.OpenAI]:
-    server = launch_server("--max-model-len", "512", "--kv-cache-memory", "128MiB")
+    server = launch_server(
+        "--max-model-len", "512", "--kv-cache-memory", "128MiB",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    )  # fmt: skip
     with openai.OpenAI(api_key="x", base_url=f"{server.base_url}/v1", max_retries=0) as c:
         yield c
 
@@ -83,3 +86,67 @@ def test_guided_choice_regex_and_bad_schema(client: openai.OpenAI) -> None:
             extra_body={"guided_json": {"type": "array", "uniqueItems": True}},
         )
     assert "uniqueItems" in str(info.value)
+
+
+CITY_ARGS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+# Typed Any: the openai client's TypedDicts add nothing to a test's literals.
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": CITY_ARGS,
+        },
+    }
+]
+
+
+def test_tool_call_round_trip_with_the_openai_client(client: openai.OpenAI) -> None:
+    question: Any = {"role": "user", "content": "What is the weather in Paris?"}
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=[question],
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), CITY_ARGS)
+    # The call and its result go back; the model answers in text.
+    history: Any = [
+        question,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=16,
+        temperature=0,
+    )  # fmt: skip
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    # Streamed with a named choice: the name first, then the arguments in pieces.
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[question],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [
+        d for chunk in stream if chunk.choices for d in chunk.choices[0].delta.tool_calls or []
+    ]
+    assert deltas[0].function is not None and deltas[0].function.name == "get_weather"
+    pieces = [d.function.arguments for d in deltas[1:] if d.function and d.function.arguments]
+    assert len(pieces) > 1
+    jsonschema.validate(json.loads("".join(pieces)), CITY_ARGS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from paged.scheduler.boundary import (
     KVTransferParams,
     SchedulerOutput,
 )
-from paged.scheduler.sampling_params import SamplingParams
+from paged.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from paged.scheduler.testing import next_token
 from paged.server.engine.core import EngineCore
 from paged.server.engine.messages import EngineCoreStats
@@ -54,6 +55,9 @@ def drain(core: EngineCore, max_iters: int = 1000) -> dict[str, list[EngineCoreO
 def tokens(outs: list[EngineCoreOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
+
+# A constraint the fake providers mask for (their masks allow every token).
+ANY_TEXT = StructuredOutputsParams(regex=".*")
 
 PROMPTS = {"a": [5, 6, 7], "b": list(range(1, 41)), "c": [9] * 10}
 
@@ -231,12 +235,74 @@ def test_grammar_bitmask_reaches_sample_tokens(
     engine_config_factory: Any, fake_executor_cls: Any
 ) -> None:
     core = EngineCore(engine_config_factory(), fake_executor_cls, structured_output=OneGrammar())
-    core.add_request(req("g", [1, 2], max_tokens=2))
+    core.add_request(req("g", [1, 2], max_tokens=2, structured_outputs=ANY_TEXT))
     drain(core)
     executor: Any = core.model_executor
     # One mask per step that sampled for "g"; none once it finished.
     masks = [g.structured_output_request_ids for g in executor.grammar_seen if g is not None]
     assert masks == [["g"], ["g"]]
+
+
+class TimedGrammar(OneGrammar):
+    """OneGrammar that takes 50 ms per mask and records when and where it ran."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, float, float]] = []
+
+    def grammar_bitmask(
+        self, requests: Sequence[Any], scheduler_output: SchedulerOutput
+    ) -> GrammarOutput | None:
+        start = time.monotonic()
+        time.sleep(0.05)
+        self.spans.append((threading.current_thread().name, start, time.monotonic()))
+        return super().grammar_bitmask(requests, scheduler_output)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grammar_mask_is_computed_while_the_model_runs(
+    engine_config_factory: Any, fake_executor_cls: Any, overlap: bool
+) -> None:
+    forward: list[tuple[float, float]] = []
+
+    class SlowForward(fake_executor_cls):  # type: ignore[misc]
+        def execute_model(self, scheduler_output: SchedulerOutput) -> Any:
+            start = time.monotonic()
+            time.sleep(0.05)
+            out = super().execute_model(scheduler_output)
+            forward.append((start, time.monotonic()))
+            return out
+
+    grammar = TimedGrammar()
+    core = EngineCore(engine_config_factory(), SlowForward, structured_output=grammar)
+    core.mask_overlap.enabled = overlap
+    core.add_request(req("g", [1, 2], max_tokens=3, structured_outputs=ANY_TEXT))
+    core.add_request(req("free", [3, 4], max_tokens=3))
+    t = time.monotonic()
+    got = drain(core)
+    elapsed = time.monotonic() - t
+    assert tokens(got["free"]) == expected_tokens([3, 4], 3)  # unchanged by the overlap
+    # "g" samples in 3 steps; a step without a constrained request computes no mask.
+    assert len(grammar.spans) == 3 and len(forward) >= 3
+    for (thread, m_start, m_end), (f_start, f_end) in zip(grammar.spans, forward[:3], strict=True):
+        if overlap:
+            assert thread.startswith("paged-mask") and m_start < f_end and f_start < m_end
+        else:
+            assert thread == threading.current_thread().name and m_start >= f_end
+    # Overlapped, the masks hide behind the forward passes; not, they add up.
+    serial = sum(e - s for s, e in forward) + sum(e - s for _, s, e in grammar.spans)
+    hidden = sum(e - s for _, s, e in grammar.spans) / 2
+    assert (elapsed < serial - hidden) if overlap else (elapsed >= serial)
+    core.shutdown()
+
+
+def test_steps_without_a_constrained_request_skip_the_mask_thread(
+    engine_config_factory: Any, fake_executor_cls: Any
+) -> None:
+    grammar = TimedGrammar()
+    core = EngineCore(engine_config_factory(), fake_executor_cls, structured_output=grammar)
+    core.add_request(req("free", [3, 4], max_tokens=2))
+    drain(core)
+    assert grammar.spans == []
 
 
 def test_bad_batch_queue_size(engine_config_factory: Any, fake_executor_cls: Any) -> None:

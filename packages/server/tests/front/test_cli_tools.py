@@ -25,7 +25,7 @@ def test_tool_flags_reach_run_server(monkeypatch: pytest.MonkeyPatch) -> None:
     ("argv", "message"),
     [
         (["serve", "--enable-auto-tool-choice"], "requires --tool-call-parser"),
-        (["serve", "--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+        (["serve", "--tool-call-parser", "granite"], "invalid choice: 'granite'"),
     ],
 )
 def test_bad_tool_flags_exit_2(

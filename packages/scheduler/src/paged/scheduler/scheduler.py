@@ -40,7 +40,11 @@ from paged.scheduler.state import SchedulerState, StepPlan
 from paged.scheduler.steps.output import advance_after_schedule, build_scheduler_output
 from paged.scheduler.steps.running import schedule_running
 from paged.scheduler.steps.waiting import schedule_waiting
-from paged.scheduler.structured_output import GrammarCompileGate, StructuredOutputProvider
+from paged.scheduler.structured_output import (
+    DraftTokenValidator,
+    GrammarCompileGate,
+    StructuredOutputProvider,
+)
 from paged.scheduler.update import (
     StepResults,
     fail_kv_loads,
@@ -172,11 +176,24 @@ class Scheduler:
         finish_requests(self.state, ids, finished_status, self.structured_output)
 
     def update_draft_token_ids(self, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
-        """Draft tokens (speculative decoding) to verify in the next step."""
+        """Draft tokens (speculative decoding) to verify in the next step.
+
+        A constrained request keeps only the drafts its grammar accepts (vLLM's
+        `validate_tokens` truncation): a forbidden draft could never be accepted,
+        so verifying it would only waste a position.
+        """
+        validator = (
+            self.structured_output
+            if isinstance(self.structured_output, DraftTokenValidator)
+            else None
+        )
         for req_id, drafts in draft_token_ids.items():
             req = self.state.requests.get(req_id)
             if req is not None and req.status is RequestStatus.RUNNING:
-                req.spec_token_ids = list(drafts)
+                kept = list(drafts)
+                if kept and validator is not None and req.sampling_params.structured_outputs:
+                    kept = kept[: validator.validate_draft_tokens(req_id, kept)]
+                req.spec_token_ids = kept
 
     # -- one step -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

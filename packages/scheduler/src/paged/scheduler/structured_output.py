@@ -1,4 +1,4 @@
-"""The structured-output hook: a grammar-bitmask provider (implementation comes later).
+"""The structured-output hook: a grammar-bitmask provider (paged-server's is on llguidance).
 
 EngineCore calls `Scheduler.get_grammar_bitmask(scheduler_output)` between
 `execute_model()` and `sample_tokens()`, so the mask is computed while the
@@ -50,4 +50,18 @@ class GrammarCompileGate(Protocol):
 
     def grammar_ready(self, request: Request) -> bool:
         """True once `request`'s grammar is compiled (or it failed: the request then fails)."""
+        ...
+
+
+@runtime_checkable
+class DraftTokenValidator(Protocol):
+    """Optional for a provider: checks speculative drafts against a request's grammar.
+
+    `Scheduler.update_draft_token_ids` keeps only the first
+    `validate_draft_tokens(...)` drafts of a constrained request. The grammar's
+    state must not move: drafts are unverified. (vLLM: `grammar.validate_tokens`.)
+    """
+
+    def validate_draft_tokens(self, request_id: str, draft_token_ids: Sequence[int]) -> int:
+        """Length of the longest prefix of `draft_token_ids` the request's grammar accepts."""
         ...

@@ -32,7 +32,7 @@ from paged.server.outputs import RequestOutput
 from paged.server.parent import fan_out
 from paged.server.stats import IterationStats
 from paged.server.structured_output.compiler import GrammarCompiler
-from paged.server.structured_output.validate import check_compiles, constraint_size
+from paged.server.structured_output.validate import check_compiles_async
 from paged.server.tokenizer import TokenizerLike
 
 logger = logging.getLogger(__name__)
@@ -107,9 +107,7 @@ class AsyncLLM:
         """Validate, register and submit one request; return its output collector."""
         self._check_can_add(request_id)
         if params.structured_outputs is not None:
-            await self.offload.run(
-                constraint_size(params), check_compiles, self.grammar_compiler, params
-            )
+            await check_compiles_async(self.grammar_compiler, params)
         request, prompt_text = await self.offload.run(
             prompt_size(prompt),
             self.input_processor.process_inputs,

@@ -50,6 +50,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _structured_outputs_config(text: str) -> str:
+    from paged.server.structured_output.options import parse_structured_outputs_config
+
+    try:
+        parse_structured_outputs_config(text)  # checked here: a bad value exits 2 at once
+    except ValueError as e:  # JSONDecodeError included
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _kv_events_config(text: str) -> Any:
     from paged.connectors.events import KVEventsConfigError, parse_kv_events_config
 
@@ -129,6 +139,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse KV blocks of shared prompt prefixes",
+    )
+    c.add_argument(
+        "--structured-outputs-config",
+        type=_structured_outputs_config,
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s structured-output options: "backend" "auto"/"guidance" (llguidance); '
+        'paged only: "compile_timeout_s" (default 10; a slower grammar is a 400), '
+        '"cache_size" (compiled grammars kept, default 256)',
     )
     c.add_argument(
         "--kv-events-config",
@@ -244,6 +263,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         attention_backend=ns.attention_backend,
         cpu_weight_panels=ns.cpu_weight_panels,
         kv_events_config=ns.kv_events_config,
+        structured_outputs_config=ns.structured_outputs_config,
         async_scheduling=ns.async_scheduling,
         kv_cache_metrics=ns.kv_cache_metrics,
         kv_cache_metrics_sample=ns.kv_cache_metrics_sample,

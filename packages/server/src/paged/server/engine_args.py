@@ -16,6 +16,7 @@ from paged.server.tokenizer import DEFAULT_MODEL_NAME
 if TYPE_CHECKING:
     from paged.connectors.events import KVEventsConfig
     from paged.runner.config import EngineConfig
+    from paged.server.structured_output.options import StructuredOutputOptions
 
 # On CPU there is no device memory to profile, so the KV cache gets a fixed
 # budget unless one is given: 1 GiB holds ~23k tokens of SmolLM2-135M in fp32.
@@ -52,6 +53,19 @@ class EngineArgs:
     # residency histograms (lifetime, idle before evict, reuse gaps).
     kv_cache_metrics: bool = False
     kv_cache_metrics_sample: float = 0.01
+    # vLLM's --structured-outputs-config (JSON text or a dict); None: the defaults.
+    structured_outputs_config: str | dict[str, Any] | None = None
+
+    def structured_output_options(self) -> StructuredOutputOptions:
+        """Parsed `structured_outputs_config` (ValueError naming a bad key)."""
+        from paged.server.structured_output.options import (
+            StructuredOutputOptions,
+            parse_structured_outputs_config,
+        )
+
+        if self.structured_outputs_config is None:
+            return StructuredOutputOptions()
+        return parse_structured_outputs_config(self.structured_outputs_config)
 
     def engine_core_options(self) -> dict[str, Any]:
         """The `EngineCore` keyword arguments these options select (see engine/options.py)."""

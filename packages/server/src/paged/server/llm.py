@@ -44,6 +44,7 @@ class LLM:
 
         args = EngineArgs(model=model, **engine_options)
         core_options = args.engine_core_options()  # bad options fail before the model loads
+        so_options = args.structured_output_options()
         config = args.create_engine_config()
         from paged.server.structured_output import (
             GrammarCompiler,
@@ -60,7 +61,12 @@ class LLM:
         backend = None
         if ll_tokenizer is not None:
             backend = StructuredOutputBackend(
-                GrammarCompiler(ll_tokenizer, eos_token_ids=mc.eos_token_ids)
+                GrammarCompiler(
+                    ll_tokenizer,
+                    eos_token_ids=mc.eos_token_ids,
+                    cache_size=so_options.cache_size,
+                    compile_timeout_s=so_options.compile_timeout_s,
+                )
             )
         client = InprocClient.from_factory(
             make_engine_core_factory(config, structured_output=backend, **core_options)
@@ -162,10 +168,20 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a batch of conversations."""
+        """Generate replies to one conversation or a batch of conversations.
+
+        `tools` (OpenAI's `{"type": "function", "function": {...}}` items, as
+        vLLM's `LLM.chat`) are checked and handed to the chat template; the
+        replies are text: parse tool calls with a `paged.server.tool_parsers` parser.
+        """
+        from paged.server.openai.tools import parse_tools
+
         single = bool(messages) and isinstance(messages[0], Mapping)
         conversations = cast(Sequence[ChatMessages], [messages] if single else messages)
+        tool_dicts = [t.template_dict() for t in parse_tools([dict(t) for t in tools or ()])]
         prompts: list[PromptType] = []
         for conv in conversations:
             text = apply_chat_template(
@@ -174,6 +190,8 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tool_dicts or None,
             )
             prompts.append({"prompt": text, "add_special_tokens": False})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

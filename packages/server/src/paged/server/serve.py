@@ -44,6 +44,7 @@ def run_server(
 
     naming = metrics_naming(metrics_prefix)  # a bad prefix fails before the model loads
     core_options = args.engine_core_options()  # bad options fail before the model loads
+    so_options = args.structured_output_options()
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -64,9 +65,18 @@ def run_server(
     so_config = compiler = None
     if ll_tokenizer is not None:
         so_config = StructuredOutputConfig(
-            tokenizer_path(config, args.tokenizer), mc.vocab_size, tuple(mc.eos_token_ids)
+            tokenizer_path(config, args.tokenizer),
+            mc.vocab_size,
+            tuple(mc.eos_token_ids),
+            cache_size=so_options.cache_size,
+            compile_timeout_s=so_options.compile_timeout_s,
         )
-        compiler = GrammarCompiler(ll_tokenizer, eos_token_ids=mc.eos_token_ids)
+        compiler = GrammarCompiler(
+            ll_tokenizer,
+            eos_token_ids=mc.eos_token_ids,
+            cache_size=so_options.cache_size,
+            compile_timeout_s=so_options.compile_timeout_s,
+        )
     client = AsyncMPClient(
         make_engine_core_factory(config, structured_output=so_config, **core_options)
     )

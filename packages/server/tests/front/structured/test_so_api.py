@@ -209,3 +209,71 @@ async def test_openai_client_parse_with_a_pydantic_model(http: httpx.AsyncClient
     )
     parsed = completion.choices[0].message.parsed
     assert isinstance(parsed, Person) and 0 <= parsed.age <= 120
+
+
+async def test_response_format_structural_tag(http: httpx.AsyncClient, tokenizer: Any) -> None:
+    schema: dict[str, Any] = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    schema.update(required=["n"], additionalProperties=False)
+    lt = tokenizer.encode("<", add_special_tokens=False)[0]
+    f = tokenizer.encode("f", add_special_tokens=False)[0]
+    rf = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f=n>", "schema": schema, "end": "</f>"}],
+        "triggers": ["<f"],
+    }
+    found = 0
+    for seed in range(4):
+        resp = await http.post(
+            "/v1/chat/completions",
+            json=_chat(
+                response_format=rf, max_tokens=60, seed=seed, logit_bias={str(lt): 8, str(f): 8}
+            ),
+        )
+        assert resp.status_code == 200, resp.text
+        text = resp.json()["choices"][0]["message"]["content"]
+        for m in re.finditer(r"<f(.*?)</f>", text, re.S):
+            assert m.group(1).startswith("=n>"), text
+            jsonschema.validate(json.loads(m.group(1)[3:]), schema)
+            found += 1
+    assert found >= 4
+    bad = await http.post(
+        "/v1/chat/completions", json=_chat(response_format={"type": "structural_tag"})
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structural_tag"
+
+
+async def test_a_slow_compile_is_a_400_after_the_timeout_and_stalls_no_one(
+    http: httpx.AsyncClient, tiny_llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    compiler = tiny_llm.grammar_compiler
+    release = threading.Event()
+    build = compiler._build
+
+    def build_slowly_if_slow(key: Any) -> Any:
+        if "slowgrammar" in key.text:
+            release.wait(30)  # a compile that would never end on its own within the test
+        return build(key)
+
+    monkeypatch.setattr(compiler, "_build", build_slowly_if_slow)
+    monkeypatch.setattr(compiler, "compile_timeout_s", 5.0)
+    t = time.monotonic()
+    slow = asyncio.create_task(
+        http.post("/v1/completions", json={"prompt": "a", "max_tokens": 4,
+                                           "guided_regex": "slowgrammar[0-9]+"})
+    )  # fmt: skip
+    await asyncio.sleep(0.1)
+    # Meanwhile a constrained and an unconstrained request are served.
+    fast = await http.post(
+        "/v1/completions", json={"prompt": "b", "max_tokens": 4, "guided_regex": "[0-9]{2}"}
+    )
+    free = await http.post("/v1/completions", json={"prompt": "c", "max_tokens": 4})
+    assert fast.status_code == free.status_code == 200
+    assert not slow.done() and time.monotonic() - t < 5.0
+    resp = await slow
+    release.set()
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "regex" and "took longer than 5 s" in err["message"]

@@ -120,7 +120,7 @@ def test_compile_cache_is_keyed_and_lru_bounded(compiler: Any) -> None:
         (StructuredOutputsParams(json='{"type": "strin"}'), "json", "strin"),
         (StructuredOutputsParams(regex="a(b"), "regex", "unclosed group"),
         (StructuredOutputsParams(grammar="start: foo"), "grammar", "foo"),
-        (StructuredOutputsParams(structural_tag="{}"), "structural_tag", "not supported"),
+        (StructuredOutputsParams(structural_tag="{}"), "structural_tag", "structures"),
     ],
 )
 def test_bad_constraints_raise_naming_the_field(
@@ -183,7 +183,7 @@ def test_uncached_grammar_compiles_off_the_loop_until_ready(
     while not backend.grammar_ready(req):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert threads and threads[0].startswith("paged-grammar")
+    assert threads and threads[0].startswith("paged-compile")
     again = _request("w2", StructuredOutputsParams(regex="slow[0-9]"))
     assert backend.grammar_ready(again)  # cached now: ready at once, no thread hop
     assert len(threads) == 1

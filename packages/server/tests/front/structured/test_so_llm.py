@@ -114,13 +114,24 @@ def test_choice_outputs_are_one_of_the_choices(tiny_llm: Any) -> None:
 
 
 def test_unconstrained_outputs_unchanged_by_constrained_neighbours(tiny_llm: Any) -> None:
-    prompts = ["hello world", "the quick brown fox", "0123456789"]
-    free = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
+    """The issue's batch of 32: 12 unconstrained (greedy and seeded) beside 20 constrained."""
+    words = ["hello world", "the quick brown fox", "0123456789", "abc"]
+    prompts = [f"{words[i % 4]} {i}" for i in range(12)]
+    free = [
+        SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+        for i in range(12)
+    ]
     alone = tiny_llm.generate(prompts, free, use_tqdm=False)
     rng = random.Random(7)
-    constrained = [_json_params(random_schema(rng, depth=2), seed=i) for i in range(5)]
-    mixed = tiny_llm.generate([*prompts, *["json:"] * 5], [*free, *constrained], use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in mixed[:3]] == [o.outputs[0].token_ids for o in alone]
+    constrained = [_json_params(random_schema(rng, depth=2), seed=i) for i in range(14)]
+    constrained += [
+        SamplingParams(max_tokens=24, seed=i, structured_outputs=StructuredOutputsParams(regex=r))
+        for i, r in enumerate([r"[a-c]{2,5}-\d\d", r"(yes|no)!?", r"\d+"] * 2)
+    ]
+    batch = [*prompts, *["json:"] * 20]
+    mixed = tiny_llm.generate(batch, [*free, *constrained], use_tqdm=False)
+    assert len(mixed) == 32
+    assert [o.outputs[0].token_ids for o in mixed[:12]] == [o.outputs[0].token_ids for o in alone]
 
 
 def test_llm_refuses_bad_constraints(tiny_llm: Any) -> None:
@@ -136,3 +147,37 @@ def test_llm_refuses_bad_constraints(tiny_llm: Any) -> None:
     # The engine still serves.
     out = tiny_llm.generate(["x"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_structural_tag_output_holds_every_tag(tiny_llm: Any, tokenizer: Any) -> None:
+    """Pushed towards the trigger (logit_bias), the random model opens tags again and
+    again; each one is `begin`, JSON valid for its schema, `end`."""
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
+    tag = {
+        "structures": [{"begin": "<f=get>", "schema": schema, "end": "</f>"}],
+        "triggers": ["<f"],
+    }
+    lt, f = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "<f")
+    so = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    params = [
+        SamplingParams(max_tokens=80, seed=i, structured_outputs=so, logit_bias={lt: 8, f: 8})
+        for i in range(6)
+    ]
+    outs = tiny_llm.generate(["go"] * len(params), params, use_tqdm=False)
+    tags = 0
+    for out in outs:
+        text = out.outputs[0].text
+        for m in re.finditer("<f", text):
+            body = text[m.start() :]
+            if "</f>" not in body:
+                continue  # the last tag, cut by max_tokens
+            assert body.startswith("<f=get>"), text
+            payload = body[len("<f=get>") : body.index("</f>")]
+            jsonschema.validate(json.loads(payload), schema)
+            tags += 1
+    assert tags >= 6  # the trigger really fired

@@ -3,7 +3,8 @@
     step()
       scheduler.schedule()                  -> SchedulerOutput
       executor.execute_model(so)            -> ModelRunnerOutput | None (None: sample next)
-      scheduler.get_grammar_bitmask(so)     -> GrammarOutput | None     (structured output)
+      scheduler.get_grammar_bitmask(so)     -> GrammarOutput | None     (structured output;
+                                               on a helper thread, during execute_model)
       executor.sample_tokens(grammar)       -> ModelRunnerOutput
       scheduler.update_from_output(so, mro) -> {client index: EngineCoreOutputs}
 
@@ -53,6 +54,7 @@ from paged.scheduler.request import RequestStatus
 from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.structured_output import StructuredOutputProvider
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
+from paged.server.engine.mask_overlap import GrammarMaskOverlap
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
 from paged.server.kv_transfer import (
     kv_bytes_per_block,
@@ -142,6 +144,15 @@ class EngineCore:
             max_model_len=engine_config.model_config.max_model_len,
             kv_cache_memory_bytes=kv_bytes,
             batch_queue_size=batch_queue_size,
+        )
+        # The grammar bitmask overlaps the forward pass (step(); the batch queue
+        # overlaps by itself). Only our Scheduler exposes its requests; another
+        # scheduler class with a grammar provider is asked every step.
+        sched_state = getattr(self.scheduler, "state", None)
+        self.mask_overlap = GrammarMaskOverlap(
+            self._grammar,
+            (lambda: sched_state.requests) if sched_state is not None else None,
+            enabled=structured_output is not None,
         )
         # Batches in flight, newest first: (future of the sampled output, its schedule).
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
@@ -284,9 +295,13 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return {}
         scheduler_output = self.scheduler.schedule()
-        model_output = self.model_executor.execute_model(scheduler_output)
+        mask = self.mask_overlap.start(scheduler_output)
+        try:
+            model_output = self.model_executor.execute_model(scheduler_output)
+        finally:
+            grammar = mask.result()  # before anything mutates the scheduler again
         if model_output is None:
-            model_output = self.model_executor.sample_tokens(self._grammar(scheduler_output))
+            model_output = self.model_executor.sample_tokens(grammar)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self._count_step(scheduler_output)
         self._publish_kv_events()
@@ -377,6 +392,7 @@ class EngineCore:
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
         self.batch_queue.clear()
+        self.mask_overlap.shutdown()
         self.event_publisher.shutdown()
         self.model_executor.shutdown()
         if self.kv_connector is not None:

@@ -146,8 +146,13 @@ class StreamOptions(StrictRequest):
 
 
 class ResponseFormat(StrictRequest):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's response_format; `structures`/`triggers` (or `format`) for vLLM's structural_tag."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class SamplingFields(TopLevelRequest):
@@ -261,6 +266,8 @@ class TokenizeRequest(TopLevelRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    # Chat form only: tools for the chat template (vLLM's TokenizeChatRequest.tools).
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(TopLevelRequest):

@@ -168,9 +168,15 @@ class OpenAIServing:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
+        if body.tools is not None and body.messages is None:
+            raise InvalidRequestError("tools", "tools go with messages (the chat form)")
         messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
+        # Checked as a chat request's tools; the template gets them the same way.
+        tool_dicts = [t.template_dict() for t in tools.parse_tools(body.tools or [])]
         size = messages_size(messages) + len(body.prompt or "")
-        ids, strs = await self.llm.offload.run(size, _tokenize, self.llm.tokenizer, body, messages)
+        ids, strs = await self.llm.offload.run(
+            size, _tokenize, self.llm.tokenizer, body, messages, tool_dicts
+        )
         return TokenizeResponse(
             count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs
         )
@@ -470,15 +476,19 @@ def _completion_prompts(req: CompletionRequest) -> list[PromptType]:
 
 
 def _tokenize(
-    tok: TokenizerLike, body: TokenizeRequest, messages: list[dict[str, Any]]
+    tok: TokenizerLike,
+    body: TokenizeRequest,
+    messages: list[dict[str, Any]],
+    tool_dicts: list[dict[str, Any]],
 ) -> tuple[list[int], list[str] | None]:
-    """/tokenize's blocking part: template (for messages), encode, token strings."""
+    """/tokenize's blocking part: template (for messages, with tools), encode, token strings."""
     if body.messages is not None:
         text = apply_chat_template(
             tok,
             messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            tools=tool_dicts or None,
         )
         add_special = bool(body.add_special_tokens)
     else:

@@ -4,6 +4,7 @@ Sources, at most one per request (two is a 400 naming both):
 
     response_format     {"type": "json_object"}
                         {"type": "json_schema", "json_schema": {"schema": ...}}
+                        {"type": "structural_tag", "structures": [...], "triggers": [...]}
     structured_outputs  vLLM's: json | regex | choice | grammar | json_object | structural_tag
     guided_json / guided_regex / guided_choice / guided_grammar  vLLM's older fields
 
@@ -44,6 +45,11 @@ def _from_response_format(rf: ResponseFormat) -> StructuredOutputsParams | None:
         return None
     if rf.type == "json_object":
         return StructuredOutputsParams(json_object=True)
+    if rf.type == "structural_tag":
+        # vLLM passes the whole response_format as the tag's JSON; the compiler checks it.
+        return StructuredOutputsParams(
+            structural_tag=json.dumps(rf.model_dump(exclude_none=True, exclude={"json_schema"}))
+        )
     spec = rf.json_schema
     if spec is None:
         raise InvalidRequestError(

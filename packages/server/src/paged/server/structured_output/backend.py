@@ -1,11 +1,20 @@
 """`StructuredOutputBackend`: the scheduler's `StructuredOutputProvider`, on llguidance.
 
-Lives in the engine process, one `LLMatcher` per constrained request:
+Lives in the engine process, one `RequestGrammar` (an `LLMatcher`) per constrained request:
 
     grammar_bitmask(scheduled)  new request -> matcher (compiled or copied from the LRU)
                                 sampling rows -> packed allow-masks (one row per position)
     accept_tokens(id, tokens)   advance the matcher; False if a token breaks the grammar
+    validate_draft_tokens(id, drafts)  valid prefix length of drafted tokens (state unchanged)
     remove_request(id)          drop the matcher (finished, aborted, failed)
+
+Speculative decoding (vLLM's design): the scheduler truncates a request's
+drafts to the prefix its grammar accepts (`validate_draft_tokens`). The
+bitmask then has one row per draft position plus the bonus: row i is the
+mask after drafts[:i], computed by advancing the grammar through the drafts
+and rolling it back before the runner runs, so the grammar never holds
+unverified tokens. After verification `accept_tokens` advances it by the
+accepted drafts and the bonus token only: rejected drafts were already undone.
 
 A grammar not in the compiler's cache compiles on a worker thread
 (`grammar_ready`, the scheduler's `GrammarCompileGate`): the request stays
@@ -28,6 +37,7 @@ from paged.scheduler.boundary import GrammarOutput, SchedulerOutput
 from paged.scheduler.request import Request
 from paged.server.structured_output.compiler import GrammarCompiler
 from paged.server.structured_output.grammar import GrammarError, grammar_key
+from paged.server.structured_output.request_grammar import RequestGrammar
 
 
 class StructuredOutputBackend:
@@ -40,18 +50,23 @@ class StructuredOutputBackend:
 
     def __init__(self, compiler: GrammarCompiler, *, num_threads: int | None = None) -> None:
         self.compiler = compiler
-        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._grammars: dict[str, RequestGrammar] = {}
         # Requests whose grammar failed to compile: they sample unmasked and
         # are failed on their first token (accept_tokens returns False).
         self._broken: set[str] = set()
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
         # Grammars compiling for WAITING requests, by request id.
         self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self.num_draft_rows = 0  # mask rows filled for draft positions, for tests and stats
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-grammar")
 
     @property
     def num_requests(self) -> int:
-        return len(self._matchers) + len(self._broken)
+        return len(self._grammars) + len(self._broken)
+
+    def grammar_of(self, request_id: str) -> RequestGrammar | None:
+        """The request's grammar state (None: unconstrained, failed or not compiled yet)."""
+        return self._grammars.get(request_id)
 
     def grammar_bitmask(
         self, requests: Sequence[Request], scheduler_output: SchedulerOutput
@@ -60,44 +75,47 @@ class StructuredOutputBackend:
         rows: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
         ids: list[str] = []
         for request in requests:
-            matcher = self._matcher_for(request)
+            grammar = self._grammar_for(request)
             # A partial prefill chunk samples nothing (num_computed_tokens is
             # already advanced past this step's tokens when masks are asked for).
-            if matcher is None or request.num_computed_tokens < request.num_tokens:
+            if grammar is None or request.num_computed_tokens < request.num_tokens:
                 continue
             drafts = list(spec.get(request.request_id, ())) if spec else []
-            rows.append((matcher, len(ids), drafts))
+            rows.append((grammar.matcher, len(ids), drafts))
             ids.extend([request.request_id] * (len(drafts) + 1))
         if not rows:
             return None
         bitmask = llnp.allocate_token_bitmask(len(ids), self.compiler.vocab_size)
         if any(drafts for _, _, drafts in rows):
+            # Row i after drafts[:i]: llguidance advances each matcher through its
+            # drafts and rolls it back (in parallel); a draft the grammar refuses
+            # leaves the later rows all-allowed, and verification rejects it there.
             llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, rows, bitmask)
+            self.num_draft_rows += sum(len(d) for _, _, d in rows)
         else:
             llnp.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in rows], bitmask)
         return GrammarOutput(structured_output_request_ids=ids, grammar_bitmask=bitmask.tolist())
 
+    def validate_draft_tokens(self, request_id: str, draft_token_ids: Sequence[int]) -> int:
+        """How many leading drafts the request's grammar accepts (all of them if unconstrained)."""
+        if request_id in self._broken:
+            return 0
+        grammar = self._grammars.get(request_id)
+        if grammar is None:
+            return len(draft_token_ids)
+        return grammar.validate_tokens(draft_token_ids)
+
     def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
         if request_id in self._broken:
             return False
-        matcher = self._matchers.get(request_id)
-        if matcher is None:
+        grammar = self._grammars.get(request_id)
+        if grammar is None:
             return True  # not constrained
-        eos = self.compiler.eos_token_ids
-        for token in token_ids:
-            if matcher.is_stopped():
-                # A complete grammar's mask allows only EOS, which it then
-                # refuses to consume ("parser stopped"); EOS is what we want.
-                if token not in eos:
-                    return False
-                continue
-            if not matcher.consume_token(token):
-                return False
-        return not matcher.is_error()
+        return grammar.accept_tokens(token_ids)
 
     def grammar_ready(self, request: Request) -> bool:
         req_id = request.request_id
-        if req_id in self._matchers or req_id in self._broken:
+        if req_id in self._grammars or req_id in self._broken:
             return True
         params = request.sampling_params.structured_outputs
         if params is None:
@@ -110,7 +128,7 @@ class StructuredOutputBackend:
                 self._broken.add(req_id)
                 return True
             if self.compiler.is_cached(key):  # the common case: no thread hop
-                self._matchers[req_id] = self.compiler.new_matcher(key)
+                self._grammars[req_id] = self._new_grammar(self.compiler.new_matcher(key))
                 return True
             future = self._pool.submit(self.compiler.new_matcher, key)
             self._compiling[req_id] = future
@@ -118,21 +136,24 @@ class StructuredOutputBackend:
             return False
         del self._compiling[req_id]
         try:
-            self._matchers[req_id] = future.result()
+            self._grammars[req_id] = self._new_grammar(future.result())
         except GrammarError:
             self._broken.add(req_id)
         return True
 
     def remove_request(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
+        self._grammars.pop(request_id, None)
         self._broken.discard(request_id)
         self._compiling.pop(request_id, None)  # a running compile is left to finish
 
-    def _matcher_for(self, request: Request) -> llguidance.LLMatcher | None:
+    def _new_grammar(self, matcher: llguidance.LLMatcher) -> RequestGrammar:
+        return RequestGrammar(matcher, self.compiler.eos_token_ids)
+
+    def _grammar_for(self, request: Request) -> RequestGrammar | None:
         req_id = request.request_id
-        matcher = self._matchers.get(req_id)
-        if matcher is not None or req_id in self._broken:
-            return matcher
+        grammar = self._grammars.get(req_id)
+        if grammar is not None or req_id in self._broken:
+            return grammar
         params = request.sampling_params.structured_outputs
         if params is None:
             return None
@@ -148,5 +169,6 @@ class StructuredOutputBackend:
             # The frontend validates first; only a direct engine user gets here.
             self._broken.add(req_id)
             return None
-        self._matchers[req_id] = matcher
-        return matcher
+        grammar = self._new_grammar(matcher)
+        self._grammars[req_id] = grammar
+        return grammar

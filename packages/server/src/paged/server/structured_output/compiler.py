@@ -4,10 +4,15 @@ A compiled `LLMatcher` is kept per `GrammarKey`; each request gets a
 `deep_copy()` of it (cheap: the compiled grammar is shared, only the parse
 state is copied), so the same schema sent by many requests compiles once.
 llguidance bounds compilation by its parser limits (grammar size, lexer fuel
-per step, lexer states) rather than by wall-clock time: a schema that
-exceeds them fails to compile with an error naming the limit, which becomes a
-400 at the API. Construction drops the GIL, so compiling on a worker thread
-leaves the event loop (or the engine's other thread) running.
+per step, lexer states): a schema that exceeds them fails to compile with an
+error naming the limit, which becomes a 400 at the API. On top of that,
+`compile_timeout_s` bounds the wall-clock time: compilation runs on the
+compiler's own threads and a caller waits at most that long, then gets a
+`GrammarError` saying so (a 400). llguidance cannot be interrupted, so the
+compile runs on to its end in the background, and its result is dropped;
+the key is remembered as too slow, so repeating the request fails at once
+instead of queueing another compile. Construction drops the GIL, so
+compiling never stalls the event loop or the engine loop.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import llguidance
 
-from paged.server.structured_output.factory import DEFAULT_CACHE_SIZE
+from paged.server.structured_output.factory import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
 from paged.server.structured_output.grammar import GrammarError, GrammarKey, grammar_text
 
 logger = logging.getLogger(__name__)
@@ -56,8 +63,18 @@ def try_load_ll_tokenizer(
         return None
 
 
+# How many keys that timed out are remembered (each is then refused at once).
+_MAX_TOO_SLOW = 64
+# Compiles at once; more wait in line (each still bounded by the timeout).
+_COMPILE_THREADS = 2
+
+
 class GrammarCompiler:
-    """Compiles `GrammarKey`s into matchers; thread-safe, LRU-bounded to `cache_size` grammars."""
+    """Compiles `GrammarKey`s into matchers; thread-safe, LRU-bounded to `cache_size` grammars.
+
+    Each compile is bounded by `compile_timeout_s` seconds of wall-clock time
+    (see the module docstring); concurrent callers of one key share one compile.
+    """
 
     def __init__(
         self,
@@ -65,9 +82,16 @@ class GrammarCompiler:
         *,
         eos_token_ids: Sequence[int] = (),
         cache_size: int = DEFAULT_CACHE_SIZE,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        if not compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+        self.compile_timeout_s = compile_timeout_s
+        self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="paged-compile")
+        self._in_flight: dict[GrammarKey, Future[llguidance.LLMatcher]] = {}
+        self._too_slow: OrderedDict[GrammarKey, None] = OrderedDict()
         self.tokenizer = tokenizer
         self.vocab_size: int = tokenizer.vocab_size
         # The tokens that end a request whose grammar is complete.
@@ -88,14 +112,45 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
-        matcher = self._build(key)  # outside the lock: compiling may take a while
-        with self._lock:
+            if key in self._too_slow:
+                raise self._timeout_error(key)
+            future = self._in_flight.get(key)
+            if future is None:
+                future = self._pool.submit(self._build_and_cache, key)
+                self._in_flight[key] = future
+        try:
+            return future.result(timeout=self.compile_timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                self._too_slow[key] = None
+                while len(self._too_slow) > _MAX_TOO_SLOW:
+                    self._too_slow.popitem(last=False)
+            raise self._timeout_error(key) from None
+
+    def _build_and_cache(self, key: GrammarKey) -> llguidance.LLMatcher:
+        try:
+            matcher = self._build(key)
+        except BaseException:
+            with self._lock:
+                self._in_flight.pop(key, None)
+            raise
+        with self._lock:  # leaves in-flight and enters the cache at once: no second compile
+            self._in_flight.pop(key, None)
+            if key in self._too_slow:
+                return matcher  # its callers gave up: keep refusing it, do not cache
             self._cache[key] = matcher
             self._cache.move_to_end(key)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
             self.num_compiled += 1
         return matcher
+
+    def _timeout_error(self, key: GrammarKey) -> GrammarError:
+        return GrammarError(
+            key.kind,
+            f"compiling the {_describe(key.kind)} took longer than {self.compile_timeout_s:g} s "
+            "(the structured-output compile timeout); simplify it",
+        )
 
     def is_cached(self, key: GrammarKey) -> bool:
         """Whether `key` is compiled already (does not refresh its LRU position)."""
@@ -122,4 +177,5 @@ def _describe(kind: str) -> str:
         "regex": "regex",
         "choice": "choice",
         "grammar": "grammar",
+        "structural_tag": "structural tag",
     }.get(kind, kind)

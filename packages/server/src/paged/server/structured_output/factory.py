@@ -15,16 +15,23 @@ if TYPE_CHECKING:  # imported in build(): the engine core imports this module at
     from paged.server.structured_output.compiler import GrammarCompiler
 
 DEFAULT_CACHE_SIZE = 256
+# Wall-clock bound of one grammar compile (vLLM has none; xgrammar and
+# llguidance compile typical schemas in milliseconds). Past it: a 400.
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputConfig:
-    """Recipe for the backend: the tokenizer source, the model's vocabulary and EOS ids."""
+    """Recipe for the backend: the tokenizer source, the model's vocabulary and EOS ids.
+
+    `compile_timeout_s`: how long one grammar may compile before its request fails.
+    """
 
     tokenizer_path: str
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
     cache_size: int = DEFAULT_CACHE_SIZE
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
 
     def build_compiler(self) -> GrammarCompiler:
         from paged.server.structured_output.compiler import GrammarCompiler, load_ll_tokenizer
@@ -32,7 +39,12 @@ class StructuredOutputConfig:
 
         hf = load_tokenizer(self.tokenizer_path)
         ll = load_ll_tokenizer(hf, self.vocab_size, self.eos_token_ids)
-        return GrammarCompiler(ll, eos_token_ids=self.eos_token_ids, cache_size=self.cache_size)
+        return GrammarCompiler(
+            ll,
+            eos_token_ids=self.eos_token_ids,
+            cache_size=self.cache_size,
+            compile_timeout_s=self.compile_timeout_s,
+        )
 
     def build(self) -> StructuredOutputBackend:
         from paged.server.structured_output.backend import StructuredOutputBackend

@@ -97,6 +97,58 @@ def _grammar(text: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
+def _structural_tag(text: str) -> str:
+    """vLLM's structural tag: free text, in which each trigger starts `begin schema end`.
+
+    The JSON form is `{"type": "structural_tag", "structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}` (the `type` key is optional); each structure's
+    `begin` must start with one of the triggers, as vLLM's guidance backend
+    requires. Triggers are matched as text, never as special tokens, so a
+    tag works whatever the tokenizer. The newer xgrammar-only `format` form is
+    refused by name.
+    """
+    param = "structural_tag"
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(param, f"structural_tag is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise GrammarError(param, "structural_tag must be a JSON object")
+    if "format" in spec:
+        raise GrammarError(
+            param,
+            "structural_tag's 'format' form (xgrammar's) is not supported; "
+            "give 'structures' and 'triggers'",
+        )
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise GrammarError(param, "structural_tag needs a non-empty 'structures' list")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise GrammarError(param, "structural_tag needs 'triggers', a list of non-empty strings")
+    tags: list[llguidance.StructTag] = []
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str):
+            raise GrammarError(param, f"structural_tag.structures[{i}] needs a 'begin' string")
+        begin, end, schema = s["begin"], s.get("end", ""), s.get("schema", True)
+        if not isinstance(end, str):
+            raise GrammarError(param, f"structural_tag.structures[{i}].end must be a string")
+        if not isinstance(schema, dict | bool):
+            raise GrammarError(
+                param, f"structural_tag.structures[{i}].schema must be a JSON schema object"
+            )
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise GrammarError(
+                param,
+                f"structural_tag.structures[{i}].begin {begin!r} starts with none of "
+                f"the triggers {triggers}",
+            )
+        # A bare boolean schema is written as its object equivalent (%json needs an object).
+        grammar = schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=grammar, end=end))
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+
+
 def grammar_text(key: GrammarKey) -> str:
     """The llguidance grammar for `key` (`GrammarError` for input that is malformed up front).
 
@@ -114,4 +166,6 @@ def grammar_text(key: GrammarKey) -> str:
         return _choice(text)
     if kind == "grammar":
         return _grammar(text)
+    if kind == "structural_tag":
+        return _structural_tag(text)
     raise GrammarError(kind, f"structured output kind {kind!r} is not supported yet")

@@ -1,12 +1,14 @@
 """Frontend check of a request's constraint: compile it (cached) before it reaches the engine.
 
-`AsyncLLM.add_request` runs this on its worker thread for large constraints
-(`BlockingWork`), `LLM` inline; a bad schema, regex or grammar becomes an
-`InvalidRequestError` (a 400 at the API) naming the field, and never an
-engine-side failure.
+`AsyncLLM.add_request` awaits `check_compiles_async` (a grammar not compiled
+yet is compiled on a thread), `LLM` calls `check_compiles` inline; a bad
+schema, regex or grammar becomes an `InvalidRequestError` (a 400 at the API)
+naming the field, and never an engine-side failure.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from paged.scheduler import SamplingParams
 from paged.server.errors import InvalidRequestError
@@ -31,11 +33,22 @@ def check_compiles(compiler: GrammarCompiler | None, params: SamplingParams) -> 
         raise InvalidRequestError(e.param, e.message) from None
 
 
-def constraint_size(params: SamplingParams) -> int:
-    """How big the constraint's text is, for choosing inline vs worker-thread compilation."""
-    c = params.structured_outputs
-    if c is None:
-        return 0
-    return sum(len(t) for t in (c.json, c.regex, c.grammar, c.structural_tag) if t) + sum(
-        len(x) for x in c.choice or ()
-    )
+async def check_compiles_async(compiler: GrammarCompiler | None, params: SamplingParams) -> None:
+    """`check_compiles` for the event loop: a cached grammar inline, a new one on a thread.
+
+    A compile is bounded by the compiler's `compile_timeout_s`; waiting for it
+    on a thread keeps the loop serving other requests meanwhile, however
+    small the constraint's text (a short regex can still be slow to compile).
+    """
+    constraint = params.structured_outputs
+    if constraint is None:
+        return
+    if compiler is not None:
+        try:
+            cached = compiler.is_cached(grammar_key(constraint))
+        except GrammarError as e:
+            raise InvalidRequestError(e.param, e.message) from None
+        if not cached:
+            await asyncio.to_thread(check_compiles, compiler, params)
+            return
+    check_compiles(compiler, params)

@@ -11,6 +11,8 @@ from paged.server.tool_parsers.base import (
 )
 from paged.server.tool_parsers.hermes import HermesToolParser
 from paged.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from paged.server.tool_parsers.mistral import MistralToolParser
+from paged.server.tool_parsers.pythonic import PythonicToolParser
 from paged.server.tool_parsers.registry import (
     TOOL_CALL_PARSERS,
     get_tool_parser,
@@ -32,9 +34,11 @@ __all__ = [
     "ExtractedToolCalls",
     "HermesToolParser",
     "Llama3JsonToolParser",
+    "MistralToolParser",
     "NamedToolStreamer",
     "ParsedCall",
     "ParserStreamer",
+    "PythonicToolParser",
     "RequiredArrayParser",
     "Segment",
     "StreamUpdate",

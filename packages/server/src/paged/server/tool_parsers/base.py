@@ -1,7 +1,8 @@
 """The tool-call parser contract: model text -> ordered content and tool-call segments.
 
 A parser does not stream by itself. It answers one question, `split(text, final)`:
-which segments does this text (the model's output so far) determine? With
+which segments does this text (the model's output so far) determine? (And,
+optionally, `partial_call`: which call is being written after them?) With
 `final=False` it returns only what no later text can change, so the segments of a
 prefix are always a prefix of the segments of any longer text (the last `Content`
 may grow). `ToolCallStreamer` turns that into deltas, and the non-streaming result
@@ -17,6 +18,8 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
+
+from paged.server.tool_parsers.partial_json import PartialCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,15 @@ class ToolParser(ABC):
     @abstractmethod
     def split(self, text: str, final: bool) -> list[Segment]:
         """The segments `text` determines; with `final`, all of it (the output ended)."""
+
+    def partial_call(self, text: str) -> PartialCall | None:
+        """The call being written after `split(text, final=False)`'s segments, if readable.
+
+        Lets the streamer send the call's name, then its arguments piece by
+        piece, before the call is complete. None (the default): the call is
+        sent whole once complete.
+        """
+        return None
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """The non-streaming result for a whole output."""

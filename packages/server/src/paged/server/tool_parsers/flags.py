@@ -19,7 +19,8 @@ def add_tool_calling_args(parser: argparse.ArgumentParser) -> None:
         choices=[*TOOL_CALL_PARSERS, AUTO],
         default=None,
         help="how tool calls are read from the model's text; 'auto' (paged's own) picks "
-        "hermes when the chat template writes <tool_call>, llama3_json for Llama 3 templates",
+        "hermes when the chat template writes <tool_call>, mistral for [TOOL_CALLS], "
+        "llama3_json for Llama 3 templates",
     )
     g.add_argument(
         "--exclude-tools-when-tool-choice-none",

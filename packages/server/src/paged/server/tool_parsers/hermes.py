@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from paged.server.tool_parsers.base import Content, Segment, ToolParser, call_from_json, held_back
+from paged.server.tool_parsers.partial_json import PartialCall, partial_call_in_object
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -50,3 +51,9 @@ class HermesToolParser(ToolParser):
             out.append(_block(text[start : stop + len(END)], text[body:stop]))
             pos = stop + len(END)
         return out
+
+    def partial_call(self, text: str) -> PartialCall | None:
+        start = text.rfind(START)
+        if start < 0 or text.find(END, start) >= 0:
+            return None
+        return partial_call_in_object(text, start + len(START), ("arguments", "parameters"))

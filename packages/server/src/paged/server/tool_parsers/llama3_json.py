@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from paged.server.tool_parsers.base import Content, Segment, ToolParser, call_from_json
+from paged.server.tool_parsers.partial_json import PartialCall, partial_call_in_object
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -27,14 +28,24 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
     def split(self, text: str, final: bool) -> list[Segment]:
+        return self._scan(text, final)[0]
+
+    def partial_call(self, text: str) -> PartialCall | None:
+        open_at = self._scan(text, final=False)[1]
+        if open_at is None:
+            return None
+        return partial_call_in_object(text, open_at, ("parameters", "arguments"))
+
+    def _scan(self, text: str, final: bool) -> tuple[list[Segment], int | None]:
+        """The segments, and where an object still being written starts (not final)."""
         pos = _skip(text, 0, " \t\r\n")
         rest = text[pos:]
         if not final and (not rest or PYTHON_TAG.startswith(rest)):
-            return []  # too early to tell calls from text
+            return [], None  # too early to tell calls from text
         if rest.startswith(PYTHON_TAG):
             pos = _skip(text, pos + len(PYTHON_TAG), " \t\r\n")
         if (pos < len(text) and text[pos] != "{") or (pos == len(text) and final):
-            return [Content(text)] if text else []
+            return ([Content(text)] if text else []), None
         out: list[Segment] = []
         while pos < len(text):
             if text[pos] != "{":
@@ -48,11 +59,12 @@ class Llama3JsonToolParser(ToolParser):
                 # decoded from a prefix is the same call in every longer text.
                 if final:
                     out.append(Content(text if not out else text[pos:]))
-                break
+                    break
+                return out, pos
             call = call_from_json(obj, ("parameters", "arguments"))
             if call is None:
                 out.append(Content(text if not out else text[pos:]))
                 break
             out.append(call)
             pos = _skip(text, end, _SEPARATORS)
-        return out
+        return out, None

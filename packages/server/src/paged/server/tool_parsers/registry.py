@@ -6,10 +6,15 @@ from paged.server.tool_parsers.base import ToolParser
 from paged.server.tool_parsers.hermes import START as HERMES_START
 from paged.server.tool_parsers.hermes import HermesToolParser
 from paged.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from paged.server.tool_parsers.mistral import BOT as MISTRAL_BOT
+from paged.server.tool_parsers.mistral import MistralToolParser
+from paged.server.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
 }
 AUTO = "auto"  # paged's own: not a vLLM parser name
 
@@ -28,12 +33,14 @@ def resolve_tool_parser_name(name: str, chat_template: str | None) -> str:
     template = chat_template or ""
     if HERMES_START in template:
         return "hermes"
+    if MISTRAL_BOT in template:
+        return "mistral"
     # Llama 3.x templates: header tokens, and the ipython role / python tag for tools.
     if "<|start_header_id|>" in template:
         return "llama3_json"
     raise ValueError(
-        "--tool-call-parser auto: the chat template shows neither <tool_call> (hermes) "
-        "nor Llama 3 headers (llama3_json); name the parser"
+        "--tool-call-parser auto: the chat template shows none of <tool_call> (hermes), "
+        "[TOOL_CALLS] (mistral) or Llama 3 headers (llama3_json); name the parser"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from paged.server.tool_parsers.base import Content, Segment, ToolParser, call_from_json
+from paged.server.tool_parsers.partial_json import PartialCall, partial_call_in_object
 
 _DECODER = json.JSONDecoder()
 _WS = " \t\r\n"
@@ -25,32 +26,43 @@ class RequiredArrayParser(ToolParser):
     name = "required"
 
     def split(self, text: str, final: bool) -> list[Segment]:
+        return self._scan(text, final)[0]
+
+    def partial_call(self, text: str) -> PartialCall | None:
+        open_at = self._scan(text, final=False)[1]
+        if open_at is None:
+            return None
+        return partial_call_in_object(text, open_at, ("parameters",))
+
+    def _scan(self, text: str, final: bool) -> tuple[list[Segment], int | None]:
+        """The segments, and where an object still being written starts (not final)."""
         pos = _skip(text, 0, _WS)
         if pos == len(text):
-            return [Content(text)] if final and text else []
+            return ([Content(text)] if final and text else []), None
         if text[pos] != "[":
-            return [Content(text)]
+            return [Content(text)], None
         out: list[Segment] = []
         pos = _skip(text, pos + 1, _WS)
         while pos < len(text):
             if text[pos] == "]":
                 if not out:
-                    return [Content(text)]  # "[]": no call, keep the text
+                    return [Content(text)], None  # "[]": no call, keep the text
                 rest = text[pos + 1 :]
                 if rest and (final or rest.strip()):
                     out.append(Content(rest))  # text after the array
-                return out
+                return out, None
             try:
                 obj, end = _DECODER.raw_decode(text, pos)
             except ValueError:
                 if final:
                     out.append(Content(text if not out else text[pos:]))
-                return out
+                    return out, None
+                return out, pos
             call = call_from_json(obj, ("parameters",))
             if call is None:
-                return [*out, Content(text if not out else text[pos:])]
+                return [*out, Content(text if not out else text[pos:])], None
             out.append(call)
             pos = _skip(text, end, _WS + ",")
         if final and not out:
             out.append(Content(text))  # "[" and nothing more
-        return out
+        return out, None
