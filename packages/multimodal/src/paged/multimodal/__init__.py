@@ -19,6 +19,7 @@ from paged.multimodal.processing import (
 )
 from paged.multimodal.processor_cache import (
     PROCESSOR_CACHE_TYPES,
+    ProcessorCacheConfig,
     ProcessorCacheError,
     ReceiverCache,
     SenderCache,
@@ -39,6 +40,7 @@ __all__ = [
     "MultiModalHasher",
     "PlaceholderRange",
     "ProcessedPrompt",
+    "ProcessorCacheConfig",
     "ProcessorCacheError",
     "PromptError",
     "ReceiverCache",

@@ -28,6 +28,7 @@ import secrets
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Generic, Literal, TypeVar
 
@@ -446,3 +447,31 @@ def make_receiver_cache(
             raise ValueError("the shm processor cache needs the frontend's shm_prefix")
         return ShmReceiverCache(shm_prefix)
     return ReceiverCache()
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorCacheConfig:
+    """What P0 and P1 must agree on (picklable: it travels to the engine process).
+
+    `shm_prefix` names this server's shared-memory segments (`shm` mode only;
+    a fresh random one when not given).
+    """
+
+    cache_type: str = "lru"
+    cache_gb: float = 4.0
+    shm_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        if _check_mode(self.cache_type, self.cache_gb) == "shm" and self.shm_prefix is None:
+            # Both sides get the config from one object (pickled to the engine).
+            object.__setattr__(self, "shm_prefix", new_shm_prefix())
+
+    @property
+    def mode(self) -> ProcessorCacheType:
+        return _check_mode(self.cache_type, self.cache_gb)
+
+    def make_sender(self) -> SenderCache:
+        return make_sender_cache(self.cache_type, self.cache_gb, shm_prefix=self.shm_prefix)
+
+    def make_receiver(self) -> ReceiverCache:
+        return make_receiver_cache(self.cache_type, self.cache_gb, shm_prefix=self.shm_prefix)
