@@ -50,6 +50,7 @@ def test_lru_sender_and_mirror_evict_alike(requests: list[list[int]], capacity: 
             else item(k, sizes[k])
             for k in keys
         ]
+
         def again(i: int, ks: list[int] = keys) -> dict[str, TensorData]:
             return item(ks[i], sizes[ks[i]]).data or {}
 

@@ -76,7 +76,7 @@ def test_token_ids_and_pixels_match_transformers(hf: Any, text: str, num_images:
 
 def test_prompt_errors(hf: Any) -> None:
     p = Gemma3MultiModalProcessor(hf, "tiny")
-    with pytest.raises(PromptError, match="1 image placeholder.*but 2 image"):
+    with pytest.raises(PromptError, match=r"1 image placeholder.*but 2 image"):
         p.process("<start_of_image> hi", [image(0), image(1)])
     with pytest.raises(PromptError, match="but no images were given"):
         p.process("<start_of_image> hi", [])

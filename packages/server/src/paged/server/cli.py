@@ -228,7 +228,7 @@ def _add_multimodal_args(parser: argparse.ArgumentParser) -> None:
         "--limit-mm-per-prompt",
         default=None,
         metavar="JSON",
-        help='most items per prompt and modality, e.g. \'{"image": 2}\'',
+        help="most items per prompt and modality, e.g. '{\"image\": 2}'",
     )
     mm.add_argument(
         "--allowed-local-media-path",
