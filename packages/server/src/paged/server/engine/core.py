@@ -116,7 +116,9 @@ class EngineCore:
             raise ValueError(f"batch_queue_size must be >= 1, got {batch_queue_size}")
         self.engine_config = engine_config
         self.scheduler_config = scheduler_config or scheduler_config_from(engine_config)
-        if mm_options is not None and mm_options.disable_chunked_mm_input:
+        # Gemma3's image tokens attend both ways: the model requires unsplit items.
+        unchunked = getattr(engine_config.model_config, "requires_unchunked_mm_input", False)
+        if unchunked or (mm_options is not None and mm_options.disable_chunked_mm_input):
             self.scheduler_config = dataclasses.replace(
                 self.scheduler_config, disable_chunked_mm_input=True
             )
