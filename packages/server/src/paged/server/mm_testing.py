@@ -114,3 +114,69 @@ def png_data_url(seed: int, size: tuple[int, int] = (40, 30)) -> str:
     import base64
 
     return "data:image/png;base64," + base64.b64encode(random_png(seed, size)).decode()
+
+
+def save_tiny_gemma3_model(
+    path: str | Path,
+    *,
+    image_size: int = 32,
+    patch_size: int = 8,
+    mm_tokens_per_image: int = 4,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+) -> Path:
+    """A random `Gemma3ForConditionalGeneration` (text + SigLIP) and its processor, in `path`.
+
+    The processor's tokenizer sets the vocabulary; the image token ids in the
+    config are the tokenizer's, so transformers and paged read one checkpoint.
+    """
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    processor = save_tiny_gemma3_processor(
+        path, image_size=image_size, mm_tokens_per_image=mm_tokens_per_image
+    )
+    tok = processor.tokenizer
+    text_config = {
+        "vocab_size": len(tok),
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden_size // 4,
+        "max_position_embeddings": 1024,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2)
+        + ["sliding_attention"] * (num_layers % 2),
+        "query_pre_attn_scalar": hidden_size // 4,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    vision_config = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "vision_use_head": False,
+    }
+    config = Gemma3Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        mm_tokens_per_image=mm_tokens_per_image,
+        image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"),
+        boi_token_index=tok.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model: Any = Gemma3ForConditionalGeneration(config)
+    model = model.to(torch.float32).eval()
+    model.save_pretrained(str(path))
+    return Path(path)
