@@ -164,7 +164,8 @@ def save_tiny_gemma3_model(
         "patch_size": patch_size,
         "vision_use_head": False,
     }
-    config = Gemma3Config(
+    config_cls: Any = Gemma3Config
+    config = config_cls(
         text_config=text_config,
         vision_config=vision_config,
         mm_tokens_per_image=mm_tokens_per_image,
