@@ -114,8 +114,17 @@ def build_gemma3_270m_siglip(path: Path, gguf: Path) -> Path:
     if tok.convert_tokens_to_ids("<image_soft_token>") in (None, tok.unk_token_id):
         tok.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
     tok.chat_template = base.chat_template
+    # transformers' own GGUF steps (from_pretrained(gguf_file=...) would need accelerate).
+    from transformers import AutoConfig, modeling_gguf_pytorch_utils
+
+    gguf_utils: Any = modeling_gguf_pytorch_utils
+    auto_config: Any = AutoConfig
     auto_lm: Any = AutoModelForCausalLM
-    text = auto_lm.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    text_config = auto_config.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    text = auto_lm.from_config(text_config, dtype=torch.float32)
+    state = gguf_utils.load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=text)
+    text.load_state_dict(state["tensors"], strict=False)
+    text.tie_weights()
     text.resize_token_embeddings(len(tok))
     mm_tokens = 64
     config_cls: Any = Gemma3Config
