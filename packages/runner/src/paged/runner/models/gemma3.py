@@ -319,18 +319,23 @@ def load_named_weights(
             continue
         target, shard_id = name, None
         for fragment, packed, sid in PACKED:
-            if fragment in name:
-                target, shard_id = name.replace(fragment, packed), sid
+            packed_name = name.replace(fragment, packed)
+            # Only where the packed layer exists (SigLIP keeps separate q/k/v).
+            if fragment in name and packed_name.rpartition(".")[0] in modules:
+                target, shard_id = packed_name, sid
                 break
         module_name, _, param_name = target.rpartition(".")
         owner = modules.get(module_name)
-        if owner is None or not hasattr(owner, "load_weight"):
+        if owner is None or not (hasattr(owner, "load_weight") or param_name in owner._parameters):
             raise ValueError(
                 f"checkpoint tensor {name!r} does not belong to {type(module).__name__}; "
                 "is the checkpoint for a different architecture?"
             )
         try:
-            owner.load_weight(param_name, tensor, shard_id)
+            if hasattr(owner, "load_weight"):
+                owner.load_weight(param_name, tensor, shard_id)
+            else:  # plain torch modules (vision tower convs and layer norms): same layout as HF
+                _copy_param(owner._parameters[param_name], tensor)
         except ValueError as exc:
             raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
         if shard_id is None:
@@ -342,6 +347,14 @@ def load_named_weights(
         if got == needed:
             loaded.add(target)
     return loaded
+
+
+def _copy_param(param: torch.Tensor | None, tensor: torch.Tensor) -> None:
+    if param is None or param.shape != tensor.shape:
+        shape = None if param is None else list(param.shape)
+        raise ValueError(f"shape {list(tensor.shape)} does not match the parameter's {shape}")
+    with torch.no_grad():
+        param.copy_(tensor)
 
 
 class Gemma3ForCausalLM(nn.Module):
