@@ -49,7 +49,7 @@ import torch
 
 from paged.scheduler.sampling_params import SamplingParams
 from paged.server.llm import LLM
-from paged.server.mm_testing import png_data_url, save_tiny_gemma3_model
+from paged.server.mm_testing import GEMMA3_CHAT_TEMPLATE, png_data_url, save_tiny_gemma3_model
 
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 
@@ -113,7 +113,8 @@ def build_gemma3_270m_siglip(path: Path, gguf: Path) -> Path:
     )
     if tok.convert_tokens_to_ids("<image_soft_token>") in (None, tok.unk_token_id):
         tok.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
-    tok.chat_template = base.chat_template
+    # The GGUF carries no chat template: Gemma3's turn format (user/model, image parts).
+    tok.chat_template = base.chat_template or GEMMA3_CHAT_TEMPLATE
     # transformers' own GGUF steps (from_pretrained(gguf_file=...) would need accelerate).
     from transformers import AutoConfig, modeling_gguf_pytorch_utils
 
@@ -160,7 +161,7 @@ def build_gemma3_270m_siglip(path: Path, gguf: Path) -> Path:
         image_processor=pil_module.Gemma3ImageProcessorPil(size={"height": 224, "width": 224}),
         tokenizer=tok,
         image_seq_length=mm_tokens,
-        chat_template=base.chat_template,
+        chat_template=tok.chat_template,
     ).save_pretrained(str(path))
     return path
 
@@ -238,14 +239,22 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=4)
     parser.add_argument("--gguf", default=None, help="Gemma 3 270M GGUF (default: the package)")
+    parser.add_argument(
+        "--build-dir",
+        default=None,
+        help="keep the built checkpoints here and reuse them (default: a temp dir)",
+    )
     args = parser.parse_args()
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            path = Path(tmp) / name
-            path.mkdir()
+            path = Path(args.build_dir or tmp) / name
+            if (path / "config.json").is_file() and (path / "processor_config.json").is_file():
+                results.append(bench_model(name, path, args))  # built by an earlier run
+                continue
+            path.mkdir(parents=True, exist_ok=True)
             if name == "tiny":
                 save_tiny_gemma3_model(path)
             elif name == "gemma3-270m+siglip":
