@@ -108,6 +108,11 @@ def test_image_chat_matches_transformers_and_repeats_identically(
     assert again.usage is not None and again.usage.prompt_tokens == first.usage.prompt_tokens
     details = again.usage.prompt_tokens_details
     assert details is not None and (details.cached_tokens or 0) > 0
+    # The same text with another picture: the image's blocks (and all after) miss.
+    other = [messages[0] | {"content": [_text("describe"), _image(png_data_url(3))]}, *messages[1:]]
+    resp = client.chat.completions.create(model=MODEL, messages=other, max_tokens=1)
+    details = resp.usage.prompt_tokens_details if resp.usage else None
+    assert details is not None and (details.cached_tokens or 0) < 16  # before the first image
     # Streaming gives the same text.
     stream = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
