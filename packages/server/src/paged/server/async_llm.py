@@ -116,23 +116,23 @@ class AsyncLLM:
             await self.offload.run(
                 constraint_size(params), check_compiles, self.grammar_compiler, params
             )
-        request, prompt_text = await self.offload.run(
-            prompt_size(prompt),
-            self.input_processor.process_inputs,
-            request_id,
-            prompt,
-            params,
-            priority=priority,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-            commit_mm=False,
-        )
-        # Checked again: the engine may have died, or the id been taken, while
-        # a large prompt was tokenized on the worker thread.
         try:
+            request, prompt_text = await self.offload.run(
+                prompt_size(prompt),
+                self.input_processor.process_inputs,
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                cache_salt=cache_salt,
+                kv_transfer_params=kv_transfer_params,
+                commit_mm=False,
+            )
+            # Checked again: the engine may have died, or the id been taken, while
+            # a large prompt was tokenized on the worker thread.
             self._check_can_add(request_id)
         except BaseException:
-            self.input_processor.discard_mm(request_id)
+            self.input_processor.discard_mm(request_id)  # cancelled or refused: not sent
             raise
         # No await from here to the send: the processor cache is updated in
         # send order, which is what keeps the engine's mirror in step.

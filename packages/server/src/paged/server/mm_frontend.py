@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,8 @@ SUPPORTED_MODALITIES = ("image",)
 # vLLM's default --limit-mm-per-prompt is 999 per modality for most models;
 # each Gemma3 image costs 256 prompt tokens, so the context bounds it anyway.
 DEFAULT_LIMIT_PER_PROMPT = 999
+# Processed requests awaiting their send (normally one or two at a time).
+MAX_PENDING = 1024
 
 
 def parse_limit_mm_per_prompt(value: str | Mapping[str, int] | None) -> dict[str, int]:
@@ -83,7 +86,9 @@ class MultiModalFrontend:
     media: MediaConnector
     limits: dict[str, int] = field(default_factory=dict)
     # Requests processed but not sent yet: their images, for commit-time re-processing.
-    _pending: dict[str, ProcessedPrompt] = field(default_factory=dict)
+    # Bounded: a request cancelled while its images were processed on the worker
+    # thread may never be committed or discarded.
+    _pending: OrderedDict[str, ProcessedPrompt] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -132,6 +137,8 @@ class MultiModalFrontend:
         processed = self.processor.process(prompt, images, add_special_tokens=add_special_tokens)
         with self._lock:
             self._pending[request_id] = processed
+            while len(self._pending) > MAX_PENDING:
+                self._pending.popitem(last=False)
         return processed
 
     def commit(
