@@ -152,3 +152,37 @@ def test_input_processor_refuses_images_for_text_only_and_placeholders_alone(
         _run(ip, "z", {"prompt": "hi", "multi_modal_data": {"audio": b""}})
     with pytest.raises(ValueError, match="must be a PIL image"):
         _run(ip, "w", {"prompt": "<start_of_image>", "multi_modal_data": {"image": "x.png"}})
+
+
+def test_a_repeated_image_is_neither_processed_nor_sent_again(proc_dir: Path) -> None:
+    from paged.server.engine.messages import AddRequestMessage
+    from paged.server.engine.serial import (
+        MsgpackDecoder,
+        MsgpackEncoder,
+        decode_add_request,
+        encode_add_request,
+    )
+
+    ip = _input_processor(proc_dir, ProcessorCacheConfig("lru", 0.01))
+    frontend = ip.mm_frontend
+    assert frontend is not None
+    text = "<bos>describe <start_of_image>"
+    first = frontend.process("a", text, [image(8)], add_special_tokens=False)
+    assert first.num_processed == 1
+    frontend.commit("a", first.features)
+    second = frontend.process("b", text, [image(8)], add_special_tokens=False)
+    assert second.num_processed == 0 and second.features[0].data is None  # HF processor skipped
+    frontend.discard("b")
+    # Over ZMQ: the miss carries the pixels as their own frame, the hit carries none.
+    encoder = MsgpackEncoder()
+    prompt = {"prompt": text, "multi_modal_data": {"image": image(9)}}
+    miss_request = _run(ip, "m", prompt)
+    assert miss_request.mm_features[0].data is not None
+    pixels = miss_request.mm_features[0].data["pixel_values"].data
+    miss = encode_add_request(encoder, miss_request)
+    hit = encode_add_request(encoder, _run(ip, "h", prompt))
+    assert any(bytes(f) == pixels for f in miss[1:])
+    assert len(hit) == 1 and pixels not in bytes(hit[0])
+    decoded = decode_add_request(MsgpackDecoder(AddRequestMessage), miss)
+    assert decoded.mm_features is not None and decoded.mm_features[0].data is not None
+    assert decoded.mm_features[0].data["pixel_values"].data == pixels
