@@ -141,3 +141,27 @@ def test_byte_lru_never_stores_what_cannot_fit() -> None:
     lru.put("b", 2, 6)
     assert lru.put("c", 3, 6) == [("b", 2)]
     lru.check_integrity()
+
+
+def _read_in_child(prefix: str, sent: list[MultiModalFeatureSpec]) -> bytes:
+    restored = make_receiver_cache("shm", 1, shm_prefix=prefix).fill(sent)
+    data = restored[0].data
+    assert data is not None
+    return data["pixel_values"].data
+
+
+def test_shm_segments_are_read_by_another_process_and_survive_its_exit() -> None:
+    import multiprocessing
+
+    p0 = ShmSenderCache(1000)
+    try:
+        sent = p0.commit([item(5, 100)], no_reprocess)
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(1) as pool:
+            assert pool.apply(_read_in_child, (p0.prefix, sent)) == bytes([5]) * 100
+        # The reader's exit (and its resource tracker) left P0's segment alone.
+        segment = shared_memory.SharedMemory(name=shm_segment_name(p0.prefix, "h5"))
+        segment.close()
+        assert make_receiver_cache("shm", 1, shm_prefix=p0.prefix).fill(sent)[0] == item(5, 100)
+    finally:
+        p0.close()

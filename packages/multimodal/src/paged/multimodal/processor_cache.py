@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 from typing import Generic, Literal, TypeVar
 
 import msgspec
@@ -417,22 +418,41 @@ class ShmReceiverCache(ReceiverCache):
     def _read(self, index: int, feature: MultiModalFeatureSpec) -> ItemData:
         name = shm_segment_name(self.prefix, feature.identifier)
         try:
-            segment = shared_memory.SharedMemory(name=name)
+            payload = _read_segment(name)
         except FileNotFoundError:
             raise ProcessorCacheError(
                 f"mm_features[{index}] ({feature.identifier}) was evicted from shared memory "
                 "before the engine read it; raise --mm-processor-cache-gb"
             ) from None
-        try:
-            if name not in _CREATED_HERE:
-                # Python < 3.13 registers attached segments with the resource tracker,
-                # which would unlink P0's segment when this process exits.
-                resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-            buf = _buffer(segment)
-            (length,) = _LEN.unpack_from(buf, 0)
-            return _SHM_DECODER.decode(bytes(buf[_LEN.size : _LEN.size + length]))
-        finally:
-            segment.close()
+        return _SHM_DECODER.decode(payload)
+
+
+_DEV_SHM = Path("/dev/shm")
+
+
+def _read_segment(name: str) -> bytes:
+    """The payload of segment `name`, leaving its owner's resource tracking untouched.
+
+    Attaching with `SharedMemory(name)` registers the segment with this
+    process's resource tracker (Python < 3.13), which would unlink P0's segment
+    when P1 exits, or, when P1 shares P0's tracker (spawned by it), unregistering
+    would drop P0's own registration. On Linux a POSIX segment is a file under
+    /dev/shm: reading it as one involves no tracker at all.
+    """
+    if _DEV_SHM.is_dir():
+        with open(_DEV_SHM / name, "rb") as f:
+            header = f.read(_LEN.size)
+            (length,) = _LEN.unpack(header)
+            return f.read(length)
+    segment = shared_memory.SharedMemory(name=name)
+    try:
+        if name not in _CREATED_HERE:
+            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+        buf = _buffer(segment)
+        (length,) = _LEN.unpack_from(buf, 0)
+        return bytes(buf[_LEN.size : _LEN.size + length])
+    finally:
+        segment.close()
 
 
 def make_receiver_cache(
