@@ -192,6 +192,7 @@ class Engine:
         )  # fmt: skip
         self.hidden: dict[str, dict[int, torch.Tensor]] = {}
         self.steps: list[tuple[Any, list[str]]] = []
+        self.preempted_at: dict[str, list[int]] = {}
         model: Any = self.runner.model
         self.model = model
         forward = model.forward
@@ -219,6 +220,8 @@ class Engine:
 
     def step(self) -> dict[str, list[int]]:
         so = self.scheduler.schedule()
+        for rid in so.preempted_req_ids:  # how far it had got (positions recorded so far)
+            self.preempted_at.setdefault(rid, []).append(len(self.hidden[rid]))
         self._last = None
         out = self.runner.execute_model(so)
         pending = self.runner._pending
@@ -415,8 +418,10 @@ def test_preemption_in_the_middle_of_an_image_prompt(checkpoint: Path, hf: Any) 
     engine.add("a", a, 0.0)
     engine.add("b", b, 1.0)
     tokens = engine.run()
-    preempted = [rid for so, _ in engine.steps for rid in so.preempted_req_ids]
-    assert preempted, "the KV pool was meant to force a preemption"
+    # b is preempted with 12 of its 20 prompt positions computed: after its first image,
+    # before its second; it recomputes from scratch (prefix hits, cached encoder output).
+    assert engine.preempted_at == {"b": [12]}, "the KV pool was meant to preempt b mid-prompt"
+    assert 12 < len(b.token_ids)
     for rid, prompt in (("a", a), ("b", b)):
         check(engine, hf, rid, prompt, tokens[rid])
 
