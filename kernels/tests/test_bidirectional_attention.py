@@ -24,7 +24,9 @@ def _ranges(batch: PagedBatch, spans: list[list[tuple[int, int]]]) -> torch.Tens
     return out
 
 
-def _dense(batch: PagedBatch, spans: list[list[tuple[int, int]]], window: int | None) -> torch.Tensor:
+def _dense(
+    batch: PagedBatch, spans: list[list[tuple[int, int]]], window: int | None
+) -> torch.Tensor:
     """Independent definition: one masked softmax per request over its dense keys."""
     starts = batch.query_start_loc.tolist()
     out = torch.zeros_like(batch.query)
@@ -117,11 +119,13 @@ def test_triton_matches_reference(
         batch.query, batch.key_cache, batch.value_cache, batch.block_table,
         batch.query_start_loc, batch.seq_lens, batch.query.shape[-1] ** -0.5,
     )  # fmt: skip
-    kw = {"max_query_len": batch.max_query_len, "max_seq_len": batch.max_seq_len}
+    q_max, s_max = batch.max_query_len, batch.max_seq_len
     got = triton_ops.paged_attention_split_kv(
-        *args, **kw, sliding_window=window, bidirectional_ranges=ranges, num_segments=segments
-    )
+        *args, max_query_len=q_max, max_seq_len=s_max, sliding_window=window,
+        bidirectional_ranges=ranges, num_segments=segments,
+    )  # fmt: skip
     want = reference.paged_attention(
-        *args, **kw, sliding_window=window, bidirectional_ranges=ranges
-    )
+        *args, max_query_len=q_max, max_seq_len=s_max, sliding_window=window,
+        bidirectional_ranges=ranges,
+    )  # fmt: skip
     torch.testing.assert_close(got.float(), want.float(), atol=2e-5, rtol=2e-5)

@@ -12,6 +12,7 @@ global, sliding; window 6, shorter than an image), a 2-layer SigLIP on
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +74,8 @@ def build_checkpoint(path: Path) -> Path:
         boi_token_index=BOI, eoi_token_index=EOI,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config).float()
+    model: Any = Gemma3ForConditionalGeneration(config)
+    model = model.float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight") and "vision_tower" not in name:
@@ -93,17 +95,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf(checkpoint: Path) -> Any:
     from transformers import Gemma3ForConditionalGeneration
 
-    return Gemma3ForConditionalGeneration.from_pretrained(
+    model: Any = Gemma3ForConditionalGeneration.from_pretrained(
         str(checkpoint), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    )
+    return model.eval()
 
 
 # ------------------------------------------------------------------ prompts
 
 
 def image(seed: int) -> np.ndarray[Any, Any]:
-    return np.random.default_rng(seed).standard_normal((1, 3, IMAGE_SIZE, IMAGE_SIZE)).astype(
-        np.float32
+    return (
+        np.random.default_rng(seed)
+        .standard_normal((1, 3, IMAGE_SIZE, IMAGE_SIZE))
+        .astype(np.float32)
     )
 
 
@@ -137,7 +142,8 @@ def make_prompt(parts: list[int | list[int]], images: dict[int, int] | None = No
 
 
 def text(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(1000 + seed).integers(3, BOI, n).tolist()
+    tokens: list[int] = np.random.default_rng(1000 + seed).integers(3, BOI, n).tolist()
+    return tokens
 
 
 def hf_logits(hf: Any, prompt: Prompt, generated: list[int]) -> torch.Tensor:
@@ -147,7 +153,8 @@ def hf_logits(hf: Any, prompt: Prompt, generated: list[int]) -> torch.Tensor:
     if prompt.pixels:
         kwargs["pixel_values"] = torch.from_numpy(np.concatenate(prompt.pixels))
     with torch.no_grad():
-        return hf(input_ids=ids, use_cache=False, **kwargs).logits[0].float()
+        logits: torch.Tensor = hf(input_ids=ids, use_cache=False, **kwargs).logits[0].float()
+    return logits
 
 
 # ------------------------------------------------------------------ engine
@@ -159,9 +166,11 @@ class Engine:
     def __init__(
         self, checkpoint: Path, *, budget: int, num_blocks: int = 128,
         encoder_cache_size: int | None = None, max_num_seqs: int = 4,
-        disable_chunked_mm_input: bool = True,
+        disable_chunked_mm_input: bool = True, attention_backend: Any = "auto",
     ) -> None:  # fmt: skip
-        mc = ModelConfig.from_pretrained(str(checkpoint), max_model_len=MAX_LEN)
+        mc = ModelConfig.from_pretrained(
+            str(checkpoint), max_model_len=MAX_LEN, attention_backend=attention_backend
+        )
         assert mc.requires_unchunked_mm_input
         self.runner = ModelRunner(
             mc, CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=1 << 22),
@@ -183,6 +192,7 @@ class Engine:
         )  # fmt: skip
         self.hidden: dict[str, dict[int, torch.Tensor]] = {}
         self.steps: list[tuple[Any, list[str]]] = []
+        self.preempted_at: dict[str, list[int]] = {}
         model: Any = self.runner.model
         self.model = model
         forward = model.forward
@@ -210,6 +220,8 @@ class Engine:
 
     def step(self) -> dict[str, list[int]]:
         so = self.scheduler.schedule()
+        for rid in so.preempted_req_ids:  # how far it had got (positions recorded so far)
+            self.preempted_at.setdefault(rid, []).append(len(self.hidden[rid]))
         self._last = None
         out = self.runner.execute_model(so)
         pending = self.runner._pending
@@ -323,6 +335,21 @@ def test_every_chunk_size(checkpoint: Path, hf: Any, chunk: int) -> None:
     assert engine.encoder.num_encoder_calls == 2
 
 
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="the Triton kernels run on CUDA or under TRITON_INTERPRET=1",
+)
+def test_triton_backend_matches_hf(checkpoint: Path, hf: Any) -> None:
+    """The same rule in the Triton kernel: two images, chunks of 7, a prefill then decodes."""
+    pytest.importorskip("paged.kernels.triton_ops")
+    prompt = PROMPTS["two_images"]()
+    engine = Engine(checkpoint, budget=7, max_num_seqs=1, attention_backend="triton")
+    assert engine.runner.attn_backend.name == "triton"
+    engine.add("r", prompt)
+    tokens = engine.run()
+    check(engine, hf, "r", prompt, tokens["r"])
+
+
 def test_split_image_is_rejected_by_the_runner(checkpoint: Path) -> None:
     """If a scheduler did split an image, the runner refuses instead of computing garbage."""
     prompt = make_prompt([text(1, 2), 11, text(2, 2)])
@@ -391,8 +418,10 @@ def test_preemption_in_the_middle_of_an_image_prompt(checkpoint: Path, hf: Any) 
     engine.add("a", a, 0.0)
     engine.add("b", b, 1.0)
     tokens = engine.run()
-    preempted = [rid for so, _ in engine.steps for rid in so.preempted_req_ids]
-    assert preempted, "the KV pool was meant to force a preemption"
+    # b is preempted with 12 of its 20 prompt positions computed: after its first image,
+    # before its second; it recomputes from scratch (prefix hits, cached encoder output).
+    assert engine.preempted_at == {"b": [12]}, "the KV pool was meant to preempt b mid-prompt"
+    assert 12 < len(b.token_ids)
     for rid, prompt in (("a", a), ("b", b)):
         check(engine, hf, rid, prompt, tokens[rid])
 

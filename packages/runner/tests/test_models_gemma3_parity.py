@@ -55,7 +55,8 @@ def make_gemma3_text(path: Path, seed: int = 0, **overrides: Any) -> Path:
     config = Gemma3TextConfig(**{**TEXT_CONFIG, **overrides})
     config.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config).float()
+    model: Any = Gemma3ForCausalLM(config)
+    model = model.float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -67,14 +68,16 @@ def make_gemma3_text(path: Path, seed: int = 0, **overrides: Any) -> Path:
 def _hf(path: Path) -> Any:
     from transformers import Gemma3ForCausalLM
 
-    return Gemma3ForCausalLM.from_pretrained(
+    hf: Any = Gemma3ForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    )
+    return hf.eval()
 
 
 def _hf_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return hf(torch.tensor([tokens]), use_cache=False).logits[0].float()
+        logits: torch.Tensor = hf(torch.tensor([tokens]), use_cache=False).logits[0].float()
+    return logits
 
 
 @pytest.mark.parametrize(
@@ -103,7 +106,7 @@ def test_kv_cache_specs_follow_layer_types(tmp_path: Path) -> None:
     # transformers' Gemma3 stores attn_logit_softcapping but never applies it (real
     # Gemma 3 configs leave it None); paged applies it, like vLLM, in the kernel.
     path = make_gemma3_text(tmp_path / "g3", attn_logit_softcapping=3.0)
-    model = load_model(ModelConfig.from_pretrained(str(path)), "cpu")
+    model: Any = load_model(ModelConfig.from_pretrained(str(path)), "cpu")
     assert {a.logits_soft_cap for a in model.attention_layers()} == {3.0}
     specs = list(model.kv_cache_specs(4).values())
     assert [type(s) for s in specs] == [SlidingWindowSpec, FullAttentionSpec, SlidingWindowSpec]
@@ -125,7 +128,8 @@ def test_scheduler_greedy_matches_hf(tmp_path: Path) -> None:
         num_gpu_blocks_override=64,
     )  # fmt: skip
     # vLLM groups layers by spec in groups of equal size: here 1 full + 2 sliding = 3.
-    assert {type(g.kv_cache_spec) for g in kv.kv_cache_groups} == {FullAttentionSpec, SlidingWindowSpec}
+    spec_types = {type(g.kv_cache_spec) for g in kv.kv_cache_groups}
+    assert spec_types == {FullAttentionSpec, SlidingWindowSpec}
     executor.initialize_from_config(kv)
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=7), kv, 4

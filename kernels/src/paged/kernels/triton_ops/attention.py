@@ -135,7 +135,9 @@ def paged_attention_split_kv(
     check_triton_device(query=query, key_cache=key_cache, block_table=block_table)
     use_ranges = bidirectional_ranges is not None
     # Unused pointer when there are no ranges (USE_RANGES=False never reads it).
-    ranges = bidirectional_ranges.to(torch.int32).contiguous() if use_ranges else seq_lens
+    ranges = seq_lens
+    if bidirectional_ranges is not None:
+        ranges = bidirectional_ranges.to(torch.int32).contiguous()
     check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
     if out is not None:
         check_last_dim_contiguous(out=out)

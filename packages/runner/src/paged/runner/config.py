@@ -256,12 +256,26 @@ def _gguf_fields(path: Path) -> dict[str, Any]:
         "hf_config": hf_config,
         "architecture": architecture,
         "vocab_size": int(hf_config.vocab_size),
-        "eos_token_ids": _eos_ids(hf_config.eos_token_id),
+        "eos_token_ids": _eos_ids(hf_config.eos_token_id) + _gguf_extra_eos(reader),
         "bos_token_id": hf_config.bos_token_id,
         "tokenizer": str(path.parent),
         "gguf_file": path.name,
         "weights_format": "gguf",
     }
+
+
+def _gguf_extra_eos(reader: Any) -> tuple[int, ...]:
+    """End-of-turn ids a GGUF's single eos_token_id leaves out.
+
+    Gemma 3 ends a chat turn with <end_of_turn> (id 106), listed beside <eos>
+    in every gemma-3 generation_config.json; llama.cpp keeps only <eos>.
+    """
+    from paged.runner.loader.gguf_config import field_value
+
+    if field_value(reader, "general.architecture") != "gemma3":
+        return ()
+    tokens = field_value(reader, "tokenizer.ggml.tokens") or []
+    return (106,) if len(tokens) > 106 and tokens[106] == "<end_of_turn>" else ()
 
 
 def _hf_dir_fields(path: Path) -> dict[str, Any]:

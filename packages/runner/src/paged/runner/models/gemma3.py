@@ -95,7 +95,9 @@ class Gemma3ArchConfig:
         local = dict(rope.get("sliding_attention") or {})
         local.setdefault("rope_theta", float(getattr(cfg, "rope_local_base_freq", 10_000.0)))
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
+        act = getattr(cfg, "hidden_activation", None) or getattr(
+            cfg, "hidden_act", "gelu_pytorch_tanh"
+        )
         return cls(
             vocab_size=int(cfg.vocab_size),
             hidden_size=int(cfg.hidden_size),
@@ -109,7 +111,7 @@ class Gemma3ArchConfig:
             hidden_act=str(act),
             query_pre_attn_scalar=float(getattr(cfg, "query_pre_attn_scalar", None) or head_dim),
             sliding_windows=tuple(
-                int(window) if t == "sliding_attention" else None for t in types
+                int(window or 0) if t == "sliding_attention" else None for t in types
             ),
             rope_global=glob,
             rope_local=local,
@@ -247,14 +249,11 @@ class Gemma3TextModel(nn.Module):
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype))
         self.rotary_global = _rotary(cfg, cfg.rope_global)
         self.rotary_local = _rotary(cfg, cfg.rope_local)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(
-                cfg, i, tp, model_config,
-                self.rotary_local if cfg.sliding_windows[i] is not None else self.rotary_global,
-                prefix,
-            )  # fmt: skip
-            for i in range(cfg.num_hidden_layers)
-        )
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            rotary = self.rotary_local if cfg.sliding_windows[i] is not None else self.rotary_global
+            layers.append(Gemma3DecoderLayer(cfg, i, tp, model_config, rotary, prefix))
+        self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

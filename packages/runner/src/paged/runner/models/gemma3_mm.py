@@ -65,7 +65,7 @@ class Gemma3MultiModalProjector(nn.Module):
         dtype: torch.dtype,
     ) -> None:  # fmt: skip
         super().__init__()
-        side = int(round(tokens_per_image**0.5))
+        side = round(tokens_per_image**0.5)
         if side * side != tokens_per_image or vision.patches_per_side % side:
             raise ValueError(
                 f"mm_tokens_per_image: {tokens_per_image} is not a square dividing the "
@@ -220,4 +220,3 @@ class Gemma3ForConditionalGeneration(nn.Module):
 
     def expected_weights(self) -> set[str]:
         return {name for name, _ in self.named_parameters()}
-
