@@ -12,6 +12,7 @@ FORBIDDEN = [
     "paged.kernels",
     "paged.connectors",
     "paged.server",
+    "transformers",
 ]
 
 

@@ -19,15 +19,24 @@ from paged.runner.models.registry import (
 )
 
 
-def test_registry_maps_every_family_to_llama() -> None:
+def test_registry_maps_every_family_to_its_class() -> None:
+    from paged.runner.models.gemma3 import Gemma3ForCausalLM
+    from paged.runner.models.gemma3_mm import Gemma3ForConditionalGeneration
+
     assert supported_architectures() == [
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
     ]
     for arch in supported_architectures():
+        if arch.startswith("Gemma3"):
+            continue
         assert resolve_model_class(arch) is LlamaForCausalLM
+    assert resolve_model_class("Gemma3ForCausalLM") is Gemma3ForCausalLM
+    assert resolve_model_class("Gemma3ForConditionalGeneration") is Gemma3ForConditionalGeneration
     with pytest.raises(ValueError, match="'GemmaForCausalLM' is not supported"):
         check_architecture("GemmaForCausalLM")
 

@@ -41,6 +41,7 @@ class KernelBackend(Protocol):
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         out: torch.Tensor | None = None,
+        bidirectional_ranges: torch.Tensor | None = None,  # [T, 2] int32
     ) -> torch.Tensor: ...
 
     def compute_cos_sin_cache(

@@ -115,11 +115,13 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
+    bidirectional_ranges: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return backend_for(query).paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
         max_query_len=max_query_len, max_seq_len=max_seq_len,
         sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+        bidirectional_ranges=bidirectional_ranges,
     )  # fmt: skip
 
 

@@ -108,8 +108,19 @@ def check_paged_attention(
     sliding_window: int | None,
     soft_cap: float | None,
     out: torch.Tensor | None,
+    bidirectional_ranges: torch.Tensor | None = None,
 ) -> None:
     _check_dim("query", query, 3, "[num_tokens, num_heads, head_size]")
+    if bidirectional_ranges is not None:
+        r = bidirectional_ranges
+        if r.dim() != 2 or r.shape[1] != 2 or r.shape[0] < query.shape[0]:
+            raise ValueError(
+                f"bidirectional_ranges must be [num_tokens, 2] (num_tokens={query.shape[0]}), "
+                f"got {_shape(r)}"
+            )
+        if r.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"bidirectional_ranges must be int32 or int64, got {r.dtype}")
+        check_same_device(query=query, bidirectional_ranges=r)
     _check_dim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
     if value_cache.shape != key_cache.shape:
         raise ValueError(

@@ -125,3 +125,38 @@ def test_serve_with_bad_scheduler_limits_is_a_clean_error_before_any_spawn(
         "max_num_seqs (300)."
     )
     assert expected in err and "Traceback" not in err
+
+
+def test_multimodal_flags_map_to_engine_args_and_engine_options() -> None:
+    ns = build_parser().parse_args(
+        [
+            "serve", "m", "--limit-mm-per-prompt", '{"image": 2}',
+            "--allowed-local-media-path", "/srv/img", "--mm-processor-cache-type", "shm",
+            "--mm-processor-cache-gb", "0.5", "--disable-chunked-mm-input",
+        ]
+    )  # fmt: skip
+    a = engine_args_from(ns)
+    assert a.limit_mm_per_prompt == '{"image": 2}' and a.allowed_local_media_path == "/srv/img"
+    options = a.engine_core_options()["mm_options"]
+    assert options.disable_chunked_mm_input
+    cache = options.processor_cache
+    assert (cache.cache_type, cache.cache_gb) == ("shm", 0.5) and cache.shm_prefix
+    # Frontend and engine get the same shared-memory prefix from one EngineArgs.
+    assert a.mm_engine_options().processor_cache.shm_prefix == cache.shm_prefix
+    defaults = engine_args_from(build_parser().parse_args(["serve"]))
+    assert (defaults.mm_processor_cache_type, defaults.mm_processor_cache_gb) == ("lru", 4.0)
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ("{image: 2}", "must be JSON"),
+        ('{"image": -1}', "integer >= 0"),
+        ("[2]", "JSON object"),
+    ],
+)
+def test_bad_limit_mm_per_prompt_fails_before_loading(value: str, match: str) -> None:
+    from paged.server.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(limit_mm_per_prompt=value).engine_core_options()

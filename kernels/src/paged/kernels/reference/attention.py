@@ -38,6 +38,7 @@ def _attend_one(
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    ranges: torch.Tensor | None = None,  # [q_len, 2] extra keys [start, end) per query
 ) -> torch.Tensor:
     q_len, num_heads, head_size = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -51,6 +52,11 @@ def _attend_one(
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
     allowed = k_pos <= q_pos
+    if ranges is not None:
+        # Bidirectional spans (e.g. one image's tokens): keys inside the query's
+        # span are visible even when they come after it; the window still applies.
+        r = ranges.to(device=q.device, dtype=torch.int64)
+        allowed |= (k_pos >= r[:, :1]) & (k_pos < r[:, 1:])
     if sliding_window is not None:
         allowed &= q_pos - k_pos < sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
@@ -73,6 +79,7 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
+    bidirectional_ranges: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its cached keys; ``[T, Hq, D]``.
 
@@ -83,10 +90,16 @@ def paged_attention(
     ``soft_cap * tanh(s / soft_cap)`` when ``soft_cap`` is set. Rows after
     ``query_start_loc[-1]`` (padding) are zero in a new result, and left untouched when
     ``out`` is given. Computed in float32, returned in query dtype.
+
+    ``bidirectional_ranges`` ``[T, 2]`` int32, when given, widens each query's keys:
+    query row ``t`` also sees the keys at positions ``[ranges[t, 0], ranges[t, 1])``
+    (still within the sliding window), so the tokens of one span (Gemma3's image)
+    attend to each other both ways; ``start == end`` adds nothing. Every span a
+    query sits in must be complete in the cache: ``ranges[t, 1] <= seq_len``.
     """
     check_paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
-        max_query_len, max_seq_len, sliding_window, soft_cap, out,
+        max_query_len, max_seq_len, sliding_window, soft_cap, out, bidirectional_ranges,
     )  # fmt: skip
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -109,7 +122,16 @@ def paged_attention(
             continue
         k = gather_request_kv(key_cache, block_table[r], seq_len)
         v = gather_request_kv(value_cache, block_table[r], seq_len)
-        attn = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, soft_cap)
+        ranges = None
+        if bidirectional_ranges is not None:
+            ranges = bidirectional_ranges[q_start:q_end]
+            if q_len and int(ranges[:, 1].max()) > seq_len:
+                raise ValueError(
+                    f"request {r}: bidirectional_ranges reach position "
+                    f"{int(ranges[:, 1].max())} beyond seq_len {seq_len}: a bidirectional span "
+                    "was split across steps (schedule each span whole)"
+                )
+        attn = _attend_one(query[q_start:q_end], k, v, scale, sliding_window, soft_cap, ranges)
         result[q_start:q_end] = attn.to(query.dtype)
     if out is None:
         return result

@@ -89,6 +89,7 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
+    bidirectional_ranges: torch.Tensor | None = None,  # [T, 2] int32
 ) -> torch.Tensor:
     """Same contract as ``paged.kernels.reference.paged_attention``, in one launch.
 
@@ -100,6 +101,7 @@ def paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
         max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window,
         soft_cap=soft_cap, out=out, num_segments=None,
+        bidirectional_ranges=bidirectional_ranges,
     )  # fmt: skip
 
 
@@ -118,6 +120,7 @@ def paged_attention_split_kv(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
     num_segments: int | None = None,
+    bidirectional_ranges: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` with an explicit split-KV segment count (None = automatic).
 
@@ -127,9 +130,14 @@ def paged_attention_split_kv(
     """
     check_paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
-        max_query_len, max_seq_len, sliding_window, soft_cap, out,
+        max_query_len, max_seq_len, sliding_window, soft_cap, out, bidirectional_ranges,
     )  # fmt: skip
     check_triton_device(query=query, key_cache=key_cache, block_table=block_table)
+    use_ranges = bidirectional_ranges is not None
+    # Unused pointer when there are no ranges (USE_RANGES=False never reads it).
+    ranges = seq_lens
+    if bidirectional_ranges is not None:
+        ranges = bidirectional_ranges.to(torch.int32).contiguous()
     check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
     if out is not None:
         check_last_dim_contiguous(out=out)
@@ -153,8 +161,8 @@ def paged_attention_split_kv(
     grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, segs)
     _paged_attention_kernel[grid](
         result, seg_out, seg_max, seg_sum, query, key_cache, value_cache, block_table,
-        query_start_loc, seq_lens, scale, float(soft_cap or 0.0), int(sliding_window or 0),
-        num_reqs,
+        query_start_loc, seq_lens, ranges, scale, float(soft_cap or 0.0),
+        int(sliding_window or 0), num_reqs,
         query.stride(0), query.stride(1), result.stride(0), result.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -162,7 +170,7 @@ def paged_attention_split_kv(
         HEAD_SIZE=head_size, D_PAD=d_pad, QUERIES_PER_KV=num_heads // num_kv_heads,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q,
         BLOCK_N=launch.block_n, NUM_SEGMENTS=segs, USE_SOFT_CAP=soft_cap is not None,
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=sliding_window is not None, USE_RANGES=use_ranges,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps,
     )  # fmt: skip

@@ -48,13 +48,14 @@ def _find_request(query_start_loc_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _key_tiles(
-    context_len, seq_len, q_block, segment, sliding_window,
+    context_len, seq_len, q_block, segment, sliding_window, range_end,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
 ):  # fmt: skip
     # Key tiles [first, last) that the queries of this q block can see, cut to
-    # this program's segment when split-KV is on.
-    last_key = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    # this program's segment when split-KV is on. range_end: the furthest key a
+    # bidirectional span lets one of these queries see (0 without spans).
+    last_key = tl.minimum(tl.maximum(context_len + (q_block + 1) * BLOCK_Q, range_end), seq_len)
     first_key = 0
     if USE_WINDOW:
         first_key = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
@@ -70,7 +71,9 @@ def _key_tiles(
 @triton.jit
 def _masked_scores(
     q, k, offs_n, key_valid, q_pos, row_valid, scale, soft_cap, sliding_window,
-    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    range_start, range_end,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_RANGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # [BLOCK_M, BLOCK_N] scaled (and soft-capped) q.k; -inf where causality,
     # the window or padding forbid the pair.
@@ -79,7 +82,13 @@ def _masked_scores(
         # cap * tanh(s / cap); tanh from exp, argument clamped where tanh is +-1 anyway.
         z = tl.minimum(tl.maximum(2.0 * s / soft_cap, -40.0), 40.0)
         s = soft_cap * (1.0 - 2.0 / (tl.exp(z) + 1.0))
-    allowed = key_valid[None, :] & (offs_n[None, :] <= q_pos[:, None]) & row_valid[:, None]
+    visible = offs_n[None, :] <= q_pos[:, None]
+    if USE_RANGES:
+        # A query inside a bidirectional span also sees the span's later keys.
+        visible = visible | (
+            (offs_n[None, :] >= range_start[:, None]) & (offs_n[None, :] < range_end[:, None])
+        )
+    allowed = key_valid[None, :] & visible & row_valid[:, None]
     if USE_WINDOW:
         allowed = allowed & (q_pos[:, None] - offs_n[None, :] < sliding_window)
     return tl.where(allowed, s, float("-inf"))
@@ -97,6 +106,7 @@ def _paged_attention_kernel(
     block_table_ptr,  # [R, M]
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
+    ranges_ptr,  # [T, 2] int32 bidirectional spans (USE_RANGES)
     scale,
     soft_cap,
     sliding_window,
@@ -122,6 +132,7 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_RANGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
@@ -153,8 +164,13 @@ def _paged_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, D_PAD]
 
+    range_start = tl.zeros([BLOCK_M], dtype=tl.int32)
+    range_end = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if USE_RANGES:
+        range_start = tl.load(ranges_ptr + token * 2, mask=row_valid, other=0)
+        range_end = tl.load(ranges_ptr + token * 2 + 1, mask=row_valid, other=0)
     first_tile, last_tile = _key_tiles(
-        context_len, seq_len, q_block, segment, sliding_window,
+        context_len, seq_len, q_block, segment, sliding_window, tl.max(range_end, axis=0),
         BLOCK_Q, BLOCK_N, NUM_SEGMENTS, USE_WINDOW,
     )  # fmt: skip
 
@@ -182,7 +198,7 @@ def _paged_attention_kernel(
 
         s = _masked_scores(
             q, k, offs_n, key_valid, q_pos, row_valid, scale, soft_cap, sliding_window,
-            USE_SOFT_CAP, USE_WINDOW, DOT_PRECISION,
+            range_start, range_end, USE_SOFT_CAP, USE_WINDOW, USE_RANGES, DOT_PRECISION,
         )  # [BLOCK_M, BLOCK_N]  # fmt: skip
 
         # Online softmax; rows that saw no key yet keep m = -inf, guarded below.

@@ -1,4 +1,4 @@
-"""paged.multimodal: placeholder ranges, feature specs and the encoder-cache bookkeeping."""
+"""paged.multimodal: media loading, content hashing, processor and encoder caches."""
 
 from paged.multimodal.encoder_cache import (
     EncoderBudget,
@@ -7,15 +7,50 @@ from paged.multimodal.encoder_cache import (
     compute_mm_encoder_budget,
     num_encoder_embeds,
 )
+from paged.multimodal.hasher import MultiModalHasher
 from paged.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange, TensorData
+from paged.multimodal.media import MediaConnector, MediaError, MediaLimits, decode_image
+from paged.multimodal.processing import (
+    Gemma3MultiModalProcessor,
+    ProcessedPrompt,
+    PromptError,
+    from_tensor_data,
+    to_tensor_data,
+)
+from paged.multimodal.processor_cache import (
+    PROCESSOR_CACHE_TYPES,
+    ProcessorCacheConfig,
+    ProcessorCacheError,
+    ReceiverCache,
+    SenderCache,
+    make_receiver_cache,
+    make_sender_cache,
+)
 
 __all__ = [
+    "PROCESSOR_CACHE_TYPES",
     "EncoderBudget",
     "EncoderCacheManager",
     "EncoderCacheRequest",
+    "Gemma3MultiModalProcessor",
+    "MediaConnector",
+    "MediaError",
+    "MediaLimits",
     "MultiModalFeatureSpec",
+    "MultiModalHasher",
     "PlaceholderRange",
+    "ProcessedPrompt",
+    "ProcessorCacheConfig",
+    "ProcessorCacheError",
+    "PromptError",
+    "ReceiverCache",
+    "SenderCache",
     "TensorData",
     "compute_mm_encoder_budget",
+    "decode_image",
+    "from_tensor_data",
+    "make_receiver_cache",
+    "make_sender_cache",
     "num_encoder_embeds",
+    "to_tensor_data",
 ]

@@ -136,12 +136,30 @@ class ModelConfig:
         return Path(self.model)
 
     @property
+    def text_config(self) -> Any:
+        """The language model's config (the whole config for text-only models)."""
+        return _text_config(self.hf_config)
+
+    @property
     def num_hidden_layers(self) -> int:
-        return int(self.hf_config.num_hidden_layers)
+        return int(self.text_config.num_hidden_layers)
 
     @property
     def hidden_size(self) -> int:
-        return int(self.hf_config.hidden_size)
+        return int(self.text_config.hidden_size)
+
+    @property
+    def is_multimodal(self) -> bool:
+        """The model takes encoder inputs (images) besides tokens."""
+        from paged.runner.models.registry import is_multimodal
+
+        return is_multimodal(self.architecture)
+
+    @property
+    def requires_unchunked_mm_input(self) -> bool:
+        """Image tokens attend to each other both ways (Gemma3), so the scheduler must never
+        split one item's placeholder across steps (vLLM's disable_chunked_mm_input)."""
+        return self.architecture == "Gemma3ForConditionalGeneration"
 
     @classmethod
     def from_pretrained(
@@ -188,7 +206,7 @@ class ModelConfig:
         else:
             fields = _hf_dir_fields(path)
         hf_config = fields["hf_config"]
-        limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        limit = int(getattr(_text_config(hf_config), "max_position_embeddings", 0) or 0)
         if max_model_len is None:
             if limit <= 0:
                 raise ValueError("max_model_len: the model config gives no length; pass one")
@@ -212,6 +230,11 @@ class ModelConfig:
         )
 
 
+def _text_config(hf_config: Any) -> Any:
+    get = getattr(hf_config, "get_text_config", None)
+    return hf_config if get is None else get()
+
+
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -233,12 +256,26 @@ def _gguf_fields(path: Path) -> dict[str, Any]:
         "hf_config": hf_config,
         "architecture": architecture,
         "vocab_size": int(hf_config.vocab_size),
-        "eos_token_ids": _eos_ids(hf_config.eos_token_id),
+        "eos_token_ids": _eos_ids(hf_config.eos_token_id) + _gguf_extra_eos(reader),
         "bos_token_id": hf_config.bos_token_id,
         "tokenizer": str(path.parent),
         "gguf_file": path.name,
         "weights_format": "gguf",
     }
+
+
+def _gguf_extra_eos(reader: Any) -> tuple[int, ...]:
+    """End-of-turn ids a GGUF's single eos_token_id leaves out.
+
+    Gemma 3 ends a chat turn with <end_of_turn> (id 106), listed beside <eos>
+    in every gemma-3 generation_config.json; llama.cpp keeps only <eos>.
+    """
+    from paged.runner.loader.gguf_config import field_value
+
+    if field_value(reader, "general.architecture") != "gemma3":
+        return ()
+    tokens = field_value(reader, "tokenizer.ggml.tokens") or []
+    return (106,) if len(tokens) > 106 and tokens[106] == "<end_of_turn>" else ()
 
 
 def _hf_dir_fields(path: Path) -> dict[str, Any]:
@@ -265,7 +302,8 @@ def _hf_dir_fields(path: Path) -> dict[str, Any]:
         hf_config = AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"model: transformers cannot read {str(config_path)!r}: {exc}") from exc
-    eos: Any = hf_config.eos_token_id
+    text_config = _text_config(hf_config)
+    eos: Any = getattr(text_config, "eos_token_id", None)
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
         try:
@@ -278,9 +316,9 @@ def _hf_dir_fields(path: Path) -> dict[str, Any]:
         "model": str(path),
         "hf_config": hf_config,
         "architecture": architecture,
-        "vocab_size": int(hf_config.vocab_size),
+        "vocab_size": int(text_config.vocab_size),
         "eos_token_ids": _eos_ids(eos),
-        "bos_token_id": hf_config.bos_token_id,
+        "bos_token_id": getattr(text_config, "bos_token_id", None),
         "tokenizer": str(path),
         "gguf_file": None,
         "weights_format": "safetensors",
@@ -395,7 +433,7 @@ class EngineConfig:
                 f"max_model_len={self.model_config.max_model_len} with chunked prefill off; "
                 "raise it, lower max_model_len or enable chunked prefill"
             )
-        cfg = self.model_config.hf_config
+        cfg = self.model_config.text_config
         tp = self.parallel_config.tensor_parallel_size
         sizes = {
             "attention heads": int(cfg.num_attention_heads),

@@ -17,12 +17,18 @@ metadata and starts loads before the forward, the model calls it around
 every attention layer through the `ForwardContext`, and after the forward the
 runner waits for saves and reports `KVConnectorOutput` on the step's output.
 A step with nothing scheduled still drives the connector (pending transfers).
+
+Multimodal models get an `EncoderRunner` (`encoder_runner.py`), also held by
+composition: it frees what the scheduler evicted, runs the vision encoder for
+the step's scheduled items, and turns the step's tokens into inputs_embeds
+(encoder rows merged with masked_scatter) plus the bidirectional image spans
+the attention metadata carries.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -32,11 +38,12 @@ from paged.runner.attention.backends import select_attention_backend
 from paged.runner.attention.metadata import ForwardContext
 from paged.runner.config import CacheConfig, ModelConfig, SchedulerLimits
 from paged.runner.cuda_graphs import CudaGraphRunner
+from paged.runner.encoder_runner import EncoderRunner, MultiModalStepInputs
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.input_prep import InputBuffers, StepInputs, prepare_inputs
 from paged.runner.kv_cache_setup import allocate_kv_caches, available_kv_cache_memory
 from paged.runner.kv_connector import KVConnectorStep, KVConnectorWorker
-from paged.runner.models.interface import CausalLM
+from paged.runner.models.interface import CausalLM, SupportsMultiModal, supports_multimodal
 from paged.runner.runner_output import apply_grammar_bitmask, build_output, prompt_logprobs
 from paged.runner.sampler import Sampler
 from paged.runner.state_updates import update_states
@@ -95,6 +102,7 @@ class ModelRunner:
         self._pending: _ExecuteState | None = None
         self.kv_connector = kv_connector
         self.layer_names: list[str] = []
+        self.encoder_runner: EncoderRunner | None = None  # set by load_model for mm models
 
     def _make_batch(self, block_sizes: list[int]) -> InputBatch:
         return InputBatch(
@@ -116,6 +124,8 @@ class ModelRunner:
 
             model = load_model(self.model_config, self.device, self.tp_rank, self.tp_size)
         self.model = model
+        if supports_multimodal(model):
+            self.encoder_runner = EncoderRunner(cast(SupportsMultiModal, model), self.device)
 
     def _require_model(self) -> CausalLM:
         if self.model is None:
@@ -197,9 +207,16 @@ class ModelRunner:
             raise ValueError(
                 "scheduler_output: speculative decoding is not supported by the runner"
             )
-        if scheduler_output.scheduled_encoder_inputs:
-            raise ValueError("scheduler_output: multimodal encoder inputs are not supported yet")
+        encoder = self.encoder_runner
+        if scheduler_output.scheduled_encoder_inputs and encoder is None:
+            raise ValueError(
+                "scheduler_output: encoder inputs were scheduled but the model "
+                f"{self.model_config.architecture} takes no images"
+            )
         update_states(self.requests, self.input_batch, scheduler_output, self.device)
+        if encoder is not None:
+            encoder.free(scheduler_output.free_encoder_mm_hashes)
+            encoder.execute(scheduler_output.scheduled_encoder_inputs, self.requests)
         self._pending = None
         step = (
             KVConnectorStep(self.kv_connector, scheduler_output)
@@ -248,11 +265,18 @@ class ModelRunner:
         self, model: CausalLM, inputs: StepInputs, step: KVConnectorStep | None = None
     ) -> torch.Tensor:
         meta = inputs.attn_metadata
+        mm: MultiModalStepInputs | None = None
+        if self.encoder_runner is not None:
+            mm = self.encoder_runner.prepare(self.input_batch, inputs, self.requests)
+        if mm is not None:
+            for group_meta in inputs.group_metadata:
+                group_meta.bidirectional_ranges = mm.bidirectional_ranges
         graphs = self.cuda_graphs
         # A captured graph would skip the connector's per-layer calls: run eagerly.
         connector = self.kv_connector if step is not None and step.bound else None
         if (
             connector is None
+            and mm is None
             and graphs is not None
             and inputs.is_uniform_decode
             and graphs.padded_size(meta.num_reqs) is not None
@@ -268,6 +292,11 @@ class ModelRunner:
             kv_connector=connector,
             layer_names=self.layer_names if connector is not None else (),
         )
+        if mm is not None:
+            mm_model = cast(SupportsMultiModal, model)
+            return mm_model.forward(
+                inputs.input_ids, inputs.positions, ctx, inputs_embeds=mm.inputs_embeds
+            )
         return model.forward(inputs.input_ids, inputs.positions, ctx)
 
     @torch.inference_mode()

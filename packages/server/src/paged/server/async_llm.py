@@ -17,6 +17,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING
 
 from paged.scheduler import SamplingParams, SchedulerStats
 from paged.scheduler.boundary import KVTransferParams
@@ -34,6 +35,9 @@ from paged.server.stats import IterationStats
 from paged.server.structured_output.compiler import GrammarCompiler
 from paged.server.structured_output.validate import check_compiles_async
 from paged.server.tokenizer import TokenizerLike
+
+if TYPE_CHECKING:
+    from paged.server.mm_frontend import MultiModalFrontend
 
 logger = logging.getLogger(__name__)
 _OUTPUT_CHUNK = 256
@@ -53,6 +57,7 @@ class AsyncLLM:
         max_logprobs: int = 20,
         stat_loggers: Sequence[StatLogger] = (),
         grammar_compiler: GrammarCompiler | None = None,
+        mm_frontend: MultiModalFrontend | None = None,
     ) -> None:
         self.engine_client = engine_client
         # Compiles (and caches) output constraints to refuse bad ones up front;
@@ -66,6 +71,7 @@ class AsyncLLM:
             vocab_size=vocab_size,
             eos_token_ids=eos_token_ids,
             max_logprobs=max_logprobs,
+            mm_frontend=mm_frontend,
         )
         self.output_processor = OutputProcessor(tokenizer)
         # Tokenization and chat templates of large inputs run here, off the loop.
@@ -108,19 +114,27 @@ class AsyncLLM:
         self._check_can_add(request_id)
         if params.structured_outputs is not None:
             await check_compiles_async(self.grammar_compiler, params)
-        request, prompt_text = await self.offload.run(
-            prompt_size(prompt),
-            self.input_processor.process_inputs,
-            request_id,
-            prompt,
-            params,
-            priority=priority,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-        )
-        # Checked again: the engine may have died, or the id been taken, while
-        # a large prompt was tokenized on the worker thread.
-        self._check_can_add(request_id)
+        try:
+            request, prompt_text = await self.offload.run(
+                prompt_size(prompt),
+                self.input_processor.process_inputs,
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                cache_salt=cache_salt,
+                kv_transfer_params=kv_transfer_params,
+                commit_mm=False,
+            )
+            # Checked again: the engine may have died, or the id been taken, while
+            # a large prompt was tokenized on the worker thread.
+            self._check_can_add(request_id)
+        except BaseException:
+            self.input_processor.discard_mm(request_id)  # cancelled or refused: not sent
+            raise
+        # No await from here to the send: the processor cache is updated in
+        # send order, which is what keeps the engine's mirror in step.
+        request = self.input_processor.commit_mm(request)
         self._ensure_output_handler()
         queue = RequestOutputCollector(params.output_kind)
         parent, requests = fan_out(request)
@@ -250,3 +264,5 @@ class AsyncLLM:
             self._output_handler.cancel()
         self.offload.shutdown()
         self.engine_client.shutdown()
+        if self.input_processor.mm_frontend is not None:
+            self.input_processor.mm_frontend.close()  # shm segments

@@ -21,6 +21,51 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
+IMAGE_PART_TYPES = ("image_url",)
+
+
+def image_part_url(part: Mapping[str, Any], where: str) -> str:
+    """The URL of an OpenAI `image_url` part ({"url": ...} or, as vLLM allows, a string)."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, Mapping) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError(f"{where}.image_url.url", "image_url.url must be a string")
+    return url
+
+
+def collect_image_urls(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every image URL of the conversation, in order (messages, then parts)."""
+    urls: list[str] = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, Sequence) and not isinstance(content, str):
+            for j, part in enumerate(content):
+                if isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES:
+                    urls.append(image_part_url(part, f"messages[{i}].content[{j}]"))
+    return urls
+
+
+def _content_parts(content: Sequence[object], where: str) -> list[dict[str, Any]]:
+    """Text and image parts in HF chat-template form ({"type": "image"} stands for one image)."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if isinstance(part, Mapping) and kind in IMAGE_PART_TYPES:
+            image_part_url(part, f"{where}.content[{j}]")
+            parts.append({"type": "image"})
+        elif isinstance(part, Mapping) and kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"{where}.content[{j}].text", "must be a string")
+            parts.append({"type": "text", "text": text})
+        else:
+            raise InvalidRequestError(
+                f"{where}.content[{j}]",
+                f"content part type {kind!r} is not supported (supported: text, image_url)",
+            )
+    return parts
+
+
 def _content_text(content: object, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -29,6 +74,11 @@ def _content_text(content: object, where: str) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, Mapping) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                if kind in IMAGE_PART_TYPES:
+                    raise InvalidRequestError(
+                        f"{where}.content[{j}]",
+                        "this model is text-only: it does not accept image inputs",
+                    )
                 raise InvalidRequestError(
                     f"{where}.content[{j}]", f"content part type {kind!r} is not supported"
                 )
@@ -91,11 +141,25 @@ def _template_tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _template_message(message: Mapping[str, Any], where: str) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "role": str(message.get("role")),
-        "content": _message_text(message, where),
-    }
+def _has_image_parts(message: Mapping[str, Any]) -> bool:
+    content = message.get("content")
+    return (
+        isinstance(content, Sequence)
+        and not isinstance(content, str)
+        and any(isinstance(p, Mapping) and p.get("type") in IMAGE_PART_TYPES for p in content)
+    )
+
+
+def _template_message(
+    message: Mapping[str, Any], where: str, allow_images: bool = False
+) -> dict[str, Any]:
+    content: str | list[dict[str, Any]]
+    if allow_images and _has_image_parts(message):
+        # A multimodal template (Gemma3's) writes its image placeholder per part.
+        content = _content_parts(message["content"], where)
+    else:
+        content = _message_text(message, where)
+    out: dict[str, Any] = {"role": str(message.get("role")), "content": content}
     for key in ("name", "tool_call_id"):
         if isinstance(message.get(key), str):
             out[key] = message[key]
@@ -104,8 +168,14 @@ def _template_message(message: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Validate messages; flatten text parts to strings; keep tool calls and their ids."""
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], *, allow_images: bool = False
+) -> list[dict[str, Any]]:
+    """Validate messages; flatten text parts to strings; keep tool calls and their ids.
+
+    With `allow_images` (a multimodal model), a message with image parts keeps
+    its content as a list of `{"type": "text", ...}` / `{"type": "image"}` parts.
+    """
     if not messages:
         raise InvalidRequestError("messages", "messages must contain at least one message")
     out: list[dict[str, Any]] = []
@@ -116,7 +186,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             raise InvalidRequestError(
                 f"{where}.role", f"role must be one of {', '.join(VALID_ROLES)}; got {role!r}"
             )
-        out.append(_template_message(message, where))
+        out.append(_template_message(message, where, allow_images))
     return out
 
 
@@ -129,6 +199,7 @@ def apply_chat_template(
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    allow_images: bool = False,
 ) -> str:
     """Render `messages` (and `tools`, for tool-use templates) to the prompt text."""
     if add_generation_prompt and continue_final_message:
@@ -136,7 +207,7 @@ def apply_chat_template(
             "continue_final_message",
             "continue_final_message and add_generation_prompt cannot both be true",
         )
-    conversation = normalize_messages(messages)
+    conversation = normalize_messages(messages, allow_images=allow_images)
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise InvalidRequestError(
             "continue_final_message", "the final message must have role 'assistant'"

@@ -209,6 +209,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="GPUs to shard the model over",
     )
+    _add_multimodal_args(parser)
     k = parser.add_argument_group("KV transfer")
     k.add_argument(
         "--kv-transfer-config",
@@ -238,6 +239,41 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="seed of the prefix block-hash chain; engines sharing stored KV "
         "(disk tier across restarts, P/D peers) must use the same value",
+    )
+
+
+def _add_multimodal_args(parser: argparse.ArgumentParser) -> None:
+    mm = parser.add_argument_group("multimodal (vLLM's flags)")
+    mm.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        metavar="JSON",
+        help="most items per prompt and modality, e.g. '{\"image\": 2}'",
+    )
+    mm.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="let file:// image URLs read files under DIR (refused otherwise)",
+    )
+    mm.add_argument(
+        "--mm-processor-cache-type",
+        default="lru",
+        choices=["lru", "shm", "processor_only", "none"],
+        help="cache of processed images: lru (frontend sizes + engine mirror), shm "
+        "(shared memory), processor_only (frontend only), none",
+    )
+    mm.add_argument(
+        "--mm-processor-cache-gb",
+        type=float,
+        default=4.0,
+        metavar="GiB",
+        help="size of the processor cache (0 disables it)",
+    )
+    mm.add_argument(
+        "--disable-chunked-mm-input",
+        action="store_true",
+        help="never split one image's placeholder over two engine steps",
     )
 
 
@@ -271,6 +307,11 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_offloading_size=ns.kv_offloading_size,
         kv_offloading_backend=ns.kv_offloading_backend,
         block_hash_seed=ns.block_hash_seed,
+        limit_mm_per_prompt=ns.limit_mm_per_prompt,
+        allowed_local_media_path=ns.allowed_local_media_path,
+        mm_processor_cache_type=ns.mm_processor_cache_type,
+        mm_processor_cache_gb=ns.mm_processor_cache_gb,
+        disable_chunked_mm_input=ns.disable_chunked_mm_input,
     )
 
 

@@ -7,7 +7,7 @@ the runner) happen only when a config is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +16,7 @@ from paged.server.tokenizer import DEFAULT_MODEL_NAME
 if TYPE_CHECKING:
     from paged.connectors.events import KVEventsConfig
     from paged.runner.config import EngineConfig
+    from paged.server.mm_frontend import MultiModalEngineOptions, MultiModalFrontend
     from paged.server.structured_output.options import StructuredOutputOptions
 
 # On CPU there is no device memory to profile, so the KV cache gets a fixed
@@ -67,6 +68,30 @@ class EngineArgs:
             return StructuredOutputOptions()
         return parse_structured_outputs_config(self.structured_outputs_config)
 
+    # Multimodal (vLLM's flags): '{"image": 2}' or a dict; None: vLLM's default per modality.
+    limit_mm_per_prompt: str | dict[str, int] | None = None
+    # Directory file:// image URLs may read from; None refuses file:// URLs.
+    allowed_local_media_path: str | None = None
+    # vLLM's --mm-processor-cache-type (lru, shm; here also processor_only, none) and
+    # --mm-processor-cache-gb (GiB; 0 disables it).
+    mm_processor_cache_type: str = "lru"
+    mm_processor_cache_gb: float = 4.0
+    disable_chunked_mm_input: bool = False
+
+    def mm_engine_options(self) -> MultiModalEngineOptions:
+        """The engine core's multimodal options; one shm prefix per `EngineArgs` (per server)."""
+        from paged.multimodal.processor_cache import ProcessorCacheConfig, new_shm_prefix
+        from paged.server.mm_frontend import MultiModalEngineOptions
+
+        if self._shm_prefix is None:
+            self._shm_prefix = new_shm_prefix()
+        return MultiModalEngineOptions(
+            processor_cache=ProcessorCacheConfig(
+                self.mm_processor_cache_type, self.mm_processor_cache_gb, self._shm_prefix
+            ),
+            disable_chunked_mm_input=self.disable_chunked_mm_input,
+        )
+
     def engine_core_options(self) -> dict[str, Any]:
         """The `EngineCore` keyword arguments these options select (see engine/options.py)."""
         from paged.server.engine.options import engine_core_options
@@ -77,6 +102,10 @@ class EngineArgs:
             kv_cache_metrics_sample=self.kv_cache_metrics_sample,
         )
         options["kv_events_config"] = self.kv_events_config
+        options["mm_options"] = self.mm_engine_options()
+        from paged.server.mm_frontend import parse_limit_mm_per_prompt
+
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # a bad value fails before loading
         return options
 
     # vLLM's --kv-transfer-config: JSON text (or a dict from LLM(...)); None: no connector.
@@ -89,6 +118,7 @@ class EngineArgs:
     # of `seed`: engines that share stored KV (a disk tier across restarts, P/D
     # peers) must hash alike, whatever their sampling seed.
     block_hash_seed: int = 0
+    _shm_prefix: str | None = field(default=None, repr=False)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -178,6 +208,22 @@ class EngineArgs:
         return offloading_kv_transfer_config(
             self.kv_offloading_size, self.kv_offloading_backend, self.tensor_parallel_size
         )
+
+
+def build_frontend_for(args: EngineArgs, config: EngineConfig) -> MultiModalFrontend | None:
+    """The multimodal frontend for a model with a vision tower; None for a text-only one."""
+    from paged.server.mm_frontend import build_mm_frontend, mm_tokens_per_item
+
+    mc = config.model_config
+    if not mm_tokens_per_item(mc.hf_config):
+        return None
+    return build_mm_frontend(
+        mc.tokenizer,
+        args.model_name(),
+        cache_config=args.mm_engine_options().processor_cache,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        allowed_local_media_path=args.allowed_local_media_path,
+    )
 
 
 def tokenizer_path(config: EngineConfig, override: str | None = None) -> str:

@@ -7,9 +7,9 @@ rejection is an `InvalidRequestError` (a `ValueError`) naming the field.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import msgspec
 
@@ -19,15 +19,22 @@ from paged.scheduler.sampling_params import DEFAULT_MAX_LOGPROBS
 from paged.server.errors import ContextLengthError, InvalidRequestError, from_value_error
 from paged.server.tokenizer import TokenizerLike
 
+if TYPE_CHECKING:
+    from paged.multimodal.inputs import MultiModalFeatureSpec
+    from paged.server.mm_frontend import MultiModalFrontend
+
 
 class TextPrompt(TypedDict, total=False):
     prompt: str
     add_special_tokens: bool
+    # vLLM's field: {"image": PIL image or list of them}; placeholders in `prompt`.
+    multi_modal_data: Mapping[str, Any]
 
 
 class TokensPrompt(TypedDict, total=False):
     prompt_token_ids: list[int]
     prompt: str  # optional original text, reported back in RequestOutput.prompt
+    multi_modal_data: Mapping[str, Any]
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
@@ -50,6 +57,7 @@ class InputProcessor:
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] = (),
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        mm_frontend: MultiModalFrontend | None = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
@@ -64,6 +72,8 @@ class InputProcessor:
         self.eos_token_id: int | None = eos[0] if eos else None
         self.extra_eos_token_ids = eos[1:]
         self.max_logprobs = max_logprobs
+        # None: a text-only model; every image is refused with a 400.
+        self.mm_frontend = mm_frontend
 
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -162,13 +172,31 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        commit_mm: bool = True,
     ) -> tuple[EngineCoreRequest, str | None]:
-        """Return the engine request and the prompt text (None for token prompts)."""
+        """Return the engine request and the prompt text (None for token prompts).
+
+        With images, `commit_mm=False` leaves the processor-cache commit to the
+        caller, who must call `commit_mm(request)` right before sending it (the
+        async frontend processes off the event loop but sends on it, in order).
+        """
         if not request_id:
             raise InvalidRequestError("request_id", "request_id must not be empty")
         self.validate_params(params)
-        processed = self.tokenize(prompt)
-        params = self.resolve_max_tokens(params, len(processed.token_ids))
+        mm_features: list[MultiModalFeatureSpec] | None = None
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm_data is not None:
+            assert isinstance(prompt, dict)
+            processed, mm_features = self._process_multimodal(request_id, prompt, mm_data)
+        else:
+            processed = self.tokenize(prompt)
+            self._check_no_placeholders(processed.token_ids)
+        try:
+            params = self.resolve_max_tokens(params, len(processed.token_ids))
+        except ValueError:
+            if mm_features is not None and self.mm_frontend is not None:
+                self.mm_frontend.discard(request_id)
+            raise
         extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         if extra and not params.ignore_eos:
             params = msgspec.structs.replace(
@@ -183,5 +211,81 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            mm_features=mm_features,
         )
+        if mm_features is not None and commit_mm:
+            request = self.commit_mm(request)
         return request, processed.text
+
+    # -- images ----------------------------------------------------------------------------
+    def commit_mm(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        """Settle what of the request's images travels (processor cache); then send at once."""
+        if not request.mm_features or self.mm_frontend is None:
+            return request
+        features = self.mm_frontend.commit(request.request_id, request.mm_features)
+        return msgspec.structs.replace(request, mm_features=features)
+
+    def discard_mm(self, request_id: str) -> None:
+        """Forget a processed request that will not be sent."""
+        if self.mm_frontend is not None:
+            self.mm_frontend.discard(request_id)
+
+    def _process_multimodal(
+        self, request_id: str, prompt: Mapping[str, Any], mm_data: object
+    ) -> tuple[ProcessedPrompt, list[MultiModalFeatureSpec]]:
+        mm = self.mm_frontend
+        if mm is None:
+            raise InvalidRequestError(
+                "multi_modal_data",
+                "this model is text-only: it does not accept image (or other multimodal) inputs",
+            )
+        if not isinstance(mm_data, Mapping):
+            raise InvalidRequestError(
+                "multi_modal_data", "multi_modal_data must be a dict such as {'image': image}"
+            )
+        for modality in mm_data:
+            if modality != "image":
+                raise InvalidRequestError(
+                    "multi_modal_data",
+                    f"modality {modality!r} is not supported by this model (supported: image)",
+                )
+        raw = mm_data.get("image")
+        images = list(raw) if isinstance(raw, list | tuple) else [] if raw is None else [raw]
+        try:
+            if "prompt_token_ids" in prompt:
+                ids = self.check_token_ids(prompt.get("prompt_token_ids"), "prompt_token_ids")
+                out = mm.process(request_id, ids, images, add_special_tokens=False)
+                text = prompt.get("prompt")
+            else:
+                text = prompt.get("prompt")
+                if not isinstance(text, str):
+                    raise InvalidRequestError("prompt", "prompt must be a string")
+                add = bool(prompt.get("add_special_tokens", True))
+                out = mm.process(request_id, text, images, add_special_tokens=add)
+        except InvalidRequestError:
+            raise
+        except ValueError as e:  # PromptError, MediaError: the message names the problem
+            raise InvalidRequestError("multi_modal_data", str(e)) from e
+        for tok in out.token_ids:
+            if not 0 <= tok < self.vocab_size:
+                mm.discard(request_id)
+                raise InvalidRequestError(
+                    "prompt", f"token id {tok} is out of range [0, {self.vocab_size})"
+                )
+        return ProcessedPrompt(out.token_ids, text if isinstance(text, str) else None), list(
+            out.features
+        )
+
+    def _check_no_placeholders(self, token_ids: Sequence[int]) -> None:
+        """A multimodal model's prompt may not hold image placeholders without images."""
+        mm = self.mm_frontend
+        if mm is None:
+            return
+        proc = mm.processor
+        special = {proc.boi_token_id, proc.image_token_id}
+        if any(t in special for t in token_ids):
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt holds image placeholder tokens ({proc.boi_token}) but no images "
+                "were given",
+            )

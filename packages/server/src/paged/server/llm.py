@@ -10,22 +10,26 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from tqdm import tqdm
 
 from paged.scheduler import RequestOutputKind, SamplingParams
-from paged.server.chat_utils import apply_chat_template
+from paged.server.chat_utils import apply_chat_template, collect_image_urls
 from paged.server.client_protocols import SyncEngineClient, SyncUtilityClient
-from paged.server.engine_args import EngineArgs, tokenizer_path
-from paged.server.input_processor import InputProcessor, PromptType
+from paged.server.engine_args import EngineArgs, build_frontend_for, tokenizer_path
+from paged.server.errors import InvalidRequestError
+from paged.server.input_processor import InputProcessor, PromptType, TextPrompt
 from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
 from paged.server.parent import fan_out
 from paged.server.structured_output.compiler import GrammarCompiler
 from paged.server.structured_output.validate import check_compiles
 from paged.server.tokenizer import TokenizerLike, load_tokenizer
+
+if TYPE_CHECKING:
+    from paged.server.mm_frontend import MultiModalFrontend
 
 logger = logging.getLogger(__name__)
 ChatMessages = Sequence[Mapping[str, Any]]
@@ -68,6 +72,7 @@ class LLM:
                     compile_timeout_s=so_options.compile_timeout_s,
                 )
             )
+        mm_frontend = build_frontend_for(args, config)
         client = InprocClient.from_factory(
             make_engine_core_factory(config, structured_output=backend, **core_options)
         )
@@ -79,6 +84,7 @@ class LLM:
             mc.eos_token_ids,
             config.scheduler_limits.max_logprobs,
             None if backend is None else backend.compiler,
+            mm_frontend,
         )
 
     @classmethod
@@ -92,6 +98,7 @@ class LLM:
         eos_token_ids: Sequence[int] = (),
         max_logprobs: int = 20,
         grammar_compiler: GrammarCompiler | None = None,
+        mm_frontend: MultiModalFrontend | None = None,
     ) -> LLM:
         """An `LLM` over an existing engine client (tests, custom engines)."""
         self = cls.__new__(cls)
@@ -103,6 +110,7 @@ class LLM:
             eos_token_ids,
             max_logprobs,
             grammar_compiler,
+            mm_frontend,
         )
         return self
 
@@ -115,6 +123,7 @@ class LLM:
         eos_token_ids: Sequence[int],
         max_logprobs: int,
         grammar_compiler: GrammarCompiler | None = None,
+        mm_frontend: MultiModalFrontend | None = None,
     ) -> None:
         self.engine_client = client
         self.grammar_compiler = grammar_compiler
@@ -126,6 +135,7 @@ class LLM:
             vocab_size=vocab_size,
             eos_token_ids=eos_token_ids,
             max_logprobs=max_logprobs,
+            mm_frontend=mm_frontend,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._counter = itertools.count()
@@ -183,7 +193,13 @@ class LLM:
         conversations = cast(Sequence[ChatMessages], [messages] if single else messages)
         tool_dicts = [t.template_dict() for t in parse_tools([dict(t) for t in tools or ()])]
         prompts: list[PromptType] = []
+        mm = self.input_processor.mm_frontend
         for conv in conversations:
+            urls = collect_image_urls(conv)
+            if urls and mm is None:
+                raise InvalidRequestError(
+                    "messages", "this model is text-only: it does not accept image inputs"
+                )
             text = apply_chat_template(
                 self.tokenizer,
                 conv,
@@ -192,8 +208,13 @@ class LLM:
                 chat_template=chat_template,
                 chat_template_kwargs=chat_template_kwargs,
                 tools=tool_dicts or None,
+                allow_images=mm is not None,
             )
-            prompts.append({"prompt": text, "add_special_tokens": False})
+            prompt: TextPrompt = {"prompt": text, "add_special_tokens": False}
+            if urls and mm is not None:
+                mm.check_counts({"image": len(urls)}, "messages")
+                prompt["multi_modal_data"] = {"image": mm.load_images(urls)}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(
@@ -274,6 +295,8 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine_client.shutdown()
+        if self.input_processor.mm_frontend is not None:
+            self.input_processor.mm_frontend.close()  # shm segments
 
     def __enter__(self) -> LLM:
         return self

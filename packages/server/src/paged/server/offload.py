@@ -59,8 +59,23 @@ def prompt_size(prompt: object) -> int:
     if isinstance(prompt, str | list):
         return len(prompt)
     if isinstance(prompt, Mapping):
-        return sum(prompt_size(prompt.get(key)) for key in ("prompt", "prompt_token_ids"))
+        size = sum(prompt_size(prompt.get(key)) for key in ("prompt", "prompt_token_ids"))
+        return size + _mm_size(prompt.get("multi_modal_data"))
     return 0
+
+
+def _mm_size(mm_data: object) -> int:
+    # Image processing time scales with pixels: count each pixel as a character.
+    if not isinstance(mm_data, Mapping):
+        return 0
+    images = mm_data.get("image")
+    items = images if isinstance(images, list | tuple) else [images]
+    total = 0
+    for item in items:
+        size = getattr(item, "size", None)
+        if isinstance(size, tuple) and len(size) == 2:
+            total += int(size[0]) * int(size[1])
+    return total
 
 
 def messages_size(messages: Sequence[Mapping[str, Any]]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from paged.server.engine_args import EngineArgs, tokenizer_path
+from paged.server.engine_args import EngineArgs, build_frontend_for, tokenizer_path
 from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -58,6 +58,8 @@ def run_server(
     )
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
     logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
+    # Images: a vision model's processor, loaded before the engine starts (fails fast).
+    mm_frontend = build_frontend_for(args, config)
     # The engine process builds its grammar backend from this recipe; the API
     # process compiles constraints too, to refuse bad ones with a 400.
     # A tokenizer llguidance cannot read turns structured outputs off (logged), not the server.
@@ -105,6 +107,7 @@ def run_server(
             max_logprobs=config.scheduler_limits.max_logprobs,
             stat_loggers=[stats],
             grammar_compiler=compiler,
+            mm_frontend=mm_frontend,
         )
         app = build_app(
             llm,

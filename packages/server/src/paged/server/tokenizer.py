@@ -113,13 +113,30 @@ def load_tokenizer(
     cache_dir = _gguf_cache_dir(gguf_path) if use_cache else None
     if cache_dir is not None and (cache_dir / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cache_dir))
+            return _with_default_chat_template(
+                AutoTokenizer.from_pretrained(str(cache_dir)), gguf_path
+            )
         except (OSError, ValueError) as e:  # a corrupt cache is rebuilt, never fatal
             logger.warning("ignoring unreadable tokenizer cache %s: %s", cache_dir, e)
     logger.info("building the tokenizer from %s (cached afterwards)", gguf_path)
-    tok = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
+    tok = _with_default_chat_template(
+        AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file), gguf_path
+    )
     if cache_dir is not None:
         _save_cache(tok, cache_dir)
+    return tok
+
+
+def _with_default_chat_template(tok: Any, gguf_path: Path) -> Any:
+    """GGUFs without tokenizer.chat_template get their family's (paged.runner.models)."""
+    if getattr(tok, "chat_template", None):
+        return tok
+    from paged.runner.loader.gguf_config import field_value, open_gguf
+    from paged.runner.models.chat_templates import default_chat_template
+
+    template = default_chat_template(str(field_value(open_gguf(gguf_path), "general.architecture")))
+    if template is not None:
+        tok.chat_template = template
     return tok
 
 

@@ -49,6 +49,7 @@ class AttentionKernels(Protocol):
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         out: torch.Tensor | None = None,
+        bidirectional_ranges: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -67,6 +67,7 @@ class Attention(nn.Module):
             k[:n], v[:n], key_cache, value_cache, attn_metadata.slot_mapping[:n]
         )
         out = torch.zeros_like(q) if n < num_tokens else torch.empty_like(q)
+        ranges = attn_metadata.bidirectional_ranges
         self.kernels.paged_attention(
             q[:n],
             key_cache,
@@ -80,6 +81,7 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap,
             out=out[:n],
+            bidirectional_ranges=None if ranges is None else ranges[:n],
         )
         return out.reshape(num_tokens, -1)
 

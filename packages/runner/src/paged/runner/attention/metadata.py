@@ -42,6 +42,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    # [T, 2] int32, multimodal models with bidirectional image attention
+    # (Gemma3): query token t also sees keys [start, end), its image's span;
+    # start == end for text tokens. None: plain causal attention.
+    bidirectional_ranges: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

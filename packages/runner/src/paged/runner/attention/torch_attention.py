@@ -120,13 +120,19 @@ def _key_mask(
     num_keys: int,
     sliding_window: int | None,
     key_start: int = 0,
+    ranges: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Allowed keys: bool [R, 1, Q, S] from per-row query positions q_pos [R, Q].
 
-    The S keys are positions key_start .. key_start + S - 1.
+    The S keys are positions key_start .. key_start + S - 1. ranges [Q, 2]
+    (one request's rows): each query also sees keys in [start, end) (a
+    bidirectional span), still inside the sliding window.
     """
     k_pos = torch.arange(key_start, key_start + num_keys, device=seq_lens.device)
     allowed = k_pos[None, None, :] <= q_pos[:, :, None]
+    if ranges is not None:
+        inside = (k_pos[None, :] >= ranges[:, :1]) & (k_pos[None, :] < ranges[:, 1:])
+        allowed = allowed | inside[None]
     allowed &= k_pos[None, None, :] < seq_lens[:, None, None]
     if sliding_window is not None:
         allowed &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
@@ -147,13 +153,20 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
+    bidirectional_ranges: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as paged.kernels.reference.paged_attention."""
+    """Same contract as paged.kernels.reference.paged_attention.
+
+    bidirectional_ranges only changes prefill/chunk rows: a one-token query's
+    span, if complete in the cache (the contract), ends right after it, so it
+    adds no key that causality did not already allow.
+    """
     if soft_cap is not None:
         return reference.paged_attention(
             query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
             sliding_window=sliding_window, soft_cap=soft_cap, out=out,
+            bidirectional_ranges=bidirectional_ranges,
         )  # fmt: skip
     if out is None:
         out = torch.zeros_like(query)
@@ -217,7 +230,12 @@ def paged_attention(
         table = block_table[r : r + 1, first_block:]
         k = _gather(key_cache, table, seq_len - key_start)
         v = _gather(value_cache, table, seq_len - key_start)
-        if q_len == seq_len and sliding_window is None:
+        ranges = None
+        if bidirectional_ranges is not None:
+            ranges = bidirectional_ranges[start : start + q_len].long()
+            if not bool((ranges[:, 1] > ranges[:, 0]).any()):
+                ranges = None  # no span in this request's chunk: plain causal
+        if q_len == seq_len and sliding_window is None and ranges is None:
             # A whole prompt at once: plain causal attention. SDPA's is_causal
             # skips the masked half instead of materialising a [q, q] mask.
             o = F.scaled_dot_product_attention(
@@ -225,7 +243,9 @@ def paged_attention(
             )
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
-            mask = _key_mask(seq[r : r + 1], q_pos, seq_len - key_start, sliding_window, key_start)
+            mask = _key_mask(
+                seq[r : r + 1], q_pos, seq_len - key_start, sliding_window, key_start, ranges
+            )
             o = F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
             )

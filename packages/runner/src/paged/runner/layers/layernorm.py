@@ -43,3 +43,14 @@ class RMSNorm(nn.Module):
             raise ValueError(f"RMSNorm has no parameter {name!r}")
         check_shape(name, loaded, tuple(self.weight.shape))
         self.weight.data.copy_(loaded)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + w).
+
+    Checkpoints store w (zero = identity); the parameter holds 1 + w, added
+    once at load time in float32, so the forward is the plain RMSNorm kernel.
+    """
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        super().load_weight(name, loaded.float() + 1.0, shard_id)

@@ -20,6 +20,9 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    # llama.cpp's gemma3 files hold the text decoder only (the vision tower is a
+    # separate mmproj file), hence the text-only model.
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 
@@ -123,4 +126,31 @@ def gguf_to_hf_config(reader: gguf.GGUFReader, path: Path) -> Any:
     sliding_window = opt("attention.sliding_window")
     if sliding_window:
         kwargs["sliding_window"] = int(sliding_window)
+    if model_type == "gemma3_text":
+        kwargs.update(_gemma3_kwargs(rope_parameters, int(head_dim), kwargs))
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _gemma3_kwargs(
+    rope_parameters: dict[str, Any], head_dim: int, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """What a gemma3 GGUF leaves implicit, as llama.cpp assumes it.
+
+    - global layers use rope.freq_base; sliding layers Gemma 3's fixed local base 10,000;
+    - every 6th layer is global (llama.cpp's fixed pattern; transformers' default);
+    - query_pre_attn_scalar = head_dim (llama.cpp's rule for every size but 27B,
+      whose 62 layers scale by hidden / heads instead);
+    - the LM head is tied to the embedding.
+    """
+    scalar = head_dim
+    if kwargs["num_hidden_layers"] == 62:  # Gemma 3 27B
+        scalar = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    return {
+        "rope_parameters": {
+            "full_attention": dict(rope_parameters),
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        "query_pre_attn_scalar": scalar,
+        "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }

@@ -10,6 +10,11 @@
     output_norm           model.norm
     output                lm_head (absent when tied)
 
+gemma3 files name the four sandwich norms differently (attn_norm, post_attention_norm,
+ffn_norm = *pre*-feed-forward, post_ffw_norm) and store Gemma's norm weights as
+1 + w (llama.cpp adds the 1); they are turned back into HF's w here, as
+transformers does, and GemmaRMSNorm adds the 1 again.
+
 Quantised tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantised to float32
 with the `gguf` package, then cast to the model dtype when copied in.
 
@@ -50,15 +55,24 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per-architecture overrides of _PER_LAYER.
+_ARCH_PER_LAYER: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor (ValueError for names paged does not map)."""
+    per_layer = {**_PER_LAYER, **_ARCH_PER_LAYER.get(arch, {})}
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _PER_LAYER:
-        return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in per_layer:
+        return f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL_RE.match(name)
     if m and m.group(1) in _GLOBAL:
         return f"{_GLOBAL[m.group(1)]}.{m.group(2)}"
@@ -99,7 +113,7 @@ def iterate_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     num_heads = field_value(reader, f"{arch}.attention.head_count")
     num_kv_heads = field_value(reader, f"{arch}.attention.head_count_kv") or num_heads
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, str(arch))
         try:
             weight = dequantize(tensor)
         except Exception as exc:  # gguf/numpy raise assorted errors on short data
@@ -111,4 +125,6 @@ def iterate_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             weight = unpermute_qk(weight, int(num_heads))
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
             weight = unpermute_qk(weight, int(num_kv_heads))
+        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+            weight = weight - 1.0  # llama.cpp stored 1 + w (module docstring)
         yield hf_name, weight

@@ -8,8 +8,8 @@ sampled, which saves the LM head on prefill tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -40,6 +40,48 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
     def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]: ...
+
+
+class SupportsMultiModal(CausalLM, Protocol):
+    """A CausalLM that also takes encoder inputs (images), vLLM's SupportsMultiModal.
+
+    embed_multimodal: a batch of items of one modality (each a dict of its
+      processed tensors, e.g. "pixel_values") -> one [num_embeds, H] tensor per
+      item, in order; num_embeds = the item's PlaceholderRange.get_num_embeds().
+    embed_input_ids: ids [T] -> inputs_embeds [T, H], with mm_embeds rows
+      (in order) written where is_mm_embed [T] is true (masked_scatter).
+    forward: as CausalLM, with inputs_embeds replacing the ids' embeddings.
+    bidirectional_mm_attention: an item's embedded tokens attend to each other
+      both ways (Gemma3); the runner then sets AttentionMetadata.bidirectional_ranges.
+    """
+
+    bidirectional_mm_attention: ClassVar[bool]
+
+    def embed_multimodal(
+        self, modality: str, items: Sequence[dict[str, torch.Tensor]]
+    ) -> list[torch.Tensor]: ...
+
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        mm_embeds: torch.Tensor | None = None,
+        is_mm_embed: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+def supports_multimodal(model: object) -> bool:
+    """Whether `model` implements SupportsMultiModal (checked by its methods)."""
+    return callable(getattr(model, "embed_multimodal", None)) and callable(
+        getattr(model, "embed_input_ids", None)
+    )
 
 
 class LoadableCausalLM(CausalLM, Protocol):

@@ -14,14 +14,29 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from paged.runner.models.interface import CausalLMClass
 
-# Every entry is a Llama-family decoder; the differences (qkv bias, q/k norm,
-# sliding window, tied embeddings) are read from the config by LlamaForCausalLM.
+# The Llama-family entries share LlamaForCausalLM; the differences (qkv bias,
+# q/k norm, sliding window, tied embeddings) are read from the config.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("paged.runner.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("paged.runner.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("paged.runner.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("paged.runner.models.llama", "LlamaForCausalLM"),
+    # Gemma 3: sandwich norms, per-type rope bases, interleaved sliding layers.
+    "Gemma3ForCausalLM": ("paged.runner.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": (
+        "paged.runner.models.gemma3_mm",
+        "Gemma3ForConditionalGeneration",
+    ),
 }
+
+
+# Architectures whose model takes encoder inputs (images) and implements
+# `paged.runner.models.interface.SupportsMultiModal`.
+_MULTIMODAL = frozenset({"Gemma3ForConditionalGeneration"})
+
+
+def is_multimodal(architecture: str) -> bool:
+    return architecture in _MULTIMODAL
 
 
 def supported_architectures() -> list[str]:

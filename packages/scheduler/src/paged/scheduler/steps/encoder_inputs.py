@@ -5,10 +5,12 @@ multimodal item whose placeholder overlaps that range needs its encoder output
 this step. Per item, in prompt order:
 
     placeholder entirely before `computed`     -> already in the KV cache, skip
+    disable_chunked_mm_input and the chunk would end inside the item
+                                                -> cut the chunk before the item (to 0 if
+                                                   it already started), stop; also for a
+                                                   cached item (both unlike vLLM)
     same mm_hash already chosen for this request -> shared, skip
     encoder cache hit (check_and_update_cache)  -> reuse, skip
-    disable_chunked_mm_input and the chunk would end inside the item
-                                                -> cut the chunk before the item, stop
     cannot allocate (budget / cache space)      -> cut the chunk before the item
                                                    (or to 0 if it already started), stop
     no embedding position inside the range      -> skip
@@ -68,11 +70,16 @@ def schedule_encoder_inputs(
         if start_pos + length <= num_computed_tokens:
             continue
         mm_hash = feature.identifier
+        # Checked before the cache-hit skip, and also when `computed` is already
+        # inside the item (a prefix-cache hit ending mid-image): vLLM checks neither,
+        # but a chunk ending inside an image would cut Gemma3's bidirectional
+        # attention over it. A started item then waits for a step with room for
+        # the rest of it (num_new_tokens 0), which any step has: item <= budget.
+        if disable_chunked_mm_input and start_pos < end < start_pos + length:
+            decision.num_new_tokens = max(start_pos - num_computed_tokens, 0)
+            break
         if mm_hash in chosen_hashes or encoder_cache.check_and_update_cache(request, i):
             continue
-        if disable_chunked_mm_input and num_computed_tokens < start_pos < end < start_pos + length:
-            decision.num_new_tokens = start_pos - num_computed_tokens
-            break
         if not encoder_cache.can_allocate(
             request, i, encoder_budget - decision.compute_embeds, num_embeds_to_schedule
         ):

@@ -39,8 +39,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from paged.connectors.events import EventPublisher, KVEventsConfig, make_event_publisher
 from paged.kvcache import KVCacheConfig, KVCacheMetricsCollector, get_kv_cache_config
+from paged.multimodal.processor_cache import ReceiverCache
 from paged.runner.config import EngineConfig
 from paged.scheduler.boundary import (
     EngineCoreOutputs,
@@ -61,6 +64,7 @@ from paged.server.kv_transfer import (
     kv_load_failure_policy,
     make_scheduler_connector,
 )
+from paged.server.mm_frontend import MultiModalEngineOptions, mm_tokens_per_item
 from paged.server.structured_output.factory import StructuredOutputConfig
 
 if TYPE_CHECKING:
@@ -108,11 +112,26 @@ class EngineCore:
         log_stats: bool = True,
         kv_events_config: KVEventsConfig | None = None,
         kv_cache_metrics_sample: float | None = None,
+        mm_options: MultiModalEngineOptions | None = None,
     ) -> None:
         if batch_queue_size < 1:
             raise ValueError(f"batch_queue_size must be >= 1, got {batch_queue_size}")
         self.engine_config = engine_config
         self.scheduler_config = scheduler_config or scheduler_config_from(engine_config)
+        # Gemma3's image tokens attend both ways: the model requires unsplit items.
+        unchunked = getattr(engine_config.model_config, "requires_unchunked_mm_input", False)
+        if unchunked or (mm_options is not None and mm_options.disable_chunked_mm_input):
+            self.scheduler_config = dataclasses.replace(
+                self.scheduler_config, disable_chunked_mm_input=True
+            )
+        # Encoder embeddings of one image (0: a text-only model, which refuses images).
+        self.mm_tokens_per_item = mm_tokens_per_item(engine_config.model_config.hf_config)
+        # P1's half of the processor cache: restores tensors the frontend did not resend.
+        self.mm_receiver: ReceiverCache = (
+            mm_options.processor_cache.make_receiver()
+            if mm_options is not None and self.mm_tokens_per_item
+            else ReceiverCache()
+        )
         self.batch_queue_size = batch_queue_size
         self.model_executor = (executor_class or _default_executor_class(engine_config))(
             engine_config
@@ -201,6 +220,8 @@ class EngineCore:
             self.engine_config, groups, kv_bytes_per_block(self.kv_cache_config)
         )
         scheduler_config = self.scheduler_config
+        if self.mm_tokens_per_item:
+            extra["max_tokens_per_mm_item"] = self.mm_tokens_per_item
         if self.kv_connector is not None:
             extra["kv_connector"] = self.kv_connector
             # vLLM's scheduler reads kv_load_failure_policy off the transfer config.
@@ -252,6 +273,10 @@ class EngineCore:
         A prompt longer than the context is not an error here: the scheduler
         finishes such a request with an output, as the frontend expects.
         """
+        if request.mm_features:
+            # First, before anything can reject the request: the mirror must see
+            # every request the frontend committed, in order (processor_cache.py).
+            request = self._restore_mm_data(request)
         if not isinstance(request.request_id, str) or not request.request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request.request_id!r}")
         if not request.prompt_token_ids:
@@ -276,6 +301,15 @@ class EngineCore:
             )
         self.scheduler.add_request(request)
         self._num_added += 1
+
+    def _restore_mm_data(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        features = self.mm_receiver.fill(request.mm_features or [])
+        if not self.mm_tokens_per_item:
+            raise ValueError(
+                f"request {request.request_id!r} carries multimodal inputs but the model "
+                f"{self.engine_config.model_config.architecture} is text-only"
+            )
+        return msgspec.structs.replace(request, mm_features=features)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Finish these requests as aborted and free their blocks (unknown ids are ignored)."""

@@ -9,18 +9,19 @@ their requests in the engine.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paged.scheduler import SamplingParams
 from paged.scheduler.boundary import KVTransferParams
 from paged.server.async_llm import AsyncLLM
-from paged.server.chat_utils import apply_chat_template, normalize_messages
+from paged.server.chat_utils import apply_chat_template, collect_image_urls, normalize_messages
 from paged.server.collector import RequestOutputCollector
 from paged.server.errors import InvalidRequestError
-from paged.server.input_processor import PromptType
+from paged.server.input_processor import PromptType, TextPrompt
 from paged.server.kv_transfer import parse_request_kv_transfer_params
 from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
@@ -53,6 +54,9 @@ from paged.server.outputs import CompletionOutput, RequestOutput
 from paged.server.tokenizer import TokenizerLike
 from paged.server.tool_parsers import ToolStreamer
 from paged.server.utils import merge_async_iterators
+
+if TYPE_CHECKING:
+    from paged.server.mm_frontend import MultiModalFrontend
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +301,15 @@ class OpenAIServing:
         params = chat_sampling_params(req, tools.structured_json(tool_req))
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        mm = self.llm.input_processor.mm_frontend
+        image_urls = collect_image_urls(messages)
+        if image_urls and mm is None:
+            raise InvalidRequestError(
+                "messages",
+                f"model {self.model_name!r} is text-only: it does not accept image inputs",
+            )
+        if mm is not None:
+            mm.check_counts({"image": len(image_urls)}, "messages")
         prompt_text = await self.llm.offload.run(
             messages_size(messages) + len(req.chat_template or ""),
             apply_chat_template,
@@ -307,9 +320,12 @@ class OpenAIServing:
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
             tools=tools.template_tools(tool_req, self.tool_config),
+            allow_images=mm is not None,
         )
         # The template already holds the special tokens (BOS etc.).
-        prompt: PromptType = {"prompt": prompt_text, "add_special_tokens": False}
+        prompt: TextPrompt = {"prompt": prompt_text, "add_special_tokens": False}
+        if image_urls and mm is not None:
+            prompt["multi_modal_data"] = {"image": await _load_images(mm, image_urls)}
         base_id = req.request_id or random_id("chatcmpl")
         (stream,) = await self._submit(
             base_id, [prompt], params, req.priority, req.cache_salt, kv_params
@@ -497,6 +513,14 @@ def _tokenize(
     ids = tok.encode(text, add_special_tokens=add_special)
     strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return ids, strs
+
+
+async def _load_images(mm: MultiModalFrontend, urls: list[str]) -> list[Any]:
+    """Fetch and decode off the event loop (http fetches block up to their timeout)."""
+    try:
+        return await asyncio.to_thread(mm.load_images, urls)
+    except ValueError as e:  # MediaError: names the URL and the problem
+        raise InvalidRequestError("messages", str(e)) from e
 
 
 def stream_error(e: Exception) -> str:
