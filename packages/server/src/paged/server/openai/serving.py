@@ -173,6 +173,10 @@ class OpenAIServing:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("prompt", "give exactly one of prompt or messages")
         messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
+        if collect_image_urls(messages) and self.llm.input_processor.mm_frontend is not None:
+            raise InvalidRequestError(
+                "messages", "/tokenize does not process images; send the messages without them"
+            )
         size = messages_size(messages) + len(body.prompt or "")
         ids, strs = await self.llm.offload.run(size, _tokenize, self.llm.tokenizer, body, messages)
         return TokenizeResponse(
