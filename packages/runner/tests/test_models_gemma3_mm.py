@@ -421,7 +421,7 @@ def test_preemption_in_the_middle_of_an_image_prompt(checkpoint: Path, hf: Any) 
     # b is preempted with 12 of its 20 prompt positions computed: after its first image,
     # before its second; it recomputes from scratch (prefix hits, cached encoder output).
     assert engine.preempted_at == {"b": [12]}, "the KV pool was meant to preempt b mid-prompt"
-    assert 12 < len(b.token_ids)
+    assert len(b.token_ids) > 12
     for rid, prompt in (("a", a), ("b", b)):
         check(engine, hf, rid, prompt, tokens[rid])
 

@@ -141,8 +141,12 @@ class EncoderRunner:
         batch: InputBatch,
         inputs: StepInputs,
         requests: Mapping[str, CachedRequestState],
-    ) -> MultiModalStepInputs:
-        """Gather this step's encoder rows and merge them into the token embeddings."""
+    ) -> MultiModalStepInputs | None:
+        """Gather this step's encoder rows and merge them into the token embeddings.
+
+        None when no token of the step lies in an item (text and decode steps),
+        so the plain forward, and CUDA graphs for decode, stay in use.
+        """
         total = inputs.num_tokens
         is_mm = np.zeros(total, dtype=np.bool_)
         ranges: npt.NDArray[np.int32] | None = None
@@ -165,7 +169,9 @@ class EncoderRunner:
                         ranges = _mark_spans(ranges, total, pos, computed, n, token_start, req_id)
             token_start += n
         ids = inputs.input_ids
-        if not pieces:
+        if not pieces and ranges is None:
+            return None
+        if not pieces:  # only special tokens of an item (boi / eoi) in this chunk
             return MultiModalStepInputs(self.model.embed_input_ids(ids), None)
         mask = torch.from_numpy(is_mm).to(self.device)
         embeds = self.model.embed_input_ids(ids, torch.cat(pieces), mask)

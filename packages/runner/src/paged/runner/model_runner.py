@@ -268,6 +268,7 @@ class ModelRunner:
         mm: MultiModalStepInputs | None = None
         if self.encoder_runner is not None:
             mm = self.encoder_runner.prepare(self.input_batch, inputs, self.requests)
+        if mm is not None:
             for group_meta in inputs.group_metadata:
                 group_meta.bidirectional_ranges = mm.bidirectional_ranges
         graphs = self.cuda_graphs
