@@ -241,3 +241,13 @@ def test_llm_generate_and_chat_with_multi_modal_data(proc_dir: Path, engine_cls:
     assert engine.added[-1].mm_features[0].data is None
     with pytest.raises(ValueError, match="At most 3 image"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": [img] * 4}}, use_tqdm=False)
+
+
+async def test_tokenize_with_images_is_a_clear_400(mm_llm: tuple[AsyncLLM, Any]) -> None:
+    app = build_app(mm_llm[0], model_name=MODEL)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        body = {"messages": [{"role": "user", "content": [_image(png_data_url(1))]}]}
+        resp = await http.post("/tokenize", json=body)
+        assert resp.status_code == 400 and "does not process images" in resp.text

@@ -177,6 +177,10 @@ class OpenAIServing:
         messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
         # Checked as a chat request's tools; the template gets them the same way.
         tool_dicts = [t.template_dict() for t in tools.parse_tools(body.tools or [])]
+        if collect_image_urls(messages) and self.llm.input_processor.mm_frontend is not None:
+            raise InvalidRequestError(
+                "messages", "/tokenize does not process images; send the messages without them"
+            )
         size = messages_size(messages) + len(body.prompt or "")
         ids, strs = await self.llm.offload.run(
             size, _tokenize, self.llm.tokenizer, body, messages, tool_dicts
