@@ -39,6 +39,8 @@ from paged.runner.kv_connector import KVConnectorStep, KVConnectorWorker
 from paged.runner.models.interface import CausalLM
 from paged.runner.runner_output import apply_grammar_bitmask, build_output, prompt_logprobs
 from paged.runner.sampler import Sampler
+from paged.runner.spec_decode.config import SpeculativeConfig
+from paged.runner.spec_decode.decoder import SpecDecoder
 from paged.runner.state_updates import update_states
 from paged.scheduler.boundary import (
     GrammarOutput,
@@ -72,6 +74,7 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         kv_connector: KVConnectorWorker | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -95,6 +98,18 @@ class ModelRunner:
         self._pending: _ExecuteState | None = None
         self.kv_connector = kv_connector
         self.layer_names: list[str] = []
+        # Speculative decoding (drafts, verification, a draft model): a component.
+        self.spec_decoder = (
+            SpecDecoder(
+                speculative_config,
+                self.device,
+                self.builder,
+                self.max_model_len,
+                self.max_num_reqs,
+            )
+            if speculative_config is not None
+            else None
+        )
 
     def _make_batch(self, block_sizes: list[int]) -> InputBatch:
         return InputBatch(
@@ -116,6 +131,11 @@ class ModelRunner:
 
             model = load_model(self.model_config, self.device, self.tp_rank, self.tp_size)
         self.model = model
+        if self.spec_decoder is not None and self.spec_decoder.draft is not None:
+            if self.tp_size > 1:
+                raise ValueError("speculative_config.model: a draft model needs tensor_parallel_size 1")
+            if self.spec_decoder.draft.model is None:
+                self.spec_decoder.draft.load_model()
 
     def _require_model(self) -> CausalLM:
         if self.model is None:
@@ -160,6 +180,10 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(
                 dict(zip(self.layer_names, self.kv_caches, strict=True))
             )
+        if self.spec_decoder is not None and self.spec_decoder.draft is not None:
+            self.spec_decoder.draft.initialize_kv_cache(
+                kv_cache_config, self.cache_config.block_size
+            )
         groups = kv_cache_config.kv_cache_groups
         group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         self.layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
@@ -193,13 +217,22 @@ class ModelRunner:
         model = self._require_model()
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
-        if scheduler_output.scheduled_spec_decode_tokens:
+        spec = self.spec_decoder
+        if scheduler_output.scheduled_spec_decode_tokens and spec is None:
             raise ValueError(
-                "scheduler_output: speculative decoding is not supported by the runner"
+                "scheduler_output: draft tokens were scheduled, but the runner was built "
+                "without a speculative_config"
             )
         if scheduler_output.scheduled_encoder_inputs:
             raise ValueError("scheduler_output: multimodal encoder inputs are not supported yet")
         update_states(self.requests, self.input_batch, scheduler_output, self.device)
+        num_drafts = None
+        if spec is not None:
+            spec.forget(scheduler_output.finished_req_ids)
+            if scheduler_output.scheduled_spec_decode_tokens:
+                num_drafts = spec.stage_drafts(
+                    self.input_batch, scheduler_output.scheduled_spec_decode_tokens
+                )
         self._pending = None
         step = (
             KVConnectorStep(self.kv_connector, scheduler_output)
@@ -209,9 +242,15 @@ class ModelRunner:
         if self.input_batch.num_reqs == 0:
             return self._kv_connector_no_forward(step)
         inputs = prepare_inputs(
-            self.input_batch, scheduler_output.num_scheduled_tokens, self.buffers, self.builder
+            self.input_batch,
+            scheduler_output.num_scheduled_tokens,
+            self.buffers,
+            self.builder,
+            num_drafts,
         )
         hidden, kv_output = self._forward_with_connector(model, inputs, step)
+        if spec is not None:
+            spec.follow_target(inputs)
         logits = None
         if len(inputs.sampling_rows):
             logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -278,6 +317,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = pending.inputs
         batch = self.input_batch
+        if self.spec_decoder is not None:
+            return self._sample_speculative(self.spec_decoder, pending, grammar_output)
         sampled: list[int] = []
         sampler_output = None
         if pending.logits is not None:
@@ -292,6 +333,24 @@ class ModelRunner:
                 batch.append_token_ids(row, [token])
                 self.requests[inputs.req_ids[row]].output_token_ids.append(token)
         output = build_output(inputs, sampled, sampler_output, batch, pending.prompt_logprobs)
+        if pending.kv_connector_output is not None:
+            output = msgspec.structs.replace(
+                output, kv_connector_output=pending.kv_connector_output
+            )
+        return output
+
+    def _sample_speculative(
+        self, spec: SpecDecoder, pending: _ExecuteState, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput:
+        """Verify drafts (rejection sampling), append accepted tokens, propose the next drafts."""
+        inputs = pending.inputs
+        if pending.logits is None:
+            output = build_output(inputs, [], None, self.input_batch, pending.prompt_logprobs)
+        else:
+            output = spec.sample(
+                pending.logits, inputs, self.input_batch, self.requests, grammar_output
+            )
+            output = msgspec.structs.replace(output, prompt_logprobs=pending.prompt_logprobs)
         if pending.kv_connector_output is not None:
             output = msgspec.structs.replace(
                 output, kv_connector_output=pending.kv_connector_output

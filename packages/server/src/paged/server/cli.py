@@ -212,6 +212,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["native", "lmcache"],
         help="offloading backend for --kv-offloading-size (only native is built)",
     )
+    sd = parser.add_argument_group("speculative decoding")
+    sd.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's speculative decoding config, e.g. "
+        '\'{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4}\' or '
+        '\'{"method":"draft_model","model":"/path/to/draft","num_speculative_tokens":4}\'',
+    )
     k.add_argument(
         "--block-hash-seed",
         type=int,
@@ -250,6 +259,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_offloading_size=ns.kv_offloading_size,
         kv_offloading_backend=ns.kv_offloading_backend,
         block_hash_seed=ns.block_hash_seed,
+        speculative_config=ns.speculative_config,
     )
 
 
