@@ -15,7 +15,6 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -87,7 +86,10 @@ def spec_config(method: str, draft_path: Path | None = None, k: int = 3) -> Spec
         str(draft_path), dtype="float32", max_model_len=MAX_LEN
     )
     return SpeculativeConfig(
-        "draft_model", k, model=str(draft_path), draft_model_config=draft_model,
+        "draft_model",
+        k,
+        model=str(draft_path),
+        draft_model_config=draft_model,
         acceptance_rate_threshold=0.0,
     )
 

@@ -133,7 +133,9 @@ class ModelRunner:
         self.model = model
         if self.spec_decoder is not None and self.spec_decoder.draft is not None:
             if self.tp_size > 1:
-                raise ValueError("speculative_config.model: a draft model needs tensor_parallel_size 1")
+                raise ValueError(
+                    "speculative_config.model: a draft model needs tensor_parallel_size 1"
+                )
             if self.spec_decoder.draft.model is None:
                 self.spec_decoder.draft.load_model()
 

@@ -33,7 +33,10 @@ class SpecDecodingMetrics:
         n = naming.name
         self._lv = label_values
         self.num_drafts = Counter(
-            n("spec_decode_num_drafts"), "Number of spec decoding drafts.", labels, registry=registry
+            n("spec_decode_num_drafts"),
+            "Number of spec decoding drafts.",
+            labels,
+            registry=registry,
         )
         self.num_draft_tokens = Counter(
             n("spec_decode_num_draft_tokens"), "Number of draft tokens.", labels, registry=registry

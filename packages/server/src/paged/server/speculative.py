@@ -78,9 +78,7 @@ def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
 def _vocab(config: ModelConfig) -> dict[str, int] | None:
     from paged.server.tokenizer import load_tokenizer
 
-    source = (
-        str(config.weights_path) if config.gguf_file is not None else config.tokenizer
-    )
+    source = str(config.weights_path) if config.gguf_file is not None else config.tokenizer
     try:
         tok = load_tokenizer(source)
     except (OSError, ValueError, TypeError) as e:

@@ -128,7 +128,7 @@ def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
         raise ValueError(
             f"speculative_config.{unknown[0]}: unknown key; supported keys: {', '.join(_KEYS)}"
         )
-    method = data.get("method")
+    method: Any = data.get("method")
     if method is None:
         # vLLM infers the method from the model when none is given.
         method = "draft_model" if data.get("model") else None
@@ -136,7 +136,8 @@ def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
         raise ValueError("speculative_config.method: missing; use 'ngram' or 'draft_model'")
     if "num_speculative_tokens" not in data:
         raise ValueError("speculative_config.num_speculative_tokens: missing")
-    lo, hi = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+    lo: Any = data.get("prompt_lookup_min")
+    hi: Any = data.get("prompt_lookup_max")
     if lo is None and hi is None:
         lo = hi = _DEFAULT_NGRAM
     elif lo is None:

@@ -92,9 +92,7 @@ class SpecDecoder:
                 continue
             n = int(batch.num_tokens[row])
             if n + len(drafts) > batch.max_model_len:
-                raise ValueError(
-                    f"scheduler_output: drafts of {req_id!r} run past max_model_len"
-                )
+                raise ValueError(f"scheduler_output: drafts of {req_id!r} run past max_model_len")
             batch.token_ids_cpu[row, n : n + len(drafts)] = drafts
             num_drafts[row] = len(drafts)
         return num_drafts
@@ -116,20 +114,33 @@ class SpecDecoder:
         """Verify, append the accepted tokens, propose the next drafts; the step's output."""
         rows = inputs.sampling_rows
         num_drafts = (
-            inputs.num_drafts[rows] if inputs.num_drafts is not None else np.zeros(len(rows), np.int64)
+            inputs.num_drafts[rows]
+            if inputs.num_drafts is not None
+            else np.zeros(len(rows), np.int64)
         )
         draft_ids = [
             batch.token_ids_cpu[r, n : n + k].tolist()
-            for r, n, k in zip(rows.tolist(), batch.num_tokens[rows].tolist(), num_drafts.tolist(), strict=True)
+            for r, n, k in zip(
+                rows.tolist(), batch.num_tokens[rows].tolist(), num_drafts.tolist(), strict=True
+            )
         ]
         req_ids = [inputs.req_ids[r] for r in rows.tolist()]
         if grammar_output is not None and grammar_output.structured_output_request_ids:
-            position_req_ids = [rid for rid, k in zip(req_ids, num_drafts.tolist(), strict=True) for _ in range(k + 1)]
+            position_req_ids = [
+                rid
+                for rid, k in zip(req_ids, num_drafts.tolist(), strict=True)
+                for _ in range(k + 1)
+            ]
             logits = apply_grammar_rows(logits, position_req_ids, grammar_output)
         metadata = batch.make_sampling_metadata(rows)
         result = rejection_sample(logits, num_drafts, draft_ids, metadata)
         for row, req_id, tokens, k, accepted in zip(
-            rows.tolist(), req_ids, result.token_ids, num_drafts.tolist(), result.num_accepted, strict=True
+            rows.tolist(),
+            req_ids,
+            result.token_ids,
+            num_drafts.tolist(),
+            result.num_accepted,
+            strict=True,
         ):
             batch.append_token_ids(row, tokens)
             requests[req_id].output_token_ids.extend(tokens)
@@ -181,7 +192,9 @@ class SpecDecoder:
                 continue
             state = requests[req_id]
             params = state.sampling_params
-            left = params.max_tokens - len(state.output_token_ids) - 1 if params.max_tokens else None
+            left = (
+                params.max_tokens - len(state.output_token_ids) - 1 if params.max_tokens else None
+            )
             if left is not None:
                 limits[i] = min(limits[i], left)
             pending_min = batch.min_tokens.get(row)
@@ -248,7 +261,10 @@ def _build_output(
         k = batch.num_logprobs.get(req_id)
         if k is not None and result.logprobs is not None:
             t = result.logprobs
-            start, end = result.position_start[i], result.position_start[i] + len(result.token_ids[i])
+            start, end = (
+                result.position_start[i],
+                result.position_start[i] + len(result.token_ids[i]),
+            )
             logprobs[req_id] = LogprobsLists(
                 token_ids=t.token_ids[start:end, : 1 + k].tolist(),
                 logprobs=t.logprobs[start:end, : 1 + k].tolist(),

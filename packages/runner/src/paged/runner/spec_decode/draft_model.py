@@ -113,16 +113,11 @@ class DraftModelProposer:
         active = np.flatnonzero(budget > 0)
         if len(active) == 0:
             return drafts
-        current = torch.from_numpy(
-            batch.token_ids_cpu[rows[active], last_pos[active]].astype(np.int64)
-        ).to(self.device)
+        # The token each row feeds next: the one just sampled, then its own drafts.
+        feed = batch.token_ids_cpu[rows, last_pos].astype(np.int64)
         block_rows = table.block_table.np
         for step in range(int(budget.max())):
             active = active[budget[active] > step]
-            if len(active) == 0:
-                break
-            if step > 0:
-                current = current[keep]
             batch_rows = rows[active]
             positions = last_pos[active] + step
             blocks = block_rows[batch_rows, positions // block_size].astype(np.int64)
@@ -139,11 +134,12 @@ class DraftModelProposer:
                 max_seq_len=int(positions.max()) + 1,
             )
             self._positions.np[:n] = positions
-            pos_dev = self._positions.copy_to_gpu(n)
-            hidden = model.forward(current, pos_dev, ForwardContext(meta, self.kv_caches))
-            current = model.compute_logits(hidden).argmax(dim=-1)
-            for i, token in zip(active.tolist(), current.tolist(), strict=True):
+            input_ids = torch.from_numpy(feed[active]).to(self.device)
+            hidden = model.forward(
+                input_ids, self._positions.copy_to_gpu(n), ForwardContext(meta, self.kv_caches)
+            )
+            tokens = model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
+            feed[active] = tokens
+            for i, token in zip(active.tolist(), tokens.tolist(), strict=True):
                 drafts[i].append(token)
-            keep_mask = budget[active] > step + 1
-            keep = torch.from_numpy(np.flatnonzero(keep_mask)).to(self.device)
         return drafts

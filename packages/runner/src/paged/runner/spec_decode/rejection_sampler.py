@@ -183,7 +183,9 @@ def rejection_sample(
             accept = accept_random
         else:
             assert meta.temperature_is_greedy is not None
-            accept = torch.where(meta.temperature_is_greedy.unsqueeze(1), accept_greedy, accept_random)
+            accept = torch.where(
+                meta.temperature_is_greedy.unsqueeze(1), accept_greedy, accept_random
+            )
     accept &= valid
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
     final_pos = start_dev + num_accepted
@@ -193,9 +195,7 @@ def rejection_sample(
 
     accepted = num_accepted.tolist()
     final_list = final.tolist()
-    tokens = [
-        draft_token_ids[i][: accepted[i]] + [final_list[i]] for i in range(num_reqs)
-    ]
+    tokens = [draft_token_ids[i][: accepted[i]] + [final_list[i]] for i in range(num_reqs)]
     logprobs = None
     if raw_logprobs is not None:
         assert meta.max_num_logprobs is not None
