@@ -110,7 +110,7 @@ def test_parse_vllm_keys_and_defaults() -> None:
 )
 def test_errors_name_the_key(value: str | dict[str, object], key: str) -> None:
     with pytest.raises(ValueError, match=key.replace(".", r"\.").replace("(", r"\(")):
-        parse_speculative_config(value)  # type: ignore[arg-type]
+        parse_speculative_config(value)
 
 
 def test_spec_config_direct_construction_is_validated() -> None:
