@@ -101,6 +101,8 @@ def prompts(seed: int) -> dict[str, list[int]]:
     for i, n in enumerate([23, 7, 30, 12, 18]):
         motif = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 6))]
         out[f"r{i}"] = (motif * 10)[:n]
+    # Admitted last (max_num_seqs=4): starts from r2's cached prompt blocks.
+    out["r5"] = out["r2"] + [9, 8]
     return out
 
 
@@ -110,6 +112,7 @@ class Run:
     finish: dict[str, FinishReason | None]
     spec: SpecDecodingStats
     preemptions: int
+    cached_tokens: dict[str, int]
 
 
 def run(
@@ -123,6 +126,7 @@ def run(
             core.add_request(EngineCoreRequest(rid, prompt, params, 2, time.time() + i))
         tokens: dict[str, list[int]] = {rid: [] for rid in requests}
         finish: dict[str, FinishReason | None] = {}
+        cached: dict[str, int] = {}
         drafts = draft_tokens = accepted = preemptions = 0
         per_pos: list[int] = []
         for _ in range(3000):
@@ -131,6 +135,9 @@ def run(
             for outputs in core.run_step().values():
                 for out in outputs.outputs:
                     tokens[out.request_id].extend(out.new_token_ids)
+                    cached[out.request_id] = max(
+                        cached.get(out.request_id, 0), out.num_cached_tokens
+                    )
                     if out.finish_reason is not None:
                         finish[out.request_id] = out.finish_reason
                 s = outputs.scheduler_stats
@@ -153,7 +160,7 @@ def run(
         # Every block but the null block is free again.
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - pool.num_reserved_blocks
         stats = SpecDecodingStats(0, drafts, draft_tokens, accepted, per_pos)
-        return Run(tokens, finish, stats, preemptions)
+        return Run(tokens, finish, stats, preemptions, cached)
     finally:
         core.shutdown()
 
@@ -179,6 +186,7 @@ def test_greedy_identical_under_preemption_and_chunked_prefill(
     }[method]()
     got = run(engine_config(target, spec), greedy_requests(0), num_blocks=40)
     assert got.preemptions > 0 and baseline.preemptions > 0, "the KV budget must force preemption"
+    assert got.cached_tokens["r5"] >= 16, "r5 should start from r2's cached blocks"
     assert got.tokens == baseline.tokens
     assert got.spec.num_drafts > 0 and got.spec.num_draft_tokens > 0
     assert got.spec.num_accepted_tokens == sum(got.spec.num_accepted_tokens_per_pos)

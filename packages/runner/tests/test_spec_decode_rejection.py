@@ -110,3 +110,24 @@ def test_seeded_requests_do_not_depend_on_the_batch() -> None:
     alone_meta.generators = {0: torch.Generator().manual_seed(99)}
     alone = rejection_sample(logits[:2], np.ones(1, dtype=np.int64), [[1]], alone_meta)
     assert batch.token_ids == [alone.token_ids[0]] * 3
+
+
+def test_grammar_rows_mask_each_drafted_position() -> None:
+    """Row n of a request masks its n-th position; a forbidden draft is rejected."""
+    from paged.runner.spec_decode.decoder import apply_grammar_rows
+    from paged.scheduler.boundary import GrammarOutput
+
+    logits = torch.zeros(4, 8)
+    logits[:, 7] = 5.0  # unconstrained, every position would pick 7
+    grammar = GrammarOutput(
+        structured_output_request_ids=["a", "a", "a"],
+        grammar_bitmask=[[1 << 3], [1 << 4], [1 << 5]],  # position 0: {3}, 1: {4}, 2: {5}
+    )
+    masked = apply_grammar_rows(logits.clone(), ["a", "a", "a", "b"], grammar)
+    assert masked[:3].argmax(dim=-1).tolist() == [3, 4, 5]
+    assert masked[3].argmax().item() == 7  # "b" has no grammar
+    # Drafts [3, 6]: 3 is allowed and accepted, 6 is forbidden at position 1 -> 4 instead.
+    out = rejection_sample(masked[:3], np.array([2]), [[3, 6]], _greedy(1))
+    assert out.token_ids == [[3, 4]]
+    rand = rejection_sample(masked[:3], np.array([2]), [[3, 6]], _meta(1, 1.0))
+    assert rand.token_ids == [[3, 4]]  # the only allowed tokens, whatever the draws
