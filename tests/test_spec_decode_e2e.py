@@ -255,3 +255,35 @@ def test_seeded_sampling_with_drafts_is_reproducible(target: Path) -> None:
     alone = run(engine_config(target, ngram, budget=256), {"r2": requests["r2"]}, num_blocks=200)
     assert alone.tokens["r2"] == together.tokens["r2"]
     assert together.spec.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_engine_process_with_a_draft_model(target: Path, draft: Path, baseline: Run) -> None:
+    """The config, drafts and spec stats cross the process boundary (spawned engine core)."""
+    from paged.server.engine.client import SyncMPClient
+    from paged.server.engine.core import make_engine_core_factory
+
+    config = engine_config(target, spec_config("draft_model", draft))
+    client = SyncMPClient(make_engine_core_factory(config, num_gpu_blocks_override=40))
+    try:
+        requests = greedy_requests(0)
+        for i, (rid, (prompt, params)) in enumerate(requests.items()):
+            client.add_request(EngineCoreRequest(rid, prompt, params, 2, time.time() + i))
+        tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+        done: set[str] = set()
+        drafted = 0
+        deadline = time.monotonic() + 300
+        while done != set(requests):
+            assert time.monotonic() < deadline, "the engine process did not finish"
+            outputs = client.get_output()
+            for out in outputs.outputs:
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    done.add(out.request_id)
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.spec_decoding_stats is not None:
+                drafted += stats.spec_decoding_stats.num_draft_tokens
+    finally:
+        client.shutdown()
+    assert tokens == baseline.tokens
+    assert drafted > 0
