@@ -17,7 +17,7 @@ step (1 + accepted / drafts, the tokens one target forward yields), whether
 both engines produced identical tokens, the torch thread count and the load
 average before and after.
 
-Run: .venvs/all/bin/python benchmarks/spec_bench.py [--tokens 96 --runs 3 --k 4]
+Run: .venvs/all/bin/python benchmarks/spec_bench.py [--tokens 64 --runs 3 --k 7 --streams 1 8]
 Prints one JSON line.
 """
 
@@ -118,11 +118,11 @@ def decode_rate(llm: LLM, batch: list[str], tokens: int) -> tuple[float, list[li
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--lookup-min", type=int, default=2)
-    ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
+    ap.add_argument("--lookup-min", type=int, default=3)
+    ap.add_argument("--lookup-max", type=int, default=5)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     args = ap.parse_args()
     load_before = os.getloadavg()
