@@ -84,7 +84,8 @@ def test_constrained_outputs_hold_with_drafts(spec_llm: Any) -> None:
         temperature=0.0,
         structured_outputs=StructuredOutputsParams(regex="(ab ){2,6}cd"),
     )
-    # One request at a time: see test_mixed_batch_of_drafting_and_non_drafting_requests.
+    # One request at a time, so each step's constrained request has drafts or not;
+    # mixed batches: test_mixed_batch_of_drafting_and_non_drafting_requests.
     outs = [
         spec_llm.generate([p], [sp], use_tqdm=False)[0]
         for p, sp in zip(prompts, json_params, strict=True)
@@ -98,13 +99,6 @@ def test_constrained_outputs_hold_with_drafts(spec_llm: Any) -> None:
     assert drafted > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="the scheduler-side grammar hook (structured_output/backend.py grammar_bitmask) "
-    "passes rows without drafts to llguidance's draft-token call, which refuses them "
-    "('Draft tokens must not be empty'); branch i18b rewrites that hook",
-)
 def test_mixed_batch_of_drafting_and_non_drafting_requests(spec_llm: Any) -> None:
     """Constrained requests in one batch where some have drafts and some do not."""
     params = SamplingParams(

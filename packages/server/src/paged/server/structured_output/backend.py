@@ -71,10 +71,13 @@ class StructuredOutputBackend:
         if not rows:
             return None
         bitmask = llnp.allocate_token_bitmask(len(ids), self.compiler.vocab_size)
-        if any(drafts for _, _, drafts in rows):
-            llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, rows, bitmask)
-        else:
-            llnp.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in rows], bitmask)
+        # llguidance's draft call refuses rows without drafts: split the two kinds.
+        with_drafts = [row for row in rows if row[2]]
+        plain = [(m, i) for m, i, drafts in rows if not drafts]
+        if with_drafts:
+            llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, bitmask)
+        if plain:
+            llnp.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         return GrammarOutput(structured_output_request_ids=ids, grammar_bitmask=bitmask.tolist())
 
     def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
