@@ -198,9 +198,11 @@ class SpecDecoder:
             if left is not None:
                 limits[i] = min(limits[i], left)
             pending_min = batch.min_tokens.get(row)
-            if pending_min is not None and len(state.output_token_ids) < pending_min[0]:
-                limits[i] = 0
-            elif not self.adaptive.should_draft(req_id):
+            # (`or` short-circuits: a paused request's countdown runs only when it could draft.)
+            min_tokens_pending = (
+                pending_min is not None and len(state.output_token_ids) < pending_min[0]
+            )
+            if min_tokens_pending or not self.adaptive.should_draft(req_id):
                 limits[i] = 0
         return limits.clip(min=0)
 

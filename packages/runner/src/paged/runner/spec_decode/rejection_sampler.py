@@ -195,7 +195,7 @@ def rejection_sample(
 
     accepted = num_accepted.tolist()
     final_list = final.tolist()
-    tokens = [draft_token_ids[i][: accepted[i]] + [final_list[i]] for i in range(num_reqs)]
+    tokens = [[*draft_token_ids[i][: accepted[i]], final_list[i]] for i in range(num_reqs)]
     logprobs = None
     if raw_logprobs is not None:
         assert meta.max_num_logprobs is not None
