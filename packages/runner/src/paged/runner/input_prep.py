@@ -56,6 +56,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] token index (into T) whose hidden state is sampled
     num_scheduled: npt.NDArray[np.int32]
     prompt_logprobs: list[PromptLogprobsSpan] = field(default_factory=list)
+    # Speculative decoding: drafted tokens per batch row (None: no drafts this
+    # step). A sampling row with k drafts has k + 1 entries in logits_indices.
+    num_drafts: npt.NDArray[np.int64] | None = None
 
     @property
     def attn_metadata(self) -> AttentionMetadata:
@@ -90,8 +93,13 @@ def prepare_inputs(
     num_scheduled_tokens: dict[str, int],
     buffers: InputBuffers,
     builder: AttentionMetadataBuilder,
+    num_drafts: npt.NDArray[np.int64] | None = None,
 ) -> StepInputs:
-    """Fill `buffers` for this step and return the device views plus sampling bookkeeping."""
+    """Fill `buffers` for this step and return the device views plus sampling bookkeeping.
+
+    `num_drafts` (speculative decoding): drafted tokens per batch row, already
+    written after the row's known tokens; they count as known for this step.
+    """
     req_ids = batch.req_ids
     num_reqs = len(req_ids)
     tables = list(batch.block_table.block_tables)  # one per KV cache group
@@ -110,6 +118,8 @@ def prepare_inputs(
     computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
     seq_lens = computed + num_sched
     known = batch.num_tokens[:num_reqs]
+    if num_drafts is not None:
+        known = known + num_drafts[:num_reqs]
     if (num_sched <= 0).any() or (seq_lens > known).any():
         bad = int(np.argmax((num_sched <= 0) | (seq_lens > known)))
         raise ValueError(
@@ -136,7 +146,14 @@ def prepare_inputs(
 
     samples = seq_lens == known
     sampling_rows = rows[samples].astype(np.int64)
-    logits_indices = torch.from_numpy(cu[samples] - 1).to(batch.device, non_blocking=True)
+    last = cu[samples] - 1
+    if num_drafts is not None and num_drafts.any():
+        # Every drafted position of a sampling row is scored, then the bonus one.
+        width = num_drafts[:num_reqs][samples] + 1
+        last = np.repeat(last - width + 1, width) + (
+            np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
+        )
+    logits_indices = torch.from_numpy(last).to(batch.device, non_blocking=True)
     query_start_loc = buffers.query_start_loc.copy_to_gpu(num_reqs + 1)
     seq_lens_gpu = buffers.seq_lens.copy_to_gpu(num_reqs)
     group_metadata = [
@@ -162,6 +179,7 @@ def prepare_inputs(
         logits_indices=logits_indices,
         num_scheduled=num_sched,
         prompt_logprobs=_prompt_logprob_spans(batch, req_ids, computed, num_sched, cu),
+        num_drafts=num_drafts[:num_reqs] if num_drafts is not None else None,
     )
 
 

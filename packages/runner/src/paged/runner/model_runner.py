@@ -46,6 +46,8 @@ from paged.runner.kv_connector import KVConnectorStep, KVConnectorWorker
 from paged.runner.models.interface import CausalLM, SupportsMultiModal, supports_multimodal
 from paged.runner.runner_output import apply_grammar_bitmask, build_output, prompt_logprobs
 from paged.runner.sampler import Sampler
+from paged.runner.spec_decode.config import SpeculativeConfig
+from paged.runner.spec_decode.decoder import SpecDecoder
 from paged.runner.state_updates import update_states
 from paged.scheduler.boundary import (
     GrammarOutput,
@@ -79,6 +81,7 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         kv_connector: KVConnectorWorker | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -103,6 +106,18 @@ class ModelRunner:
         self.kv_connector = kv_connector
         self.layer_names: list[str] = []
         self.encoder_runner: EncoderRunner | None = None  # set by load_model for mm models
+        # Speculative decoding (drafts, verification, a draft model): a component.
+        self.spec_decoder = (
+            SpecDecoder(
+                speculative_config,
+                self.device,
+                self.builder,
+                self.max_model_len,
+                self.max_num_reqs,
+            )
+            if speculative_config is not None
+            else None
+        )
 
     def _make_batch(self, block_sizes: list[int]) -> InputBatch:
         return InputBatch(
@@ -126,6 +141,13 @@ class ModelRunner:
         self.model = model
         if supports_multimodal(model):
             self.encoder_runner = EncoderRunner(cast(SupportsMultiModal, model), self.device)
+        if self.spec_decoder is not None and self.spec_decoder.draft is not None:
+            if self.tp_size > 1:
+                raise ValueError(
+                    "speculative_config.model: a draft model needs tensor_parallel_size 1"
+                )
+            if self.spec_decoder.draft.model is None:
+                self.spec_decoder.draft.load_model()
 
     def _require_model(self) -> CausalLM:
         if self.model is None:
@@ -170,6 +192,10 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(
                 dict(zip(self.layer_names, self.kv_caches, strict=True))
             )
+        if self.spec_decoder is not None and self.spec_decoder.draft is not None:
+            self.spec_decoder.draft.initialize_kv_cache(
+                kv_cache_config, self.cache_config.block_size
+            )
         groups = kv_cache_config.kv_cache_groups
         group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         self.layer_groups = [group_of[name] for name in specs] if len(groups) > 1 else None
@@ -203,9 +229,11 @@ class ModelRunner:
         model = self._require_model()
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
-        if scheduler_output.scheduled_spec_decode_tokens:
+        spec = self.spec_decoder
+        if scheduler_output.scheduled_spec_decode_tokens and spec is None:
             raise ValueError(
-                "scheduler_output: speculative decoding is not supported by the runner"
+                "scheduler_output: draft tokens were scheduled, but the runner was built "
+                "without a speculative_config"
             )
         encoder = self.encoder_runner
         if scheduler_output.scheduled_encoder_inputs and encoder is None:
@@ -217,6 +245,13 @@ class ModelRunner:
         if encoder is not None:
             encoder.free(scheduler_output.free_encoder_mm_hashes)
             encoder.execute(scheduler_output.scheduled_encoder_inputs, self.requests)
+        num_drafts = None
+        if spec is not None:
+            spec.forget(scheduler_output.finished_req_ids)
+            if scheduler_output.scheduled_spec_decode_tokens:
+                num_drafts = spec.stage_drafts(
+                    self.input_batch, scheduler_output.scheduled_spec_decode_tokens
+                )
         self._pending = None
         step = (
             KVConnectorStep(self.kv_connector, scheduler_output)
@@ -226,9 +261,15 @@ class ModelRunner:
         if self.input_batch.num_reqs == 0:
             return self._kv_connector_no_forward(step)
         inputs = prepare_inputs(
-            self.input_batch, scheduler_output.num_scheduled_tokens, self.buffers, self.builder
+            self.input_batch,
+            scheduler_output.num_scheduled_tokens,
+            self.buffers,
+            self.builder,
+            num_drafts,
         )
         hidden, kv_output = self._forward_with_connector(model, inputs, step)
+        if spec is not None:
+            spec.follow_target(inputs)
         logits = None
         if len(inputs.sampling_rows):
             logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -307,6 +348,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = pending.inputs
         batch = self.input_batch
+        if self.spec_decoder is not None:
+            return self._sample_speculative(self.spec_decoder, pending, grammar_output)
         sampled: list[int] = []
         sampler_output = None
         if pending.logits is not None:
@@ -321,6 +364,24 @@ class ModelRunner:
                 batch.append_token_ids(row, [token])
                 self.requests[inputs.req_ids[row]].output_token_ids.append(token)
         output = build_output(inputs, sampled, sampler_output, batch, pending.prompt_logprobs)
+        if pending.kv_connector_output is not None:
+            output = msgspec.structs.replace(
+                output, kv_connector_output=pending.kv_connector_output
+            )
+        return output
+
+    def _sample_speculative(
+        self, spec: SpecDecoder, pending: _ExecuteState, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput:
+        """Verify drafts (rejection sampling), append accepted tokens, propose the next drafts."""
+        inputs = pending.inputs
+        if pending.logits is None:
+            output = build_output(inputs, [], None, self.input_batch, pending.prompt_logprobs)
+        else:
+            output = spec.sample(
+                pending.logits, inputs, self.input_batch, self.requests, grammar_output
+            )
+            output = msgspec.structs.replace(output, prompt_logprobs=pending.prompt_logprobs)
         if pending.kv_connector_output is not None:
             output = msgspec.structs.replace(
                 output, kv_connector_output=pending.kv_connector_output

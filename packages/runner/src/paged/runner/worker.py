@@ -83,6 +83,7 @@ class Worker:
             tp_rank=self.rank,
             tp_size=self.world_size,
             kv_connector=kv_connector,
+            speculative_config=self.engine_config.speculative_config,
         )
 
     def load_model(self) -> None:

@@ -194,6 +194,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
     num_nans_in_logits: dict[str, int] = msgspec.field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
+    # Speculative decoding: drafts to verify next step (Scheduler.update_draft_token_ids).
+    draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -216,6 +218,20 @@ class KVCacheEvictionEvent(msgspec.Struct, array_like=True, omit_defaults=True, 
     reuse_gaps_seconds: tuple[float, ...] = ()
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Speculative-decoding counters since the last report (vLLM's SpecDecodingStats).
+
+    A draft is one request's drafted tokens verified in one step;
+    `num_accepted_tokens_per_pos[j]` counts drafts whose position j was accepted.
+    """
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """A snapshot of the scheduler, attached to each `EngineCoreOutputs`."""
 
@@ -229,6 +245,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     kv_cache_eviction_events: list[KVCacheEvictionEvent] = msgspec.field(default_factory=list)
     # KV connector counters since the last report (worker and scheduler sides summed).
     kv_connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
+    # Drafted / accepted tokens since the last report (None: no speculative decoding).
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

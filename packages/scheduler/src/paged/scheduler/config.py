@@ -34,6 +34,8 @@ class SchedulerConfig:
       across steps (the chunk stops before it instead).
     - `num_lookahead_tokens`: extra slots allocated per running request for
       speculative decoding drafts.
+    - `num_speculative_tokens`: drafts per step when speculative decoding is
+      on (0: off); the scheduler then reports `SpecDecodingStats`.
     - `kv_load_failure_policy`: what a KV connector load error does to the
       requests whose blocks failed (vLLM's `KVTransferConfig` field, copied
       here by the engine core): "recompute" rewinds them to the first bad
@@ -51,6 +53,7 @@ class SchedulerConfig:
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     num_lookahead_tokens: int = 0
+    num_speculative_tokens: int = 0
     kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
 
     def __post_init__(self) -> None:
@@ -58,7 +61,12 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("long_prefill_token_threshold", "max_logprobs", "num_lookahead_tokens"):
+        for name in (
+            "long_prefill_token_threshold",
+            "max_logprobs",
+            "num_lookahead_tokens",
+            "num_speculative_tokens",
+        ):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")

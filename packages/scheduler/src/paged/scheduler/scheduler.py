@@ -36,6 +36,7 @@ from paged.scheduler.connectors import ECConnectorScheduler, KVConnectorSchedule
 from paged.scheduler.queue import RequestQueue, create_request_queue
 from paged.scheduler.remote_kv import add_counters, process_connector_output
 from paged.scheduler.request import FINISHED_STATUSES, Request, RequestStatus
+from paged.scheduler.spec_stats import SpecDecodingCounter
 from paged.scheduler.state import SchedulerState, StepPlan
 from paged.scheduler.steps.output import advance_after_schedule, build_scheduler_output
 from paged.scheduler.steps.running import schedule_running
@@ -114,6 +115,11 @@ class Scheduler:
         self.structured_output = structured_output
         self.encoder_compute_budget = budget.encoder_compute_budget
         self.max_tokens_in_kv_cache = _max_tokens_per_request(kv_cache_config, block_size)
+        self.spec_decoding_counter = (
+            SpecDecodingCounter(config.num_speculative_tokens)
+            if config.num_speculative_tokens and log_stats
+            else None
+        )
         self._block_hasher = None
         if enable_caching or kv_connector is not None:
             init_none_hash(hash_fn, hash_seed)
@@ -231,6 +237,8 @@ class Scheduler:
             if failed and self.config.kv_load_failure_policy == "fail":
                 fail_kv_loads(state, failed, self.structured_output)
                 failed = set()
+        if self.spec_decoding_counter is not None:
+            self.spec_decoding_counter.observe(scheduler_output, model_runner_output)
         results = update_requests(
             state, scheduler_output, model_runner_output, failed, self.structured_output
         )
@@ -344,6 +352,9 @@ class Scheduler:
             num_scheduled_tokens=state.last_num_scheduled_tokens,
             kv_cache_eviction_events=self._take_eviction_events(),
             kv_connector_stats=self._take_kv_connector_stats(),
+            spec_decoding_stats=(
+                self.spec_decoding_counter.take() if self.spec_decoding_counter else None
+            ),
         )
         state.num_preempted_since_stats = 0
         return stats

@@ -233,6 +233,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["native", "lmcache"],
         help="offloading backend for --kv-offloading-size (only native is built)",
     )
+    sd = parser.add_argument_group("speculative decoding")
+    sd.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's speculative decoding config, e.g. "
+        '\'{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4}\' or '
+        '\'{"method":"draft_model","model":"/path/to/draft","num_speculative_tokens":4}\'',
+    )
     k.add_argument(
         "--block-hash-seed",
         type=int,
@@ -312,6 +321,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         mm_processor_cache_type=ns.mm_processor_cache_type,
         mm_processor_cache_gb=ns.mm_processor_cache_gb,
         disable_chunked_mm_input=ns.disable_chunked_mm_input,
+        speculative_config=ns.speculative_config,
     )
 
 

@@ -118,6 +118,8 @@ class EngineArgs:
     # of `seed`: engines that share stored KV (a disk tier across restarts, P/D
     # peers) must hash alike, whatever their sampling seed.
     block_hash_seed: int = 0
+    # vLLM's --speculative-config: JSON text (or a dict from LLM(...)); None: no speculation.
+    speculative_config: str | dict[str, Any] | None = None
     _shm_prefix: str | None = field(default=None, repr=False)
 
     def resolved_device(self) -> str:
@@ -161,6 +163,11 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             cpu_weight_panels=self.cpu_weight_panels,  # type: ignore[arg-type]
         )
+        from paged.server.speculative import resolve_speculative_config
+
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config: not supported with async_scheduling")
+        speculative_config = resolve_speculative_config(self.speculative_config, model_config)
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu":
             kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
@@ -182,6 +189,7 @@ class EngineArgs:
             seed=self.seed,
             block_hash_seed=self.block_hash_seed,
             kv_connector_factory=kv_connector,
+            speculative_config=speculative_config,
         )
         # Build the scheduler's config now, in the caller's process, so that limits it
         # rejects (vLLM's SchedulerConfig checks) fail here with a message rather than

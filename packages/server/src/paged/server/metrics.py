@@ -17,6 +17,7 @@ from paged.scheduler import SchedulerStats
 from paged.server.kv_cache_metrics import KVCacheResidencyMetrics
 from paged.server.kv_metrics import KVConnectorMetrics
 from paged.server.metrics_names import PAGED_NAMING, MetricsNaming
+from paged.server.spec_metrics import SpecDecodingMetrics
 from paged.server.stats import IterationStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -41,6 +42,7 @@ class PrometheusStatLogger:
         *,
         kv_cache_metrics: bool = False,
         kv_connector_metrics: bool = False,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         # Residency histograms exist only with --kv-cache-metrics (as in vLLM).
@@ -112,6 +114,12 @@ class PrometheusStatLogger:
         # paged's own per-tier connector counters keep the paged: names (vLLM has none);
         # registered only when a KV connector is configured, so other servers show none.
         self.kv_connector = KVConnectorMetrics(model_name, r) if kv_connector_metrics else None
+        # vLLM's spec_decode_* counters, registered only with speculative decoding on.
+        self.spec_decoding = (
+            SpecDecodingMetrics(r, naming, self._lv, num_speculative_tokens)
+            if num_speculative_tokens > 0
+            else None
+        )
         for reason in FINISH_REASONS:  # export zeros so dashboards see every series
             self.request_success.labels(*self._lv, reason)
 
@@ -131,6 +139,8 @@ class PrometheusStatLogger:
                 self.kv_residency.observe(s.kv_cache_eviction_events)
             if self.kv_connector is not None:
                 self.kv_connector.record(s.kv_connector_stats)
+            if self.spec_decoding is not None and s.spec_decoding_stats is not None:
+                self.spec_decoding.record(s.spec_decoding_stats)
         if iteration_stats is not None:
             it = iteration_stats
             self.prompt_tokens.labels(*m).inc(it.num_prompt_tokens)

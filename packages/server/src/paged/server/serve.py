@@ -97,6 +97,11 @@ def run_server(
             naming=naming,
             kv_cache_metrics=args.kv_cache_metrics,
             kv_connector_metrics=args.has_kv_connector(),
+            num_speculative_tokens=(
+                config.speculative_config.num_speculative_tokens
+                if config.speculative_config is not None
+                else 0
+            ),
         )
         llm = AsyncLLM(
             client,

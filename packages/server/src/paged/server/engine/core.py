@@ -79,12 +79,15 @@ SchedulerFactory = Callable[..., SchedulerInterface]
 def scheduler_config_from(engine_config: EngineConfig) -> SchedulerConfig:
     """The scheduler limits of `engine_config` as a `SchedulerConfig`."""
     limits = engine_config.scheduler_limits
+    spec = engine_config.speculative_config
     return SchedulerConfig(
         max_num_seqs=limits.max_num_seqs,
         max_num_batched_tokens=limits.max_num_batched_tokens,
         max_model_len=engine_config.model_config.max_model_len,
         enable_chunked_prefill=limits.enable_chunked_prefill,
         max_logprobs=limits.max_logprobs,
+        num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
+        num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
     )
 
 
@@ -116,6 +119,11 @@ class EngineCore:
     ) -> None:
         if batch_queue_size < 1:
             raise ValueError(f"batch_queue_size must be >= 1, got {batch_queue_size}")
+        if batch_queue_size > 1 and engine_config.speculative_config is not None:
+            # Drafts for step N+1 come out of step N's sampling: nothing to overlap.
+            raise ValueError(
+                "speculative_config: not supported with async scheduling (batch_queue_size > 1)"
+            )
         self.engine_config = engine_config
         self.scheduler_config = scheduler_config or scheduler_config_from(engine_config)
         # Gemma3's image tokens attend both ways: the model requires unsplit items.
@@ -337,6 +345,9 @@ class EngineCore:
         if model_output is None:
             model_output = self.model_executor.sample_tokens(grammar)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if model_output.draft_token_ids:
+            # After the update: only requests still running take the drafts.
+            self.scheduler.update_draft_token_ids(model_output.draft_token_ids)
         self._count_step(scheduler_output)
         self._publish_kv_events()
         return outputs

@@ -86,14 +86,17 @@ class StructuredOutputBackend:
         if not rows:
             return None
         bitmask = llnp.allocate_token_bitmask(len(ids), self.compiler.vocab_size)
-        if any(drafts for _, _, drafts in rows):
-            # Row i after drafts[:i]: llguidance advances each matcher through its
-            # drafts and rolls it back (in parallel); a draft the grammar refuses
-            # leaves the later rows all-allowed, and verification rejects it there.
-            llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, rows, bitmask)
-            self.num_draft_rows += sum(len(d) for _, _, d in rows)
-        else:
-            llnp.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in rows], bitmask)
+        # Row i after drafts[:i]: llguidance advances each matcher through its
+        # drafts and rolls it back (in parallel); a draft the grammar refuses
+        # leaves the later rows all-allowed, and verification rejects it there.
+        # Its draft call refuses rows without drafts: the two kinds go separately.
+        with_drafts = [row for row in rows if row[2]]
+        plain = [(m, i) for m, i, drafts in rows if not drafts]
+        if with_drafts:
+            llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, bitmask)
+            self.num_draft_rows += sum(len(d) for _, _, d in with_drafts)
+        if plain:
+            llnp.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         return GrammarOutput(structured_output_request_ids=ids, grammar_bitmask=bitmask.tolist())
 
     def validate_draft_tokens(self, request_id: str, draft_token_ids: Sequence[int]) -> int:
