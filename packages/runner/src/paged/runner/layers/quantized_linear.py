@@ -107,6 +107,13 @@ class Int4GroupMatmul:
     def __init__(self, groups: Int4GroupsLike, dtype: torch.dtype, source: str) -> None:
         codes, scale, offset = groups.codes, groups.scale, groups.offset
         self.out_features, self.in_features = codes.shape
+        # The packing wants a multiple of 16 output rows: pad with zero rows, slice them off.
+        pad = -self.out_features % 16
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+            offset = torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
+        self.padded = pad != 0
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         zero = offset + 8.0 * scale
         # [C/32, R, 2]: the kernel's layout of (scale, zero) pairs.
@@ -126,7 +133,7 @@ class Int4GroupMatmul:
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP, self.scales_and_zeros
         )
-        return out
+        return out[:, : self.out_features] if self.padded else out
 
     def dequantized(self) -> torch.Tensor:
         # The kernel applied to the identity gives W^T column by column: exactly its weights.
