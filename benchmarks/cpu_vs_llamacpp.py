@@ -132,6 +132,8 @@ def _wait(server: Server, timeout: float = 600.0) -> Server:
             raise RuntimeError(f"{server.name} exited:\n{server.log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                models = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()
+                MODEL_ID[0] = models["data"][0]["id"]
                 return server
         except httpx.HTTPError:
             pass
@@ -150,8 +152,11 @@ def stop(server: Server) -> None:
             server.process.wait(timeout=30)
 
 
+MODEL_ID = [""]  # the served model's id, read from /v1/models when a server starts
+
+
 async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": MODEL_ID[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     start = time.perf_counter()
     times: list[float] = []
@@ -168,7 +173,7 @@ async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> di
 
 
 async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": MODEL_ID[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
     resp = await client.post("/v1/completions", json=body)
     resp.raise_for_status()
