@@ -22,7 +22,8 @@ llama-cpp-python sdist's vendored llama.cpp:
     cmake -S vendor/llama.cpp -B build -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF
     cmake --build build --target llama-server -j2
 
-    .venvs/all/bin/python benchmarks/cpu_vs_llamacpp.py --llama-server /work/cache/llamacpp/build/bin/llama-server
+    LLAMA_SERVER=/work/cache/llamacpp/build/bin/llama-server \
+        .venvs/all/bin/python benchmarks/cpu_vs_llamacpp.py
     .venvs/all/bin/python benchmarks/cpu_vs_llamacpp.py --runs 1 --scenarios a      # quick
 Prints one JSON line per run and side, then one summary line (medians, ratios paged/llama.cpp).
 """
@@ -48,10 +49,11 @@ from typing import Any
 
 import httpx
 
-WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven curious cats watch from an old "
-    "wooden fence near the river and the morning sun rises slowly above green hills"
-).split()
+WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
+    "curious", "cats", "watch", "from", "an", "old", "wooden", "fence", "near", "the", "river",
+    "and", "the", "morning", "sun", "rises", "slowly", "above", "green", "hills",
+]  # fmt: skip
 
 
 def _prompt(words: int, seed: int) -> str:
@@ -182,7 +184,7 @@ async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
 
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]:
@@ -208,7 +210,7 @@ async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]
             )
             wall = time.perf_counter() - t0
             ttft = [s["times"][0] - s["start"] for s in streams]
-            itl = [b - a for s in streams for a, b in zip(s["times"], s["times"][1:])]
+            itl = [b - a for s in streams for a, b in zip(s["times"], s["times"][1:], strict=False)]
             tokens = sum(len(s["times"]) for s in streams)
             result = {"output_tokens": tokens, "output_tok_s": tokens / wall,
                       "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
@@ -257,8 +259,9 @@ def main() -> None:
                     for sc in args.scenarios:
                         r = asyncio.run(scenario(server, sc, args.max_tokens))
                         results[side].setdefault(sc, []).append(r)
-                        print(json.dumps({"run": run, "side": side, "scenario": sc,
-                                          "startup_s": round(startup, 1), **r}), flush=True)  # fmt: skip
+                        line = {"run": run, "side": side, "scenario": sc,
+                                "startup_s": round(startup, 1), **r}  # fmt: skip
+                        print(json.dumps(line), flush=True)
                 finally:
                     stop(server)
     keys = {"a": ["ttft_s", "decode_tok_s"], "b": ["output_tok_s"],
@@ -273,9 +276,9 @@ def main() -> None:
             summary[f"{sc}.{side}.load_avg"] = [r["load_avg_before"] for r in runs]
         if len(sides) == 2:
             for k in keys[sc]:
-                p, l = summary[f"{sc}.paged.{k}"], summary[f"{sc}.llama.cpp.{k}"]
+                ours, theirs = summary[f"{sc}.paged.{k}"], summary[f"{sc}.llama.cpp.{k}"]
                 # Ratio > 1 means paged is better (tok/s up, latencies down).
-                better = p / l if k.endswith("tok_s") else l / p
+                better = ours / theirs if k.endswith("tok_s") else theirs / ours
                 summary[f"{sc}.ratio_paged_better.{k}"] = round(better, 3)
     print(json.dumps(summary), flush=True)
 

@@ -66,7 +66,7 @@ def main() -> None:
         prompt_ids = [list(o.prompt_token_ids or []) for o in outs]
     prefixes, exact = [], 0
     for ref, got in zip(runs["fp32"], runs["quant"], strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
+        same = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), len(ref))
         prefixes.append(same / len(ref))
         exact += same == len(ref)
     models = {

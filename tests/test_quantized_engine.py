@@ -63,7 +63,9 @@ def test_chunked_prefill_and_preemption_keep_greedy_tokens(llm: LLM) -> None:
     # tie; lost KV after preemption or a mis-chunked prefill gives unrelated tokens.
     identical = 0
     for ref, got in zip(alone, together, strict=True):
-        first = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got)) if a != b), None)
+        first = next(
+            (i for i, (a, b) in enumerate(zip(ref.token_ids, got, strict=True)) if a != b), None
+        )
         if first is None:
             identical += 1
             continue

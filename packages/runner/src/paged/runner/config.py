@@ -274,9 +274,8 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 def _gguf_fields(path: Path) -> dict[str, Any]:
     from paged.runner.loader.gguf_config import gguf_to_hf_config, open_gguf
-    from paged.runner.models.registry import check_architecture
-
     from paged.runner.loader.gguf_weights import is_quantized_type
+    from paged.runner.models.registry import check_architecture
 
     reader = open_gguf(path)
     hf_config = gguf_to_hf_config(reader, path)

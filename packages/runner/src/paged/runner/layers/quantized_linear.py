@@ -46,14 +46,26 @@ LARGE_BATCH_ROWS: int | None = 64
 
 
 class Int4GroupsLike(Protocol):
-    codes: torch.Tensor  # uint8 [R, C], 0..15
-    scale: torch.Tensor  # float32 [R, C/32]
-    offset: torch.Tensor  # float32 [R, C/32]
+    """w = codes * scale + offset per group of 32 columns."""
+
+    @property
+    def codes(self) -> torch.Tensor: ...  # uint8 [R, C], 0..15
+
+    @property
+    def scale(self) -> torch.Tensor: ...  # float32 [R, C/32]
+
+    @property
+    def offset(self) -> torch.Tensor: ...  # float32 [R, C/32]
 
 
 class Int8GroupsLike(Protocol):
-    codes: torch.Tensor  # int8 [R, C]
-    scale: torch.Tensor  # float32 [R, C/32]
+    """w = codes * scale per group of 32 columns."""
+
+    @property
+    def codes(self) -> torch.Tensor: ...  # int8 [R, C]
+
+    @property
+    def scale(self) -> torch.Tensor: ...  # float32 [R, C/32]
 
 
 class QuantizedCheckpointTensor(Protocol):
@@ -141,18 +153,18 @@ class Int4GroupMatmul:
         self.dense_t: torch.Tensor | None = None
         if large_batch_rows is not None:  # [in, out]: a plain row-major GEMM (linear.py)
             self.dense_t = exact[: self.out_features].to(dtype).t().contiguous()
-        dense_bytes = 0 if self.dense_t is None else self.dense_t.numel() * 2
+        nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2
+        kernel = "int4 groups of 32"
+        if self.dense_t is not None:
+            nbytes += self.dense_t.numel() * 2
+            kernel += f" (+bf16 copy for >= {large_batch_rows} rows)"
         self.report = QuantReport(
-            source,
-            "int4 groups of 32" + (f" (+bf16 copy for >= {large_batch_rows} rows)"
-                                   if large_batch_rows is not None else ""),
-            _rel_error((codes.float() - 8.0) * s_k + z_k, exact),
-            self.packed.numel() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
-            + dense_bytes,
-        )  # fmt: skip
+            source, kernel, _rel_error((codes.float() - 8.0) * s_k + z_k, exact), nbytes
+        )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense_t is not None and x.shape[0] >= self.large_batch_rows:  # type: ignore[operator]
+        rows = self.large_batch_rows
+        if self.dense_t is not None and rows is not None and x.shape[0] >= rows:
             return x @ self.dense_t
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP, self.scales_and_zeros
@@ -425,4 +437,3 @@ def linear_forward(kernel: QuantizedMatmul, x: torch.Tensor) -> torch.Tensor:
         return kernel.matmul(x.contiguous())
     y = kernel.matmul(x.reshape(-1, x.shape[-1]).contiguous())
     return y.reshape(*x.shape[:-1], y.shape[-1])
-

@@ -42,6 +42,7 @@ def is_quantized_type(tensor_type: Any) -> bool:
     """Whether a GGUF tensor type is a block-quantised one (not F32/F16/BF16/F64)."""
     return str(getattr(tensor_type, "name", tensor_type)) not in _FLOAT_TYPES
 
+
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",

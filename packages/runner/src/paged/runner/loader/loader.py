@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from paged.runner.config import CpuWeightPanels, ModelConfig
-from paged.runner.layers.linear import ShardedLinear
+from paged.runner.layers.linear import CheckpointTensor, ShardedLinear
 from paged.runner.layers.vocab_embedding import ParallelLMHead
-from paged.runner.layers.linear import CheckpointTensor
 from paged.runner.loader.gguf_weights import iterate_gguf
 from paged.runner.loader.quantized import finish_quantized_load, prepare_quantized_load
 from paged.runner.loader.safetensors_weights import iterate_safetensors

@@ -66,9 +66,13 @@ def finish_quantized_load(model: nn.Module, dtype: torch.dtype) -> list[Quantize
         reports.setdefault((kind, report.source, report.kernel), []).append(report)
     summary = [
         QuantizedKind(
-            kind=kind, source=source, kernel=kernel, count=len(rs),
-            max_rel_error=max(r.rel_error for r in rs), nbytes=sum(r.nbytes for r in rs),
-        )  # fmt: skip
+            kind=kind,
+            source=source,
+            kernel=kernel,
+            count=len(rs),
+            max_rel_error=max(r.rel_error for r in rs),
+            nbytes=sum(r.nbytes for r in rs),
+        )
         for (kind, source, kernel), rs in reports.items()
     ]
     for row in summary:
