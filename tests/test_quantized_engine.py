@@ -45,7 +45,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 def test_default_gguf_runs_quantized(llm: LLM) -> None:
-    # The engine's own config says which path it took.
+    # LLM(None) with no --dtype/--quantization: the quantized path (test_config_model
+    # checks the resolution); the answer must still be right.
     (out,) = llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 24
     assert "Paris" in out.outputs[0].text
