@@ -51,6 +51,7 @@ def server(launch_server: Callable[..., LiveServer], gguf_path: Path) -> LiveSer
     return launch_server(
         str(gguf_path), "--served-model-name", MODEL, "--max-model-len", "512",
         "--kv-cache-memory", "64MiB",
+        "--dtype", "float32",  # the HF-exact path (a quantized GGUF defaults to int4 + bf16)
     )  # fmt: skip
 
 

@@ -35,6 +35,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server(launch_server: Callable[..., LiveServer]) -> LiveServer:
     return launch_server(
+        # float32: the greedy text is compared with transformers' fp32 forward
+        # (the quantized default path has its own tests, test_quantized_engine.py).
+        "--dtype", "float32",
         "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory", "256MiB", "--max-num-seqs", "32",
         # vLLM's metric names and CORS flags, as a vLLM deployment would pass them.
@@ -245,7 +248,9 @@ def test_greedy_equals_offline_llm_and_transformers(
     from paged.server.llm import LLM
     from paged.server.tokenizer import default_model_path
 
-    llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20, device="cpu")
+    llm = LLM(
+        max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 << 20, device="cpu", dtype="float32"
+    )
     try:
         (out,) = llm.chat(QUESTION, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     finally:

@@ -37,9 +37,11 @@ def build(fn, types, consts, warps=4):
 
 # Launch configurations as choose_launch() makes them.
 attn = dict(HEAD_SIZE=128, D_PAD=128, QUERIES_PER_KV=4, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4,
-            BLOCK_N=64, NUM_SEGMENTS=4, USE_SOFT_CAP=True, USE_WINDOW=True, DOT_PRECISION="tf32")
+            BLOCK_N=64, NUM_SEGMENTS=4, USE_SOFT_CAP=True, USE_WINDOW=True, USE_RANGES=False,
+            DOT_PRECISION="tf32")
+# Gemma3 image prompts: bidirectional spans inside a prefill.
 attn_prefill = dict(attn, HEAD_SIZE=256, D_PAD=256, BLOCK_M=64, BLOCK_Q=16, BLOCK_N=32,
-                    NUM_SEGMENTS=1)
+                    NUM_SEGMENTS=1, USE_RANGES=True)
 attn_fp32 = dict(attn, HEAD_SIZE=80, D_PAD=128, QUERIES_PER_KV=1, BLOCK_M=64, BLOCK_Q=64,
                  BLOCK_N=32, NUM_SEGMENTS=1, USE_SOFT_CAP=False, USE_WINDOW=False,
                  DOT_PRECISION="ieee")
@@ -47,6 +49,7 @@ def attn_types(dt):
     t = {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
     t.update({n: "*fp32" for n in ("seg_out_ptr", "seg_max_ptr", "seg_sum_ptr")})
     t.update({"block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+              "ranges_ptr": "*i32",
               "scale": "fp32", "soft_cap": "fp32"})
     return t
 cases = {

@@ -162,3 +162,31 @@ def test_engine_config_checks(tiny_checkpoint: Callable[..., Path]) -> None:
                 max_num_batched_tokens=64, enable_chunked_prefill=False
             ),
         )
+
+
+def test_quantized_gguf_defaults_to_kept_quantized_bfloat16_on_cpu() -> None:
+    cfg = ModelConfig.from_pretrained(None)
+    assert (cfg.quantization, cfg.dtype, cfg.keeps_weights_quantized) == (
+        "gguf",
+        torch.bfloat16,
+        True,
+    )
+    explicit = ModelConfig.from_pretrained(None, dtype="bfloat16", quantization="gguf")
+    assert (explicit.quantization, explicit.dtype) == ("gguf", torch.bfloat16)
+    # An explicit float dtype without --quantization is the dequantised reference path.
+    fp32 = ModelConfig.from_pretrained(None, dtype="float32")
+    assert (fp32.quantization, fp32.dtype, fp32.keeps_weights_quantized) == (
+        None,
+        torch.float32,
+        False,
+    )
+
+
+def test_quantization_errors_name_the_argument(tiny_checkpoint: Callable[..., Path]) -> None:
+    with pytest.raises(ValueError, match="quantization: 'awq' is not supported"):
+        ModelConfig.from_pretrained(None, quantization="awq")
+    with pytest.raises(ValueError, match="dtype: quantized GGUF weights on CPU run with bfloat16"):
+        ModelConfig.from_pretrained(None, dtype="float32", quantization="gguf")
+    path = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match="quantization: 'gguf' needs a GGUF file"):
+        ModelConfig.from_pretrained(str(path), quantization="gguf")

@@ -91,7 +91,8 @@ def _hf_from_gguf(model_config: ModelConfig) -> Any:
 def test_default_smollm2_matches_transformers_gguf(
     make_driver: Callable[..., Any], hf_logits: Callable[[Any, list[int]], torch.Tensor]
 ) -> None:
-    model_config = ModelConfig.from_pretrained(None)
+    # float32: the dequantised reference path, compared with transformers' fp32 forward.
+    model_config = ModelConfig.from_pretrained(None, dtype="float32")
     model = load_model(model_config, "cpu")
     hf = _hf_from_gguf(model_config)
     driver = make_driver(model, num_blocks=16, block_size=16, seed=5)

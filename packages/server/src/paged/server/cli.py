@@ -93,7 +93,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
+        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU and for a "
+        "quantized GGUF on CPU; float32 with a quantized GGUF dequantizes it)",
+    )
+    m.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["gguf"],
+        help="gguf: keep a GGUF's quantized weights quantized (the default for a quantized GGUF "
+        "on CPU unless --dtype float32/float16 is given)",
     )
     m.add_argument(
         "--device",
@@ -307,6 +316,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enforce_eager=ns.enforce_eager,
         attention_backend=ns.attention_backend,
         cpu_weight_panels=ns.cpu_weight_panels,
+        quantization=ns.quantization,
         kv_events_config=ns.kv_events_config,
         structured_outputs_config=ns.structured_outputs_config,
         async_scheduling=ns.async_scheduling,

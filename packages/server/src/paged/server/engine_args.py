@@ -45,6 +45,8 @@ class EngineArgs:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     cpu_weight_panels: str = "auto"  # "auto" | "on" | "off"
+    # vLLM's --quantization; None: "gguf" for a quantized GGUF on CPU (see ModelConfig).
+    quantization: str | None = None
     # vLLM's --kv-events-config; goes to EngineCore itself, not into EngineConfig.
     kv_events_config: KVEventsConfig | None = None
     # vLLM's --async-scheduling: the engine core keeps two batches in flight
@@ -162,6 +164,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager,
             cpu_weight_panels=self.cpu_weight_panels,  # type: ignore[arg-type]
+            quantization=self.quantization,
         )
         from paged.server.speculative import resolve_speculative_config
 

@@ -139,6 +139,15 @@ def _key_mask(
     return allowed[:, None]
 
 
+def _decode_dtype(q: torch.Tensor) -> torch.dtype:
+    """float32 for bfloat16 decode queries on CPU: SDPA's one-query path measured 2.3x
+    faster there in float32 than in bfloat16 (SmolLM2, 128-token decode), and softmax
+    accumulates in float32 either way."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        return torch.float32
+    return q.dtype
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -187,8 +196,9 @@ def paged_attention(
             k = _gather(key_cache, block_table, max_seq_len)
             v = _gather(value_cache, block_table, max_seq_len)
             mask = _decode_key_mask(seq_lens, max_seq_len, sliding_window)
+        cdt = _decode_dtype(q)
         o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            q.to(cdt), k.to(cdt), v.to(cdt), attn_mask=mask, scale=scale, enable_gqa=True
         )
         out[:num_reqs] = o.squeeze(2).to(out.dtype)
         return out
@@ -214,8 +224,9 @@ def paged_attention(
             k = _gather(key_cache, block_table[decode], max_seq_len)
             v = _gather(value_cache, block_table[decode], max_seq_len)
             mask = _key_mask(seq[decode], (seq[decode] - 1)[:, None], max_seq_len, sliding_window)
+        cdt = _decode_dtype(q)
         o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            q.to(cdt), k.to(cdt), v.to(cdt), attn_mask=mask, scale=scale, enable_gqa=True
         )
         out[rows] = o.squeeze(2).to(out.dtype)
     for r in prefill:

@@ -20,6 +20,7 @@ tensor instead of a broadcasting error.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,20 @@ from torch import nn
 
 from paged.runner.layers.cpu_panels import make_panels, panel_matmul, use_panels
 from paged.runner.layers.parallel import TPGroup
+from paged.runner.layers.quantized_linear import (
+    QuantizedCheckpointTensor,
+    QuantizedMatmul,
+    QuantReport,
+    QuantStaging,
+    linear_forward,
+)
+
+# What a checkpoint hands to load_weight: a plain tensor, or quantised blocks
+# (kept quantised by a layer that is staging a quantised load).
+CheckpointTensor = torch.Tensor | QuantizedCheckpointTensor
 
 
-def check_shape(what: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+def check_shape(what: str, loaded: CheckpointTensor, expected: tuple[int, ...]) -> None:
     """ValueError naming the tensor if the checkpoint shape is not the one the config implies."""
     if tuple(loaded.shape) != expected:
         raise ValueError(
@@ -88,6 +100,26 @@ class ShardedLinear(nn.Module, ABC):
         # A column-panel copy of `weight` for multi-row CPU GEMMs, built after
         # loading (layers/cpu_panels.py); None until then and after any reload.
         self.cpu_panels: torch.Tensor | None = None
+        # Quantised weights (layers/quantized_linear.py): `quant_staging` receives the
+        # checkpoint's rows while loading, `quant` is the kernel that replaces `weight`.
+        self.quant_staging: QuantStaging | None = None
+        self.quant: QuantizedMatmul | None = None
+
+    def start_quantized_load(self) -> None:
+        """Stage the next weight loads so that quantised checkpoint rows stay quantised."""
+        self.quant_staging = QuantStaging(*self.weight.shape)
+
+    def finish_quantized_load(self, dtype: torch.dtype) -> QuantReport:
+        """Turn the staged rows into this layer's kernel; the dense weight is released."""
+        if self.quant_staging is None:
+            raise ValueError(f"{type(self).__name__}: start_quantized_load was not called")
+        self.quant = self.quant_staging.finalize(dtype)
+        self.quant_staging = None
+        # Only the shape is kept (expected_weights, error messages): no memory behind it.
+        self.weight = nn.Parameter(
+            torch.empty(self.weight.shape, dtype=dtype, device="meta"), requires_grad=False
+        )
+        return self.quant.report
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -97,7 +129,10 @@ class ShardedLinear(nn.Module, ABC):
         self.cpu_panels = make_panels(self.weight.detach())
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ bias), through the panels when they pay off."""
+        """x W^T (+ bias), through the quantised kernel or the panels when they pay off."""
+        if self.quant is not None:
+            y = linear_forward(self.quant, x)
+            return y if bias is None else y.add_(bias)
         if use_panels(x, self.cpu_panels):
             assert self.cpu_panels is not None
             y = panel_matmul(x, self.cpu_panels, self.weight.shape[0])
@@ -105,11 +140,17 @@ class ShardedLinear(nn.Module, ABC):
         return F.linear(x, self.weight, bias)
 
     @abstractmethod
-    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
         """Copy this rank's share of the full checkpoint tensor `loaded` into `name`."""
 
-    def _param(self, name: str) -> nn.Parameter:
-        """The parameter a load_weight call writes; drops panels built from the old values."""
+    def _param(self, name: str) -> Any:
+        """The parameter a load_weight call writes; drops panels built from the old values.
+
+        While a quantised load is staged, "weight" is the QuantStaging (it takes
+        the same `.data.narrow(0, ...).copy_(...)` calls), hence `Any`.
+        """
+        if name == "weight" and self.quant_staging is not None:
+            return self.quant_staging
         param = self.weight if name == "weight" else self.bias
         if param is None or name not in ("weight", "bias"):
             raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
@@ -133,7 +174,7 @@ class ReplicatedLinear(ShardedLinear):
             input_size, output_size, bias=bias, tp=TPGroup(), dtype=dtype, device=device
         )
 
-    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
         param = self._param(name)
         check_shape(name, loaded, tuple(param.shape))
         param.data.copy_(loaded)
@@ -162,7 +203,7 @@ class ColumnParallelLinear(ShardedLinear):
         y = self._matmul(x, self.bias)
         return self.tp.all_gather_last_dim(y) if self.gather_output else y
 
-    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
         param = self._param(name)
         check_shape(name, loaded, (self.output_size, *param.shape[1:]))
         param.data.copy_(loaded.narrow(0, self.out_start, param.shape[0]))
@@ -191,7 +232,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             input_size, sum(output_sizes), bias=bias, tp=tp, dtype=dtype, device=device
         )
 
-    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must index output_sizes, got {shard_id!r}")
         param = self._param(name)
@@ -232,7 +273,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_size
 
-    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         param = self._param(name)
@@ -272,7 +313,7 @@ class RowParallelLinear(ShardedLinear):
         # The bias is added after the sum so that it counts once, not tp times.
         return y + self.bias if self.bias is not None else y
 
-    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
         param = self._param(name)
         if name == "bias":
             check_shape(name, loaded, tuple(param.shape))

@@ -15,8 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged.runner.layers.cpu_panels import make_panels, panel_matmul, use_panels
-from paged.runner.layers.linear import check_shape
+from paged.runner.layers.linear import CheckpointTensor, check_shape
 from paged.runner.layers.parallel import TPGroup
+from paged.runner.layers.quantized_linear import (
+    EmbeddingMatmul,
+    QuantReport,
+    QuantStaging,
+)
 
 
 def _vocab_weight(
@@ -55,8 +60,30 @@ class VocabParallelEmbedding(nn.Module):
         padded = -(-num_embeddings // tp.size) * tp.size
         self.vocab_start, self.rows = tp.shard(padded, "the padded vocabulary")
         self.weight = _vocab_weight(self.rows, embedding_dim, dtype=dtype, device=device)
+        # Quantised table (layers/quantized_linear.py), as in ShardedLinear.
+        self.quant_staging: QuantStaging | None = None
+        self.quant: EmbeddingMatmul | None = None
+
+    def start_quantized_load(self) -> None:
+        """Stage the table's load so that a quantised table stays quantised (TP=1 only)."""
+        if self.tp.size != 1:
+            raise ValueError("quantised embedding tables are supported at tensor_parallel_size=1")
+        self.quant_staging = QuantStaging(self.rows, self.embedding_dim)
+
+    def finish_quantized_load(self, dtype: torch.dtype) -> QuantReport | None:
+        """The staged table as an int8-per-row (or dense) kernel; releases the dense table."""
+        if self.quant_staging is None:
+            raise ValueError(f"{type(self).__name__}: start_quantized_load was not called")
+        self.quant = self.quant_staging.finalize_embedding(dtype)
+        self.quant_staging = None
+        self.weight = nn.Parameter(
+            torch.empty(self.weight.shape, dtype=dtype, device="meta"), requires_grad=False
+        )
+        return self.quant.report
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.embedding(input_ids)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -65,10 +92,14 @@ class VocabParallelEmbedding(nn.Module):
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return self.tp.all_reduce(out)
 
-    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
         if name != "weight":
             raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
         check_shape(name, loaded, (self.num_embeddings, self.embedding_dim))
+        if self.quant_staging is not None:  # TP=1: every row is this rank's, no padding
+            self.quant_staging.copy_(loaded)
+            return
+        assert isinstance(loaded, torch.Tensor), "quantised tables need start_quantized_load"
         real = max(0, min(self.rows, self.num_embeddings - self.vocab_start))
         self.weight.data[:real].copy_(loaded.narrow(0, self.vocab_start, real))
         self.weight.data[real:].zero_()  # padding rows: never looked up, logits dropped
@@ -78,6 +109,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden [N, H] -> logits [N, V] float32, sharded over the vocabulary."""
 
     cpu_panels: torch.Tensor | None = None  # see ShardedLinear.cpu_panels
+    # The embedding a tied head shares its table with, in a tuple so that
+    # nn.Module does not register it a second time as a child of the head.
+    _tied: tuple[VocabParallelEmbedding, ...] = ()
+
+    @property
+    def tied_embedding(self) -> VocabParallelEmbedding | None:
+        return self._tied[0] if self._tied else None
 
     def build_cpu_panels(self) -> None:
         """Keep a panelled copy of the (possibly tied) weight for multi-row CPU logits.
@@ -86,11 +124,28 @@ class ParallelLMHead(VocabParallelEmbedding):
         """
         self.cpu_panels = make_panels(self.weight.detach())
 
-    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
         super().load_weight(name, loaded, shard_id)
         self.cpu_panels = None  # built from the old values
 
+    def start_quantized_load(self) -> None:
+        if self.tied_embedding is None:  # a tied head follows its embedding
+            super().start_quantized_load()
+
+    def finish_quantized_load(self, dtype: torch.dtype) -> QuantReport | None:
+        """As the embedding's; a tied head takes the embedding's kernel (call that first)."""
+        tied = self.tied_embedding
+        if tied is None:
+            return super().finish_quantized_load(dtype)
+        self.quant = tied.quant
+        self.weight = tied.weight
+        return None
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            # The kernels accumulate in float32 and round the logits to the
+            # activation dtype; they are widened back for the sampler.
+            return self.quant.logits(hidden_states.contiguous())[..., : self.num_embeddings]
         if use_panels(hidden_states, self.cpu_panels):
             assert self.cpu_panels is not None
             logits = panel_matmul(hidden_states, self.cpu_panels, self.weight.shape[0])
@@ -107,3 +162,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         ):
             raise ValueError("tied LM head and embedding must have the same shape")
         self.weight = embedding.weight
+        self._tied = (embedding,)

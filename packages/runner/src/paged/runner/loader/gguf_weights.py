@@ -16,7 +16,9 @@ ffn_norm = *pre*-feed-forward, post_ffw_norm) and store Gemma's norm weights as
 transformers does, and GemmaRMSNorm adds the 1 again.
 
 Quantised tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantised to float32
-with the `gguf` package, then cast to the model dtype when copied in.
+with the `gguf` package, then cast to the model dtype when copied in; with
+`keep_quantized` they are yielded as `GGUFQuantizedTensor` blocks instead
+(loader/gguf_quant.py), for layers staging a quantised load.
 
 llama.cpp's converter permutes the rows of Q and K of "llama" checkpoints so
 that its GPT-J-style (interleaved) rotary applies; paged rotates NeoX-style
@@ -36,6 +38,15 @@ import numpy as np
 import torch
 
 from paged.runner.loader.gguf_config import field_value, open_gguf
+from paged.runner.loader.gguf_quant import GGUFQuantizedTensor
+
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def is_quantized_type(tensor_type: Any) -> bool:
+    """Whether a GGUF tensor type is a block-quantised one (not F32/F16/BF16/F64)."""
+    return str(getattr(tensor_type, "name", tensor_type)) not in _FLOAT_TYPES
+
 
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
@@ -106,25 +117,49 @@ def dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def iterate_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF tensor name, float32 CPU tensor) for every tensor of a GGUF file."""
+def iterate_gguf(
+    path: Path, *, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFQuantizedTensor]]:
+    """Yield (HF tensor name, float32 CPU tensor) for every tensor of a GGUF file.
+
+    keep_quantized: 2-D quantised tensors come as GGUFQuantizedTensor blocks.
+    """
     reader = open_gguf(path)
     arch = field_value(reader, "general.architecture")
     num_heads = field_value(reader, f"{arch}.attention.head_count")
     num_kv_heads = field_value(reader, f"{arch}.attention.head_count_kv") or num_heads
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(tensor.name, str(arch))
+        weight: torch.Tensor | GGUFQuantizedTensor
         try:
-            weight = dequantize(tensor)
+            if keep_quantized and is_quantized_type(tensor.tensor_type) and len(tensor.shape) == 2:
+                weight = GGUFQuantizedTensor(
+                    tensor.data, tensor.tensor_type, int(tensor.shape.tolist()[0])
+                )
+            else:
+                weight = dequantize(tensor)
         except Exception as exc:  # gguf/numpy raise assorted errors on short data
             raise ValueError(
                 f"model: GGUF tensor {tensor.name!r} in {str(path)!r} cannot be decoded "
                 f"({type(exc).__name__}: {exc}); the file is truncated or corrupt"
             ) from exc
         if arch == "llama" and ".self_attn.q_proj." in hf_name:
-            weight = unpermute_qk(weight, int(num_heads))
+            weight = _unpermute(weight, int(num_heads))
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
-            weight = unpermute_qk(weight, int(num_kv_heads))
-        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+            weight = _unpermute(weight, int(num_kv_heads))
+        elif (
+            arch == "gemma3"
+            and hf_name.endswith("norm.weight")
+            and isinstance(weight, torch.Tensor)  # norms are 1-D: never kept quantized
+        ):
             weight = weight - 1.0  # llama.cpp stored 1 + w (module docstring)
         yield hf_name, weight
+
+
+def _unpermute(
+    weight: torch.Tensor | GGUFQuantizedTensor, num_heads: int
+) -> torch.Tensor | GGUFQuantizedTensor:
+    if isinstance(weight, torch.Tensor):
+        return unpermute_qk(weight, num_heads)
+    # Rows are independent blocks: permute them by the same index.
+    return weight.permute_rows(unpermute_qk(torch.arange(weight.shape[0]), num_heads))

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from paged.runner.config import CpuWeightPanels, ModelConfig
-from paged.runner.layers.linear import ShardedLinear
+from paged.runner.layers.linear import CheckpointTensor, ShardedLinear
 from paged.runner.layers.vocab_embedding import ParallelLMHead
 from paged.runner.loader.gguf_weights import iterate_gguf
+from paged.runner.loader.quantized import finish_quantized_load, prepare_quantized_load
 from paged.runner.loader.safetensors_weights import iterate_safetensors
 from paged.runner.models.interface import LoadableCausalLM
 from paged.runner.models.registry import resolve_model_class
@@ -20,10 +21,15 @@ from paged.runner.models.registry import resolve_model_class
 logger = logging.getLogger(__name__)
 
 
-def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full CPU tensor) pairs of the checkpoint, whatever its format."""
+def iterate_weights(
+    model_config: ModelConfig, *, keep_quantized: bool = False
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(HF name, full CPU tensor) pairs of the checkpoint, whatever its format.
+
+    keep_quantized: quantised GGUF tensors come as blocks (loader/gguf_quant.py).
+    """
     if model_config.weights_format == "gguf":
-        return iterate_gguf(model_config.weights_path)
+        return iterate_gguf(model_config.weights_path, keep_quantized=keep_quantized)
     return iterate_safetensors(Path(model_config.model))
 
 
@@ -43,9 +49,19 @@ def load_model(
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was requested but no CUDA device is available")
     model_class = resolve_model_class(model_config.architecture)
+    keep_quantized = model_config.keeps_weights_quantized
+    if keep_quantized and tp_size != 1:
+        raise ValueError(
+            "quantization: quantized GGUF weights on CPU run at tensor_parallel_size=1; "
+            "pass --dtype float32 to dequantize them for tensor parallelism"
+        )
     with target:
         model = model_class(model_config, tp_rank=tp_rank, tp_size=tp_size)
-    loaded = model.load_weights(iterate_weights(model_config))
+    if keep_quantized:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{type(model).__name__} is not a torch.nn.Module")
+        prepare_quantized_load(model)
+    loaded = model.load_weights(iterate_weights(model_config, keep_quantized=keep_quantized))
     missing = sorted(model.expected_weights() - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (
@@ -55,7 +71,10 @@ def load_model(
             f"model: the checkpoint at {str(model_config.weights_path)!r} lacks weights {shown}; "
             "it is incomplete or does not match config.json"
         )
-    if target.type == "cpu" and model_config.dtype == torch.float32:
+    if keep_quantized:
+        assert isinstance(model, nn.Module)
+        finish_quantized_load(model, model_config.dtype)
+    elif target.type == "cpu" and model_config.dtype == torch.float32:
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(model).__name__} is not a torch.nn.Module")
         if _want_cpu_panels(model_config.cpu_weight_panels, model):

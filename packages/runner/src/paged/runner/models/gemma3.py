@@ -34,6 +34,7 @@ from paged.runner.config import ModelConfig
 from paged.runner.layers.activation import get_gated_activation
 from paged.runner.layers.layernorm import GemmaRMSNorm
 from paged.runner.layers.linear import (
+    CheckpointTensor,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -303,7 +304,7 @@ def attention_specs(
 
 
 def load_named_weights(
-    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: set[str]
+    module: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]], skip: set[str]
 ) -> set[str]:
     """Copy HF-named tensors into `module`'s layers (packing q/k/v and gate/up).
 
@@ -348,7 +349,9 @@ def load_named_weights(
     return loaded
 
 
-def _copy_param(param: torch.Tensor | None, tensor: torch.Tensor) -> None:
+def _copy_param(param: torch.Tensor | None, tensor: CheckpointTensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError("a quantized GGUF tensor cannot fill a plain torch parameter")
     if param is None or param.shape != tensor.shape:
         shape = None if param is None else list(param.shape)
         raise ValueError(f"shape {list(tensor.shape)} does not match the parameter's {shape}")
@@ -388,7 +391,7 @@ class Gemma3ForCausalLM(nn.Module):
     def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
         return attention_specs(self.attention_layers(), block_size, self.model_config.dtype_name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         return load_named_weights(self, weights, skip={"lm_head.weight"})
 
     def expected_weights(self) -> set[str]:

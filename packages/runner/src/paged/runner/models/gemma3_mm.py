@@ -27,6 +27,7 @@ from paged.runner.attention.layer import Attention
 from paged.runner.attention.metadata import ForwardContext
 from paged.runner.config import ModelConfig
 from paged.runner.layers.layernorm import GemmaRMSNorm
+from paged.runner.layers.linear import CheckpointTensor
 from paged.runner.layers.parallel import TPGroup
 from paged.runner.layers.vocab_embedding import ParallelLMHead
 from paged.runner.models.gemma3 import (
@@ -208,8 +209,8 @@ class Gemma3ForConditionalGeneration(nn.Module):
     def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
         return attention_specs(self.attention_layers(), block_size, self.model_config.dtype_name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        def renamed() -> Iterable[tuple[str, CheckpointTensor]]:
             for name, tensor in weights:
                 name = normalize_name(name)
                 if name.startswith("model.vision_tower.head."):

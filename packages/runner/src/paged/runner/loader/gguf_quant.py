@@ -1,0 +1,149 @@
+"""GGUF tensors kept in their quantised blocks until a layer decides what to make of them.
+
+    GGUFQuantizedTensor   raw blocks of one [rows, cols] tensor, rows independent
+      .narrow(0, ...)     a row range (tensor-parallel column shards, packed q/k/v parts)
+      .narrow(1, ...)     a column range, whole blocks only
+      .permute_rows(idx)  llama.cpp's Q/K row permutation undone on the blocks
+      .int4_groups()      Q4_0 / Q4_1 / Q4_K: (codes 0..15 [R, C], scale, offset [R, C/32])
+                          with w = codes * scale + offset, exactly the file's values
+      .int8_groups()      Q8_0: (codes -127..127 [R, C], scale [R, C/32]), w = codes * scale
+      .dequantize()       any type: float32 [R, C] (the gguf package's reference decoding)
+
+Block layouts (ggml-common.h), 32 weights per Q4 block, 256 per K-quant super-block:
+    Q4_0  d:f16, qs[16]           w = d * (q - 8)
+    Q4_1  d:f16, m:f16, qs[16]    w = d * q + m
+    Q8_0  d:f16, qs:int8[32]        w = d * q
+    Q4_K  d:f16, dmin:f16, scales[12] (8 x 6-bit scale, 8 x 6-bit min), qs[128]
+          sub-block j of 32:      w = d * sc_j * q - dmin * m_j
+In Q4_0/Q4_1 byte i holds weight i (low nibble) and weight i + 16 (high nibble);
+in Q4_K each 32-byte chunk holds sub-block 2c (low nibbles) and 2c + 1 (high).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+INT4_GROUP = 32  # every int4 format above has one scale and one offset per 32 weights
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+@dataclass(frozen=True)
+class Int8Groups:
+    """w[r, c] = codes[r, c] * scale[r, c // 32] (float32 maths)."""
+
+    codes: torch.Tensor  # int8 [R, C]
+    scale: torch.Tensor  # float32 [R, C/32]
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """w[r, c] = codes[r, c] * scale[r, c // 32] + offset[r, c // 32] (float32 maths)."""
+
+    codes: torch.Tensor  # uint8 [R, C], values 0..15
+    scale: torch.Tensor  # float32 [R, C/32]
+    offset: torch.Tensor  # float32 [R, C/32]
+
+
+class GGUFQuantizedTensor:
+    """One quantised GGUF tensor in Hugging Face layout ([out, in]), still as blocks."""
+
+    def __init__(self, data: np.ndarray, qtype: gguf.GGMLQuantizationType, cols: int) -> None:
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if cols % block != 0:
+            raise ValueError(f"{qtype.name} tensor with {cols} columns is not whole blocks")
+        rows_data = np.asarray(data, dtype=np.uint8).reshape(-1, cols // block * type_size)
+        self.data = rows_data
+        self.qtype = qtype
+        self.cols = cols
+        self.block = block
+        self.type_size = type_size
+
+    @property
+    def type_name(self) -> str:
+        return self.qtype.name
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.data.shape[0]), self.cols)
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFQuantizedTensor:
+        """Rows (dim 0) or whole blocks of columns (dim 1) [start, start + length)."""
+        if dim == 0:
+            return GGUFQuantizedTensor(self.data[start : start + length], self.qtype, self.cols)
+        if dim != 1:
+            raise ValueError(f"dim: a 2-D tensor has dims 0 and 1, got {dim}")
+        if start == 0 and length == self.cols:
+            return self
+        if start % self.block or length % self.block:
+            raise ValueError(
+                f"{self.type_name} columns [{start}, {start + length}) cut through its "
+                f"{self.block}-weight blocks; this tensor-parallel split needs dequantised weights"
+            )
+        b0, b1 = start // self.block * self.type_size, (start + length) // self.block
+        return GGUFQuantizedTensor(self.data[:, b0 : b1 * self.type_size], self.qtype, length)
+
+    def permute_rows(self, index: torch.Tensor) -> GGUFQuantizedTensor:
+        """Row i of the result is row index[i] of this tensor."""
+        return GGUFQuantizedTensor(self.data[index.numpy()], self.qtype, self.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols], the gguf package's reference decoding of the blocks."""
+        array = gguf.quants.dequantize(self.data, self.qtype)
+        array = np.ascontiguousarray(array, dtype=np.float32).reshape(self.shape)
+        return torch.from_numpy(array)
+
+    def int8_groups(self) -> Int8Groups | None:
+        """Codes and scales of Q8_0 (symmetric 8-bit, 32-weight blocks); None for others."""
+        if self.type_name != "Q8_0":
+            return None
+        rows, groups_per_row = self.shape[0], self.cols // INT4_GROUP
+        blocks = self.data.reshape(-1, self.type_size)
+        scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        codes = blocks[:, 2:].copy().view(np.int8)
+        return Int8Groups(
+            codes=torch.from_numpy(codes.reshape(rows, self.cols)),
+            scale=torch.from_numpy(scale.reshape(rows, groups_per_row)),
+        )
+
+    def int4_groups(self) -> Int4Groups | None:
+        """Codes/scale/offset for the 4-bit formats with 32-weight groups; None for others."""
+        name = self.type_name
+        if name not in INT4_TYPES:
+            return None
+        rows = self.shape[0]
+        blocks = self.data.reshape(-1, self.type_size)
+        if name == "Q4_K":
+            codes, scale, offset = _q4_k_groups(blocks)
+        else:
+            d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+            if name == "Q4_0":
+                qs, offset = blocks[:, 2:], -8.0 * d
+            else:
+                qs = blocks[:, 4:]
+                offset = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+            codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # [n, 32] in weight order
+            scale = d
+        groups_per_row = self.cols // INT4_GROUP
+        return Int4Groups(
+            codes=torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, self.cols)),
+            scale=torch.from_numpy(np.ascontiguousarray(scale).reshape(rows, groups_per_row)),
+            offset=torch.from_numpy(np.ascontiguousarray(offset).reshape(rows, groups_per_row)),
+        )
+
+
+def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [n, 144] -> codes [n, 256], scale and offset [n, 8] (per sub-block)."""
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(n, 256)
+    return codes, d * sc.astype(np.float32), -(dmin * mins.astype(np.float32))
+
+
+CheckpointTensor = torch.Tensor | GGUFQuantizedTensor

@@ -1,0 +1,162 @@
+"""Quantised GGUF weights: exact decoding, kernels against the float32 reference, loading."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from paged.runner.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from paged.runner.layers.parallel import TPGroup
+from paged.runner.layers.quantized_linear import (
+    DenseMatmul,
+    Int4GroupMatmul,
+    Int8ChannelMatmul,
+    Int8GroupMatmul,
+    QuantStaging,
+)
+from paged.runner.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from paged.runner.loader.gguf_quant import GGUFQuantizedTensor
+from paged.runner.loader.gguf_weights import unpermute_qk
+
+Q = gguf.GGMLQuantizationType
+
+
+def _quantized(qtype: Q, rows: int, cols: int, seed: int = 0) -> GGUFQuantizedTensor:
+    """A [rows, cols] GGUF tensor of `qtype` with random contents (the gguf writer's bytes)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return GGUFQuantizedTensor(gguf.quants.quantize(w, qtype), qtype, cols)
+    # K-quants: gguf-py cannot quantise them; random blocks with sane f16 scales.
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 4e-3, (data.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q4_K:
+        data[:, 0:4] = scales  # d, dmin
+    else:  # Q6_K/Q5_K keep d (and for Q5_K dmin) at different places
+        data[:, -2:] = scales[:, :2] if qtype == Q.Q6_K else data[:, -2:]
+        if qtype == Q.Q5_K:
+            data[:, 0:4] = scales
+    return GGUFQuantizedTensor(data.reshape(rows, -1), qtype, cols)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_int4_groups_reproduce_the_gguf_decoding_exactly(qtype: Q) -> None:
+    t = _quantized(qtype, 8, 512)
+    g = t.int4_groups()
+    assert g is not None
+    assert int(g.codes.max()) <= 15
+    w = g.codes.float() * g.scale.repeat_interleave(32, 1) + g.offset.repeat_interleave(32, 1)
+    torch.testing.assert_close(w, t.dequantize(), rtol=0, atol=1e-7)
+
+
+def test_int8_groups_reproduce_q8_0_exactly() -> None:
+    t = _quantized(Q.Q8_0, 8, 256)
+    g = t.int8_groups()
+    assert g is not None and t.int4_groups() is None
+    w = g.codes.float() * g.scale.repeat_interleave(32, 1)
+    torch.testing.assert_close(w, t.dequantize(), rtol=0, atol=0)
+
+
+def test_row_and_column_slices_and_permutation_match_the_dense_tensor() -> None:
+    t = _quantized(Q.Q4_1, 24, 128)
+    dense = t.dequantize()
+    torch.testing.assert_close(t.narrow(0, 4, 8).dequantize(), dense[4:12])
+    torch.testing.assert_close(t.narrow(1, 32, 64).dequantize(), dense[:, 32:96])
+    perm = unpermute_qk(torch.arange(24), 3)
+    torch.testing.assert_close(t.permute_rows(perm).dequantize(), unpermute_qk(dense, 3))
+    with pytest.raises(ValueError, match="blocks"):
+        t.narrow(1, 16, 32)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# Output error of y = x W^T against float32 activations and the dequantised
+# float32 weight. Exact formats: only bfloat16 rounding of x, of the scales and
+# of y (each ~2^-9 relative). Re-quantised: int8 per channel adds ~1/254 of a
+# row's largest weight per weight.
+@pytest.mark.parametrize(
+    ("qtype", "kernel", "bound"),
+    [
+        (Q.Q4_0, Int4GroupMatmul, 1e-2),
+        (Q.Q4_1, Int4GroupMatmul, 1e-2),
+        (Q.Q4_K, Int4GroupMatmul, 1e-2),
+        (Q.Q8_0, Int8GroupMatmul, 1e-2),
+        (Q.Q6_K, Int8ChannelMatmul, 3e-2),
+        (Q.Q5_K, Int8ChannelMatmul, 3e-2),
+    ],
+)
+def test_layer_output_error_is_what_the_format_implies(
+    qtype: Q, kernel: type, bound: float
+) -> None:
+    torch.manual_seed(0)
+    t = _quantized(qtype, 96, 512)
+    layer = ReplicatedLinear(512, 96, dtype=torch.bfloat16)
+    layer.start_quantized_load()
+    layer.load_weight("weight", t, None)
+    report = layer.finish_quantized_load(torch.bfloat16)
+    assert isinstance(layer.quant, kernel)
+    assert report.source == qtype.name
+    assert layer.weight.device.type == "meta"  # the dense copy is gone
+    # 5 rows: the quantised kernel; 80 rows: the bf16 copy int4 layers keep for large batches.
+    for rows in (5, 80):
+        x = torch.randn(rows, 512)
+        ref = x @ t.dequantize().t()
+        y = layer(x.bfloat16())
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+        assert _rel(y, ref) < bound
+    assert report.rel_error < bound
+
+
+def test_mixed_formats_in_one_packed_layer_requantise_to_int8() -> None:
+    torch.manual_seed(0)
+    gate, up = _quantized(Q.Q4_K, 64, 256, seed=1), _quantized(Q.Q6_K, 64, 256, seed=2)
+    layer = MergedColumnParallelLinear(256, [64, 64], tp=TPGroup(), dtype=torch.bfloat16)
+    layer.start_quantized_load()
+    layer.load_weight("weight", gate, 0)
+    layer.load_weight("weight", up, 1)
+    report = layer.finish_quantized_load(torch.bfloat16)
+    assert isinstance(layer.quant, Int8ChannelMatmul)
+    assert report.source == "Q4_K+Q6_K"
+    w = torch.cat([gate.dequantize(), up.dequantize()])
+    x = torch.randn(3, 256)
+    assert _rel(layer(x.bfloat16()), x @ w.t()) < 3e-2
+
+
+def test_plain_float_rows_stay_dense_and_unset_rows_are_refused() -> None:
+    w = torch.randn(16, 64)
+    staging = QuantStaging(16, 64)
+    staging.copy_(w)
+    kernel = staging.finalize(torch.bfloat16)
+    assert isinstance(kernel, DenseMatmul)
+    partial = QuantStaging(16, 64)
+    partial.narrow(0, 0, 8).copy_(w[:8])
+    with pytest.raises(ValueError, match="never set"):
+        partial.finalize(torch.bfloat16)
+    with pytest.raises(ValueError, match="shape"):
+        partial.narrow(0, 0, 8).copy_(w)
+
+
+def test_tied_q8_0_embedding_looks_up_exact_rows_and_computes_logits() -> None:
+    torch.manual_seed(0)
+    t = _quantized(Q.Q8_0, 200, 64)
+    emb = VocabParallelEmbedding(200, 64, tp=TPGroup(), dtype=torch.bfloat16)
+    head = ParallelLMHead(200, 64, tp=TPGroup(), dtype=torch.bfloat16)
+    head.tie_to(emb)
+    for m in (emb, head):
+        m.start_quantized_load()
+    emb.load_weight("weight", t, None)
+    assert emb.finish_quantized_load(torch.bfloat16) is not None
+    assert head.finish_quantized_load(torch.bfloat16) is None
+    assert isinstance(emb.quant, Int8GroupMatmul) and head.quant is emb.quant
+    dense = t.dequantize()
+    ids = torch.tensor([0, 7, 199])
+    torch.testing.assert_close(emb(ids).float(), dense[ids].bfloat16().float())
+    h = torch.randn(4, 64)
+    logits = head.compute_logits(h.bfloat16())
+    assert logits.dtype == torch.float32 and logits.shape == (4, 200)
+    assert _rel(logits, h @ dense.t()) < 1e-2
