@@ -180,21 +180,46 @@ class SpecDecoder:
                 batch.token_ids_cpu[rows, :width], num_tokens, max_drafts
             )
             if self.config.draft_policy == "cost":
-                drafts = self._truncate_by_value(req_ids, drafts, match_len)
+                drafts = self._truncate_by_value(batch, rows, req_ids, drafts, match_len)
         else:
             assert self.draft is not None
             drafts = self.draft.propose(batch, rows, max_drafts)
         return {rid: d for rid, d in zip(req_ids, drafts, strict=True) if d}
 
     def _truncate_by_value(
-        self, req_ids: Sequence[str], drafts: list[list[int]], match_len: list[int]
+        self,
+        batch: InputBatch,
+        rows: npt.NDArray[np.int64],
+        req_ids: Sequence[str],
+        drafts: list[list[int]],
+        match_len: list[int],
     ) -> list[list[int]]:
-        """Cut each request's drafts to the plan that maximises tokens per forward cost."""
+        """Cut each request's drafts to the plan that maximises tokens per forward cost.
+
+        A seeded request draws one uniform per draft it verifies, so its tokens
+        must not depend on who else is in the batch: it is planned as if alone
+        (its own match and history only). The others share one batch plan.
+        """
         acceptance = [
             estimate_acceptance(n, self.histories.get(rid))
             for rid, n in zip(req_ids, match_len, strict=True)
         ]
-        plan = plan_drafts(len(req_ids), acceptance, [len(d) for d in drafts], self.cost_model)
+        caps = [len(d) for d in drafts]
+        seeded = [int(r) in batch.generators for r in rows.tolist()]
+        shared = [i for i, s in enumerate(seeded) if not s]
+        plan = [0] * len(drafts)
+        if shared:
+            shared_plan = plan_drafts(
+                len(req_ids),
+                [acceptance[i] for i in shared],
+                [caps[i] for i in shared],
+                self.cost_model,
+            )
+            for i, k in zip(shared, shared_plan, strict=True):
+                plan[i] = k
+        for i, s in enumerate(seeded):
+            if s:
+                plan[i] = plan_drafts(1, [acceptance[i]], [caps[i]], self.cost_model)[0]
         return [d[:k] for d, k in zip(drafts, plan, strict=True)]
 
     def _draft_limits(
