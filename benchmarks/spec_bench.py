@@ -17,7 +17,8 @@ step (1 + accepted / drafts, the tokens one target forward yields), whether
 both engines produced identical tokens, the torch thread count and the load
 average before and after.
 
-Run: .venvs/all/bin/python benchmarks/spec_bench.py [--tokens 64 --runs 3 --k 7 --streams 1 8]
+Run: .venvs/all/bin/python benchmarks/spec_bench.py [--tokens 64 --runs 3 --k 7 --streams 1 8
+     --draft-policy cost|fixed]
 Prints one JSON line.
 """
 
@@ -121,6 +122,12 @@ def main() -> None:
     ap.add_argument("--lookup-min", type=int, default=3)
     ap.add_argument("--lookup-max", type=int, default=5)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    ap.add_argument(
+        "--draft-policy",
+        choices=["cost", "fixed"],
+        default="cost",
+        help="speculative_config.draft_policy: cost model (default) or every match drafts k",
+    )
     args = ap.parse_args()
     load_before = os.getloadavg()
     spec_config = {
@@ -128,6 +135,7 @@ def main() -> None:
         "num_speculative_tokens": args.k,
         "prompt_lookup_min": args.lookup_min,
         "prompt_lookup_max": args.lookup_max,
+        "draft_policy": args.draft_policy,
     }
     common: dict[str, Any] = {
         "device": "cpu",

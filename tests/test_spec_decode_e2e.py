@@ -287,3 +287,22 @@ def test_engine_process_with_a_draft_model(target: Path, draft: Path, baseline: 
         client.shutdown()
     assert tokens == baseline.tokens
     assert drafted > 0
+
+
+def test_drafting_policies_keep_greedy_output(target: Path, baseline: Run) -> None:
+    """The cost policy and `disable_by_batch_size` change how much is drafted, not the tokens."""
+    base = spec_config("ngram", k=4)
+    fixed = run(
+        engine_config(target, dataclasses.replace(base, draft_policy="fixed")),
+        greedy_requests(0),
+        num_blocks=40,
+    )
+    cost = run(engine_config(target, base), greedy_requests(0), num_blocks=40)
+    off = run(
+        engine_config(target, dataclasses.replace(base, disable_by_batch_size=1)),
+        greedy_requests(0),
+        num_blocks=40,
+    )
+    assert fixed.tokens == cost.tokens == off.tokens == baseline.tokens
+    assert fixed.spec.num_draft_tokens > 0 and cost.spec.num_draft_tokens > 0
+    assert off.spec.num_draft_tokens == 0

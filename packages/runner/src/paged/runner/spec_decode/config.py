@@ -8,6 +8,8 @@ vLLM's keys (same names, same defaults):
                             other, none given: both 5, as vLLM
     model                   the draft model (draft_model): any model paged
                             loads, with the target's tokenizer
+    disable_by_batch_size   with at least this many requests decoding in a
+                            step, nobody drafts (default: no limit)
 
 paged's own keys for adaptive drafting (vLLM has none; defaults keep it on):
 
@@ -17,6 +19,9 @@ paged's own keys for adaptive drafting (vLLM has none; defaults keep it on):
     acceptance_backoff_steps   steps a low-acceptance request goes without
                                drafts before it is probed again (doubles each
                                time it is found low again)
+    draft_policy               "cost" (default): drafts per request chosen by
+                               the cost model of `policy.py` (n-gram only);
+                               "fixed": every match drafts up to k
 
 Every error is a `ValueError` naming the key.
 """
@@ -40,7 +45,10 @@ _KEYS = (
     "model",
     "acceptance_rate_threshold",
     "acceptance_backoff_steps",
+    "disable_by_batch_size",
+    "draft_policy",
 )
+DraftPolicy = Literal["cost", "fixed"]
 # vLLM's default n-gram size when neither bound is given.
 _DEFAULT_NGRAM = 5
 
@@ -56,6 +64,8 @@ class SpeculativeConfig:
     model: str | None = None
     acceptance_rate_threshold: float = 0.2
     acceptance_backoff_steps: int = 16
+    disable_by_batch_size: int | None = None
+    draft_policy: DraftPolicy = "cost"
     # The draft model, resolved by the engine's options (draft_model only).
     draft_model_config: ModelConfig | None = None
 
@@ -90,6 +100,12 @@ class SpeculativeConfig:
                 f"speculative_config.acceptance_rate_threshold: must be in [0, 1], got {threshold}"
             )
         _check_int("acceptance_backoff_steps", self.acceptance_backoff_steps, 1)
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        if self.draft_policy not in ("cost", "fixed"):
+            raise ValueError(
+                f"speculative_config.draft_policy: {self.draft_policy!r}; use 'cost' or 'fixed'"
+            )
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -145,7 +161,12 @@ def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
     elif hi is None:
         hi = lo
     extra: dict[str, Any] = {}
-    for key in ("acceptance_rate_threshold", "acceptance_backoff_steps"):
+    for key in (
+        "acceptance_rate_threshold",
+        "acceptance_backoff_steps",
+        "disable_by_batch_size",
+        "draft_policy",
+    ):
         if key in data:
             extra[key] = data[key]
     return SpeculativeConfig(

@@ -40,6 +40,12 @@ from paged.runner.spec_decode.adaptive import AdaptiveDrafting
 from paged.runner.spec_decode.config import SpeculativeConfig
 from paged.runner.spec_decode.draft_model import DraftModelProposer
 from paged.runner.spec_decode.ngram import NgramProposer
+from paged.runner.spec_decode.policy import (
+    AcceptanceHistory,
+    RowCostModel,
+    estimate_acceptance,
+    plan_drafts,
+)
 from paged.runner.spec_decode.rejection_sampler import RejectionOutput, rejection_sample
 from paged.scheduler.boundary import GrammarOutput, LogprobsLists, ModelRunnerOutput
 
@@ -61,6 +67,9 @@ class SpecDecoder:
         self.adaptive = AdaptiveDrafting(
             config.acceptance_rate_threshold, config.acceptance_backoff_steps
         )
+        # The cost-aware policy (policy.py): per-request history, the device's row-cost curve.
+        self.cost_model = RowCostModel.for_device(device.type)
+        self.histories: dict[str, AcceptanceHistory] = {}
         self.ngram: NgramProposer | None = None
         self.draft: DraftModelProposer | None = None
         if config.method == "ngram":
@@ -80,6 +89,7 @@ class SpecDecoder:
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self.adaptive.forget(req_id)
+            self.histories.pop(req_id, None)
 
     def stage_drafts(
         self, batch: InputBatch, spec_tokens: dict[str, list[int]]
@@ -145,6 +155,8 @@ class SpecDecoder:
             batch.append_token_ids(row, tokens)
             requests[req_id].output_token_ids.extend(tokens)
             self.adaptive.record(req_id, k, accepted)
+            if k:
+                self.histories.setdefault(req_id, AcceptanceHistory()).record(k, accepted)
         drafts = self.propose(batch, requests, rows, req_ids)
         return _build_output(inputs, req_ids, result, batch, drafts)
 
@@ -164,11 +176,51 @@ class SpecDecoder:
         if self.ngram is not None:
             num_tokens = batch.num_tokens[rows]
             width = int(num_tokens.max())
-            drafts = self.ngram.propose(batch.token_ids_cpu[rows, :width], num_tokens, max_drafts)
+            drafts, match_len = self.ngram.propose_with_match_len(
+                batch.token_ids_cpu[rows, :width], num_tokens, max_drafts
+            )
+            if self.config.draft_policy == "cost":
+                drafts = self._truncate_by_value(batch, rows, req_ids, drafts, match_len)
         else:
             assert self.draft is not None
             drafts = self.draft.propose(batch, rows, max_drafts)
         return {rid: d for rid, d in zip(req_ids, drafts, strict=True) if d}
+
+    def _truncate_by_value(
+        self,
+        batch: InputBatch,
+        rows: npt.NDArray[np.int64],
+        req_ids: Sequence[str],
+        drafts: list[list[int]],
+        match_len: list[int],
+    ) -> list[list[int]]:
+        """Cut each request's drafts to the plan that maximises tokens per forward cost.
+
+        A seeded request draws one uniform per draft it verifies, so its tokens
+        must not depend on who else is in the batch: it is planned as if alone
+        (its own match and history only). The others share one batch plan.
+        """
+        acceptance = [
+            estimate_acceptance(n, self.histories.get(rid))
+            for rid, n in zip(req_ids, match_len, strict=True)
+        ]
+        caps = [len(d) for d in drafts]
+        seeded = [int(r) in batch.generators for r in rows.tolist()]
+        shared = [i for i, s in enumerate(seeded) if not s]
+        plan = [0] * len(drafts)
+        if shared:
+            shared_plan = plan_drafts(
+                len(req_ids),
+                [acceptance[i] for i in shared],
+                [caps[i] for i in shared],
+                self.cost_model,
+            )
+            for i, k in zip(shared, shared_plan, strict=True):
+                plan[i] = k
+        for i, s in enumerate(seeded):
+            if s:
+                plan[i] = plan_drafts(1, [acceptance[i]], [caps[i]], self.cost_model)[0]
+        return [d[:k] for d, k in zip(drafts, plan, strict=True)]
 
     def _draft_limits(
         self,
@@ -187,6 +239,10 @@ class SpecDecoder:
             & (batch.repetition_penalties.np[rows] == 1.0)
         )
         limits = np.where(exact, limits, 0)
+        cap = self.config.disable_by_batch_size
+        if cap is not None and len(rows) >= cap:
+            # vLLM's override: a batch this large decodes without drafts.
+            return np.zeros(len(rows), dtype=np.int64)
         for i, (row, req_id) in enumerate(zip(rows.tolist(), req_ids, strict=True)):
             if limits[i] <= 0:
                 continue

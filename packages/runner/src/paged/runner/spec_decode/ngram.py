@@ -43,13 +43,23 @@ class NgramProposer:
 
         `max_drafts[r]` caps row r's drafts (0: none). A row with no match gets [].
         """
+        return self.propose_with_match_len(tokens, num_tokens, max_drafts)[0]
+
+    def propose_with_match_len(
+        self,
+        tokens: npt.NDArray[np.integer],
+        num_tokens: npt.NDArray[np.integer],
+        max_drafts: npt.NDArray[np.integer],
+    ) -> tuple[list[list[int]], list[int]]:
+        """`propose`, plus the length of each row's winning n-gram (0: no match)."""
         num_rows = len(num_tokens)
         if num_rows == 0:
-            return []
+            return [], []
         lengths = num_tokens.astype(np.int64)
         width = int(lengths.max())
         tok = tokens[:, :width]
         follower_start = np.full(num_rows, -1, dtype=np.int64)
+        match_len = np.zeros(num_rows, dtype=np.int64)
         pending = max_drafts > 0
         for n in range(self.n_max, self.n_min - 1, -1):
             eligible = np.flatnonzero(pending & (lengths > n))
@@ -58,6 +68,7 @@ class NgramProposer:
             starts = self._last_match(tok[eligible], lengths[eligible], n)
             found = starts >= 0
             follower_start[eligible[found]] = starts[found] + n
+            match_len[eligible[found]] = n
             pending[eligible[found]] = False
         drafts: list[list[int]] = []
         for r, start in enumerate(follower_start.tolist()):
@@ -66,7 +77,7 @@ class NgramProposer:
                 continue
             end = min(start + int(max_drafts[r]), int(lengths[r]))
             drafts.append(tok[r, start:end].tolist())
-        return drafts
+        return drafts, match_len.tolist()
 
     @staticmethod
     def _last_match(
