@@ -116,6 +116,12 @@ def decode_rate(llm: LLM, batch: list[str], tokens: int) -> tuple[float, list[li
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32 (default: the figures in the runner README; batch-invariant, so "
+        "'same_tokens' is exact) or auto (a quantized GGUF's int4 + bf16 path)",
+    )
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
@@ -139,6 +145,7 @@ def main() -> None:
     }
     common: dict[str, Any] = {
         "device": "cpu",
+        "dtype": args.dtype,
         "max_model_len": 1024,
         "kv_cache_memory_bytes": 256 << 20,
         "enable_prefix_caching": False,  # rounds alike: no round starts from cached prompts
