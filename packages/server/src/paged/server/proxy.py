@@ -27,17 +27,17 @@ import copy
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-logger = logging.getLogger("paged.server.proxy")
+from paged.server.openai.disconnect import run_until_disconnect
 
-T = TypeVar("T")
+logger = logging.getLogger("paged.server.proxy")
 
 # What the prefill request must carry, as vLLM's proxy sends it.
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
@@ -137,30 +137,6 @@ def _passthrough(status: int, content: bytes, headers: httpx.Headers) -> Respons
     return Response(content=content, status_code=status, media_type=media)
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
-    """Run `work`; cancel it (closing its upstream connections) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    logger.info("client disconnected; upstream request cancelled")
-    return None
-
-
 async def _handle(router: Router, request: Request, path: str) -> Response:
     raw = await request.body()
     try:
@@ -185,13 +161,17 @@ async def _handle(router: Router, request: Request, path: str) -> Response:
         return decode_body
 
     try:
-        decode_body = await _until_disconnect(request, prefill_then_decode_params())
+        decode_body = await run_until_disconnect(
+            request, prefill_then_decode_params(), "upstream request cancelled"
+        )
         if decode_body is None:
             return Response(status_code=499)
         decode_url = router.next_decode()
         if not stream:
-            result = await _until_disconnect(
-                request, router.post_json(decode_url, path, decode_body)
+            result = await run_until_disconnect(
+                request,
+                router.post_json(decode_url, path, decode_body),
+                "upstream request cancelled",
             )
             return Response(status_code=499) if result is None else JSONResponse(result)
         return await _stream(router, decode_url, path, decode_body)

@@ -34,10 +34,10 @@ from paged.runner.models.gemma3 import (
     Gemma3ArchConfig,
     Gemma3TextModel,
     attention_specs,
-    load_named_weights,
     soft_capped_logits,
 )
 from paged.runner.models.siglip import SiglipVisionArchConfig, SiglipVisionModel
+from paged.runner.models.weight_loading import load_named_weights
 
 # Checkpoints name the parts in several layouts (Google's releases and
 # transformers' save_pretrained nest them differently from its module tree);

@@ -14,7 +14,7 @@ one matmul each and unpacked by `load_weights`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -37,15 +37,9 @@ from paged.runner.layers.parallel import TPGroup
 from paged.runner.layers.rotary import RotaryEmbedding
 from paged.runner.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from paged.runner.models.llama_config import LlamaArchConfig
+from paged.runner.models.weight_loading import load_named_weights
 
 # HF checkpoint name fragment -> (packed module attribute, shard id).
-_PACKED: tuple[tuple[str, str, str | int], ...] = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-)
 
 
 class LlamaAttention(nn.Module):
@@ -263,40 +257,15 @@ class LlamaForCausalLM(nn.Module):
         Unknown names raise a ValueError (a checkpoint of another model); the
         caller checks that every parameter was filled.
         """
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        shards: dict[str, set[str | int]] = {}
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # derived from the config, some old checkpoints store it
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # tied: the embedding provides it
-            target, shard_id = name, None
-            for fragment, packed, sid in _PACKED:
-                if fragment in name:
-                    target, shard_id = name.replace(fragment, packed), sid
-                    break
-            module_name, _, param_name = target.rpartition(".")
-            module = modules.get(module_name)
-            if module is None or not hasattr(module, "load_weight"):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} does not belong to {type(self).__name__}; "
-                    "is the checkpoint for a different architecture?"
-                )
-            try:
-                module.load_weight(param_name, tensor, shard_id)
-            except ValueError as exc:
-                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
-            if shard_id is None:
-                loaded.add(target)
-            else:
-                shards.setdefault(target, set()).add(shard_id)
-        # A packed parameter counts as loaded only when all its parts were.
-        for target, got in shards.items():
-            needed = {"q", "k", "v"} if ".qkv_proj." in target else {0, 1}
-            if got == needed:
-                loaded.add(target)
-        return loaded
+        skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+
+        def kept() -> Iterator[tuple[str, CheckpointTensor]]:
+            for name, tensor in weights:
+                # Derived from the config; some old checkpoints store it.
+                if "rotary_emb.inv_freq" not in name:
+                    yield name, tensor
+
+        return load_named_weights(self, kept(), skip=skip)
 
     def expected_weights(self) -> set[str]:
         """Parameter names that the checkpoint must fill (packed names count once)."""

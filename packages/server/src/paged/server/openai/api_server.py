@@ -11,12 +11,10 @@ engine fails, and /health answers 503 once the engine is dead.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import importlib.metadata
 import logging
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -33,6 +31,7 @@ from paged.server.metrics import PrometheusStatLogger
 from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from paged.server.openai.cache_routes import add_cache_routes
 from paged.server.openai.cors import CorsConfig, install_cors
+from paged.server.openai.disconnect import run_until_disconnect
 from paged.server.openai.lifespan import engine_lifespan
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
@@ -163,30 +162,6 @@ def _key_matches(authorization: str, api_key: str) -> bool:
         return False
     # The header was decoded as latin-1, so this gives back its raw bytes.
     return hmac.compare_digest(token.strip(" ").encode("latin-1"), api_key.encode())
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def run_until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
-    """Run `work`; if the client disconnects first, cancel it (aborting its requests)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    logger.info("client disconnected; request aborted")
-    return None
 
 
 def build_app(
