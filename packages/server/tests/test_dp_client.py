@@ -21,7 +21,7 @@ from paged.server.engine.dp_client import DPLBAsyncClient
 from paged.server.engine.errors import EngineDeadError
 from paged.server.engine.messages import EngineCoreStats
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def _dp(fake_core_cls: Any, n: int = 2, step_sleep_s: float = 0.01) -> DPLBAsyncClient:

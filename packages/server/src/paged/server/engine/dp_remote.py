@@ -60,6 +60,7 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 10_000
 _POLL_MS = 100
 _STOP_GRACE_S = 5.0
+_SHUTDOWN_WAIT_S = 2.0
 
 
 def _heartbeat(sock: zmq.Socket[Any]) -> None:
@@ -196,8 +197,6 @@ class RemoteEngine:
             return
         # Linger: the SHUTDOWN just queued should still reach the engine.
         self.input_socket.close(linger=1000)
-        with contextlib.suppress(zmq.ZMQError):
-            self.output_socket.disable_monitor()
         self._monitor.close(linger=0)
         self.output_socket.close(linger=0)
 
@@ -341,9 +340,9 @@ def run_headless(
     finally:
         stop.set()
         _stop_all(processes)
+        # Closing a socket ends its monitor (`disable_monitor` would wait on a
+        # monitor socket the watcher thread may already have closed).
         for dealer in dealers:
-            with contextlib.suppress(zmq.ZMQError):
-                dealer.disable_monitor()
             dealer.close(linger=0)
         ctx.term()
 
@@ -386,6 +385,10 @@ def _supervise(processes: Sequence[BaseProcess], frontend_gone: threading.Event)
 
 
 def _stop_all(processes: Sequence[BaseProcess]) -> None:
+    # A frontend that shut down cleanly sent each engine SHUTDOWN: let them finish.
+    deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     for stop in (BaseProcess.terminate, BaseProcess.kill):
         alive = [p for p in processes if p.is_alive()]
         for p in alive:
