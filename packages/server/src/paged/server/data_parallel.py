@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paged.runner.config import EngineConfig
+    from paged.server.async_llm import AsyncLLM
     from paged.server.engine.client import AsyncMPClient
     from paged.server.engine.dp_client import DPLBAsyncClient
     from paged.server.engine.interfaces import EngineCoreFactory
+    from paged.server.engine_args import EngineArgs
+    from paged.server.metrics import StatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -210,4 +214,43 @@ def run_headless_node(
         options.rpc_port,
         register_timeout_s=options.register_timeout_s,
         log_level=logging.getLogger("paged").getEffectiveLevel(),
+    )
+
+
+def open_async_llm(
+    args: EngineArgs,
+    options: DataParallelOptions,
+    *,
+    stat_loggers: Sequence[StatLogger] = (),
+    startup_timeout_s: float | None = None,
+) -> AsyncLLM:
+    """An `AsyncLLM` over `options.size` engines of `args`' model (benchmarks, tests).
+
+    Text only, no grammar backend: `paged serve` also wires structured
+    outputs, images and the API's metrics around the same engine client.
+    """
+    from paged.server.async_llm import AsyncLLM
+    from paged.server.engine.core import make_engine_core_factory
+    from paged.server.engine_args import tokenizer_path
+    from paged.server.tokenizer import load_tokenizer
+
+    core_options = args.engine_core_options()
+    config = args.create_engine_config()
+    mc = config.model_config
+    tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
+    client = build_engine_client(
+        make_engine_core_factory(config, **core_options),
+        options,
+        device=mc.device,
+        world_size=engines_world_size(config),
+        startup_timeout_s=startup_timeout_s,
+    )
+    return AsyncLLM(
+        client,
+        tokenizer,
+        max_model_len=mc.max_model_len,
+        vocab_size=mc.vocab_size,
+        eos_token_ids=mc.eos_token_ids,
+        max_logprobs=config.scheduler_limits.max_logprobs,
+        stat_loggers=stat_loggers,
     )
