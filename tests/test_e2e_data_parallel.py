@@ -102,9 +102,10 @@ def test_server_dp2_tokens_metrics_and_engine_death(
     started = [threading.Event(), threading.Event()]
 
     def stream(i: int) -> None:
-        with httpx.Client(timeout=120) as h, h.stream(
-            "POST", f"{server.base_url}/v1/completions", json=body
-        ) as resp:
+        with (
+            httpx.Client(timeout=120) as h,
+            h.stream("POST", f"{server.base_url}/v1/completions", json=body) as resp,
+        ):
             assert resp.status_code == 200
             lines = []
             for line in resp.iter_lines():
