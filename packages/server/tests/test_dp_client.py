@@ -76,7 +76,7 @@ async def test_64_requests_split_evenly_by_engine_counters(
         }
         added = [(await _stats(client, i)).num_requests_added for i in range(2)]
         assert sum(added) == 64
-        assert 0.4 * 64 <= min(added) and max(added) <= 0.6 * 64, added
+        assert min(added) >= 0.4 * 64 and max(added) <= 0.6 * 64, added
         seen = [sum(1 for *_, eng, _ in done.values() if eng == i) for i in range(2)]
         assert seen == added  # batches are stamped with the engine that produced them
     finally:
@@ -137,7 +137,7 @@ async def test_killed_engine_fails_its_requests_and_the_other_serves(
         victims = {f"k{i}" for i in range(6) if client.engine_of(f"k{i}") == 1}
         assert len(victims) == 3
         killed_at = time.monotonic()
-        os.kill(client.engines[1].engine_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        os.kill(client.engines[1].engine_pid, signal.SIGKILL)
         done = await _drain(client, victims, timeout_s=10)
         assert time.monotonic() - killed_at < 10
         for _tokens, reason, engine, detail in done.values():
@@ -151,7 +151,7 @@ async def test_killed_engine_fails_its_requests_and_the_other_serves(
             assert client.engine_of(f"n{i}") == 0  # only the live engine gets new work
         new = await _drain(client, {f"n{i}" for i in range(4)})
         assert all(toks == [9, 10] and eng == 0 for toks, _, eng, _ in new.values())
-        os.kill(client.engines[0].engine_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        os.kill(client.engines[0].engine_pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="all 2 data-parallel engines are dead"):
             while True:
                 await asyncio.wait_for(client.get_output_async(), 10)

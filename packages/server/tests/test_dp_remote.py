@@ -94,7 +94,7 @@ async def test_headless_rank_serves_and_its_death_is_seen(
         await client.get_output_async()
         victims = {f"x{i}" for i in range(4) if client.engine_of(f"x{i}") == 1}
         killed_at = time.monotonic()
-        os.kill(client.engines[1].engine_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        os.kill(client.engines[1].engine_pid, signal.SIGKILL)
         failed = await _run_to_end(client, victims)
         assert time.monotonic() - killed_at < 10
         for reason, detail, engine in failed.values():

@@ -86,10 +86,8 @@ async def test_dead_engine_fails_its_requests_the_other_serves(
         engines[1].kill()
         finals = []
         for gen in gens:
-            out = None
-            async for out in gen:
-                pass
-            finals.append(out)
+            outs = [out async for out in gen]
+            finals.append(outs[-1])
         failed = [f for f in finals if f.outputs[0].finish_reason == "error"]
         assert len(failed) == 2  # the two on engine 1
         assert all("data-parallel engine 1 died" in (f.finish_detail or "") for f in failed)
