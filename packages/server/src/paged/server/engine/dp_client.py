@@ -108,19 +108,23 @@ class DPLBAsyncClient:
     # -- requests ------------------------------------------------------------------
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._ensure_started()
+        rid = request.request_id
         while True:
             index = self.balancer.choose()
             if index is None:
                 raise self._all_dead or EngineDeadError("every data-parallel engine is dead")
+            # Recorded before the send: its first output may come back at once.
+            self._owner[rid] = index
+            self._held[index].add(rid)
             try:
                 await self.engines[index].add_request_async(request)
             except EngineDeadError as exc:
                 # Died between its last report and this send: try the next one.
+                self._owner.pop(rid, None)
+                self._held[index].discard(rid)
                 self.balancer.release(index)
                 self._mark_dead(index, exc)
                 continue
-            self._owner[request.request_id] = index
-            self._held[index].add(request.request_id)
             return
 
     async def abort_requests_async(self, request_ids: Sequence[str]) -> None:
