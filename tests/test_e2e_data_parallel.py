@@ -1,10 +1,13 @@
 """Data parallelism end to end on a tiny random llama (fp32, CPU).
 
-`paged serve --data-parallel-size 2` (AsyncLLM over two engine processes)
-gives the greedy output of DP=1 (`LLM`, in-process), both engines serve
-(their own `engine="<i>"` metrics count the tokens), then one engine is
-killed: its stream fails at once with a clear error, /health turns 503, and
-new requests are still served by the survivor. (`benchmarks/scaleout_dp.py`
+Two OS processes on loopback, through the CLI: `paged serve -dp 2 -dpl 1`
+(the API server and DP rank 0) and `paged serve --headless -dp 2 -dpr 1`
+(rank 1, connected over TCP). Greedy output equals DP=1 (`LLM`, in-process),
+both engines serve (their own `engine="<i>"` metrics count the tokens), then
+the remote engine is killed: its stream fails at once with a clear error,
+/health turns 503, new requests are still served by the local rank, and the
+headless node exits 1. (Local DP ranks are covered with fake engines in
+`packages/server/tests/test_dp_client.py`.) (`benchmarks/scaleout_dp.py`
 compares DP=2 and DP=1 tokens on the default model through `AsyncLLM`.)
 """
 
@@ -13,21 +16,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import pytest
 
 from paged.scheduler import SamplingParams
 from paged.server import LLM
-
-if TYPE_CHECKING:
-    from tests.conftest import LiveServer
+from tests.conftest import LiveServer, _free_port, _paged_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -39,6 +41,10 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "kv_cache_memory_bytes": 16 << 20,
     "max_model_len": 4096,
 }
+
+
+SERVER_ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "16MiB",
+                      "--max-model-len", "4096"]  # fmt: skip
 
 
 def _greedy() -> SamplingParams:
@@ -77,17 +83,36 @@ def _metric(text: str, name: str, engine: str) -> float:
     raise AssertionError(f"no {name} for engine {engine} in /metrics")
 
 
-def test_server_dp2_tokens_metrics_and_engine_death(
+@pytest.fixture
+def headless_node(tiny_word_llama: Path, tmp_path: Path) -> Iterator[tuple[LiveServer, int]]:
+    """`paged serve --headless` holding DP rank 1, its own OS process; and its rpc port."""
+    rpc_port = _free_port()
+    log_path = tmp_path / "headless.log"
+    log = log_path.open("w")
+    cmd = [*_paged_command(), "serve", str(tiny_word_llama), *SERVER_ENGINE_ARGS, "--headless",
+           "-dp", "2", "-dpr", "1", "-dpa", "127.0.0.1", "-dpp", str(rpc_port)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    node = LiveServer(process, 0, log_path, log)
+    yield node, rpc_port
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=30)
+    log.close()
+
+
+def test_server_dp2_with_a_headless_rank(
     tiny_word_llama: Path,
     reference_texts: list[str],
     launch_server: Callable[..., LiveServer],
+    headless_node: tuple[LiveServer, int],
 ) -> None:
+    """API server + local rank 0 and a headless rank 1 over TCP (loopback), via the CLI."""
     model = str(tiny_word_llama)
-    server = launch_server(
-        model, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "16MiB",
-        "--max-model-len", "4096", "--data-parallel-size", "2", "--metrics-prefix", "vllm",
-    )  # fmt: skip
-    assert len(server.engine_pids()) == 2
+    node, rpc_port = headless_node
+    dp_args = ["-dp", "2", "-dpl", "1", "-dpa", "127.0.0.1", "-dpp", str(rpc_port)]
+    server = launch_server(model, *SERVER_ENGINE_ARGS, "--metrics-prefix", "vllm", *dp_args)
+    assert len(server.engine_pids()) == 1 and len(node.engine_pids()) == 1
     with ThreadPoolExecutor(6) as pool:
         texts = list(pool.map(lambda p: _complete(server.base_url, p, model), PROMPTS))
     assert texts == reference_texts
@@ -118,16 +143,18 @@ def test_server_dp2_tokens_metrics_and_engine_death(
         futures = [pool.submit(stream, i) for i in range(2)]
         assert all(e.wait(60) for e in started), "the streams did not start"
         killed_at = time.monotonic()
-        os.kill(server.engine_pids()[1], signal.SIGKILL)
+        os.kill(node.engine_pids()[0], signal.SIGKILL)  # the remote rank's engine
         for f in futures:
             f.result(timeout=60)
     assert time.monotonic() - killed_at < 30
     failed = [r for r in results if any('"error"' in line for line in r)]
     assert len(failed) == 1, results  # only the stream on the killed engine
     error = json.loads(next(x for x in failed[0] if '"error"' in x)[6:])["error"]
-    assert "data-parallel engine" in error["message"] and "died" in error["message"]
+    assert "data-parallel engine 1 died" in error["message"], error
+    assert "disconnected" in error["message"]
     assert failed[0][-1] == "data: [DONE]"
     health = httpx.get(f"{server.base_url}/health")
     assert health.status_code == 503 and "is dead" in health.json()["error"]["message"]
     for prompt in PROMPTS[:3]:  # the survivor serves every new request
         assert _complete(server.base_url, prompt, model) == reference_texts[PROMPTS.index(prompt)]
+    assert node.process.wait(timeout=30) == 1  # the headless node saw its engine die

@@ -79,49 +79,43 @@ async def test_64_requests_split_evenly_by_engine_counters(
         assert min(added) >= 0.4 * 64 and max(added) <= 0.6 * 64, added
         seen = [sum(1 for *_, eng, _ in done.values() if eng == i) for i in range(2)]
         assert seen == added  # batches are stamped with the engine that produced them
+        # Utilities over every engine, combined.
+        assert await client.call_utility_async("reset_prefix_cache") is True
+        assert await client.call_utility_async("get_num_unfinished_requests") == 0
+        await client.check_health_async()
+        with pytest.raises(ValueError, match="engine_index"):
+            await client.call_utility_on(2, "get_stats")
     finally:
         client.shutdown()
 
 
-async def test_busy_engine_gets_the_next_requests(fake_core_cls: Any, request_factory: Any) -> None:
-    client = _dp(fake_core_cls, step_sleep_s=0.02)
-    try:
-        # Four long requests land two per engine (round robin over equal loads) ...
-        for i in range(4):
-            await client.add_request_async(request_factory(f"long{i}", [1], max_tokens=10_000))
-        await asyncio.sleep(0.5)  # both engines have reported their running counts
-        # ... then engine 0's two are aborted: it is the lighter one and gets the next.
-        await client.abort_requests_async(
-            [rid for rid in ("long0", "long1", "long2", "long3") if client.engine_of(rid) == 0]
-        )
-        # Its last report still counts two running; the frontend knows they are gone.
-        assert client.balancer.loads[0].score == 0
-        assert client.balancer.loads[1].score == 2
-        for i in range(2):
-            await client.add_request_async(request_factory(f"new{i}", [5], max_tokens=2))
-        assert client.engine_of("new0") == 0
-    finally:
-        client.shutdown()
-
-
-async def test_abort_goes_to_the_engine_holding_the_request(
+async def test_aborts_reach_the_holder_and_free_it_for_new_requests(
     fake_core_cls: Any, request_factory: Any
 ) -> None:
-    client = _dp(fake_core_cls)
+    client = _dp(fake_core_cls, step_sleep_s=0.02)
     try:
+        # Four long requests land two per engine (round robin over equal loads).
         for i in range(4):
-            await client.add_request_async(request_factory(f"a{i}", [1], max_tokens=100_000))
-        await client.get_output_async()
-        owner = client.engine_of("a2")
-        assert owner is not None
-        await client.abort_requests_async(["a2", "unknown-id"])
-        assert client.engine_of("a2") is None
+            await client.add_request_async(request_factory(f"long{i}", [1], max_tokens=100_000))
+        await asyncio.sleep(0.5)  # both engines have reported their running counts
+        ids = [f"long{i}" for i in range(4)]
+        owned = [[rid for rid in ids if client.engine_of(rid) == e] for e in (0, 1)]
+        assert [len(o) for o in owned] == [2, 2]
+        # Engine 0's two are aborted (plus an unknown id): only engine 0 sees aborts.
+        await client.abort_requests_async([*owned[0], "unknown-id"])
+        assert client.engine_of(owned[0][0]) is None
         deadline = time.monotonic() + 20
-        while (await _stats(client, owner)).num_requests_aborted != 1:
+        while (await _stats(client, 0)).num_requests_aborted != 2:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
-        assert (await _stats(client, 1 - owner)).num_requests_aborted == 0
-        assert await client.call_utility_async("get_num_unfinished_requests") == 3
+        assert (await _stats(client, 1)).num_requests_aborted == 0
+        assert await client.call_utility_async("get_num_unfinished_requests") == 2
+        # Engine 0's last report still counts two running; the frontend knows they are
+        # gone (an idle engine reports no more), so it is the lighter one for new work.
+        assert client.balancer.loads[0].score == 0
+        assert client.balancer.loads[1].score == 2
+        await client.add_request_async(request_factory("new0", [5], max_tokens=2))
+        assert client.engine_of("new0") == 0
     finally:
         client.shutdown()
 
@@ -158,18 +152,6 @@ async def test_killed_engine_fails_its_requests_and_the_other_serves(
         assert client.dead_error is not None
         with pytest.raises(EngineDeadError):
             await client.add_request_async(request_factory("late", [1]))
-    finally:
-        client.shutdown()
-
-
-async def test_utilities_combine_over_engines(fake_core_cls: Any) -> None:
-    client = _dp(fake_core_cls)
-    try:
-        assert await client.call_utility_async("reset_prefix_cache") is True
-        assert await client.call_utility_async("get_num_unfinished_requests") == 0
-        await client.check_health_async()
-        with pytest.raises(ValueError, match="engine_index"):
-            await client.call_utility_on(2, "get_stats")
     finally:
         client.shutdown()
 

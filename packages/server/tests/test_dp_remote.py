@@ -137,7 +137,7 @@ def test_unexpected_rank_is_refused(fake_core_cls: Any) -> None:
     rendezvous = DPRendezvous("127.0.0.1", port)
     try:
         with pytest.raises(EngineStartupError, match=r"ranks \[1\] did not register"):
-            rendezvous.accept([1], timeout_s=5)
+            rendezvous.accept([1], timeout_s=3)
         node.join(timeout=20)
         assert node.exitcode == 1  # told why, and gave up
     finally:

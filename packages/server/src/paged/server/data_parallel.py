@@ -11,8 +11,9 @@ builds its single `AsyncMPClient` exactly as before.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -161,28 +162,42 @@ def build_engine_client(
         world_size=world_size,
         device=device,
     )
-    clients = start_local_engines(factories, startup_timeout_s=startup_timeout_s)
-    closers = []
-    try:
-        if options.remote_ranks:
-            from paged.server.engine.dp_remote import DPRendezvous
+    closers: list[Callable[[], None]] = []
+    rendezvous = None
+    if options.remote_ranks:
+        from paged.server.engine.dp_remote import DPRendezvous
 
-            rendezvous = DPRendezvous(options.address, options.rpc_port)
-            closers.append(rendezvous.close)
-            logger.info(
-                "waiting for data-parallel ranks %s at %s:%d",
-                options.remote_ranks,
-                options.address,
-                options.rpc_port,
+        # Bound first, and accepted while the local engines start: remote ranks
+        # spawn their engines only once registered, so both startups overlap.
+        rendezvous = DPRendezvous(options.address, options.rpc_port)
+        closers.append(rendezvous.close)
+        logger.info(
+            "waiting for data-parallel ranks %s at %s:%d",
+            options.remote_ranks,
+            options.address,
+            options.rpc_port,
+        )
+    clients: list[AsyncMPClient] = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        remote = None
+        if rendezvous is not None:
+            remote = pool.submit(
+                rendezvous.accept, options.remote_ranks, options.register_timeout_s
             )
-            remote = rendezvous.accept(options.remote_ranks, options.register_timeout_s)
-            clients.extend(AsyncMPClient.attach(engine) for engine in remote)
-    except BaseException:
-        for client in clients:
-            client.shutdown()
-        for close in closers:
-            close()
-        raise
+        try:
+            clients = start_local_engines(factories, startup_timeout_s=startup_timeout_s)
+            if remote is not None:
+                clients.extend(AsyncMPClient.attach(engine) for engine in remote.result())
+        except BaseException:
+            if rendezvous is not None:
+                rendezvous.cancel.set()
+            if remote is not None:
+                concurrent.futures.wait([remote])
+            for client in clients:
+                client.shutdown()
+            for close in closers:
+                close()
+            raise
     logger.info("data parallelism: %d engines (%d on this node)", options.size, options.num_local)
     return DPLBAsyncClient(clients, closers=closers)
 

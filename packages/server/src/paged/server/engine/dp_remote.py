@@ -123,10 +123,14 @@ class RemoteEngine:
         """The engine's pid on its own node (0 before the handshake)."""
         return self._pid
 
-    def wait_for_handshake(self, deadline: float) -> EngineCoreInfo:
-        """The engine's handshake (EngineStartupError if it failed or never came)."""
+    def wait_for_handshake(
+        self, deadline: float, cancel: threading.Event | None = None
+    ) -> EngineCoreInfo:
+        """The engine's handshake (EngineStartupError if it failed, never came or `cancel`)."""
         decoder = MsgpackDecoder(EngineHandshake)
         while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise EngineStartupError("data-parallel startup was cancelled")
             if not self.input_socket.poll(_POLL_MS):
                 continue
             frames = self.input_socket.recv_multipart(copy=False)
@@ -228,15 +232,22 @@ class DPRendezvous:
                 f"data_parallel_rpc_port: cannot listen on {address}:{rpc_port}: {exc}"
             ) from exc
         self.engines: list[RemoteEngine] = []
+        # Set from another thread to stop `accept` (the local engines failed meanwhile).
+        self.cancel = threading.Event()
 
     def accept(self, ranks: Sequence[int], timeout_s: float) -> list[RemoteEngine]:
-        """Wait until every rank in `ranks` registered and is ready; in `ranks` order."""
+        """Wait until every rank in `ranks` registered and is ready; in `ranks` order.
+
+        Runs on one thread (the socket's); `cancel` stops it with `EngineStartupError`.
+        """
         wanted = set(ranks)
         deadline = time.monotonic() + timeout_s
         decoder = MsgpackDecoder(EngineRegistration)
         encoder = MsgpackEncoder()
         by_rank: dict[int, RemoteEngine] = {}
         while wanted - by_rank.keys():
+            if self.cancel.is_set():
+                raise EngineStartupError("data-parallel startup was cancelled")
             if time.monotonic() > deadline:
                 missing = sorted(wanted - by_rank.keys())
                 raise EngineStartupError(
@@ -266,7 +277,7 @@ class DPRendezvous:
             )
             self._sock.send_multipart([peer, *encoder.encode(assignment)])
         for rank in ranks:
-            by_rank[rank].wait_for_handshake(deadline)
+            by_rank[rank].wait_for_handshake(deadline, self.cancel)
         return [by_rank[r] for r in ranks]
 
     def close(self) -> None:
