@@ -73,8 +73,9 @@ async def _run_to_end(client: DPLBAsyncClient, ids: set[str]) -> dict[str, Any]:
     return done
 
 
+@pytest.mark.parametrize("kill", ["engine", "node"])
 async def test_headless_rank_serves_and_its_death_is_seen(
-    fake_core_cls: Any, request_factory: Any
+    fake_core_cls: Any, request_factory: Any, kill: str
 ) -> None:
     port = _free_port()
     node = _start_headless(fake_core_cls, port)
@@ -94,7 +95,11 @@ async def test_headless_rank_serves_and_its_death_is_seen(
         await client.get_output_async()
         victims = {f"x{i}" for i in range(4) if client.engine_of(f"x{i}") == 1}
         killed_at = time.monotonic()
-        os.kill(client.engines[1].engine_pid, signal.SIGKILL)
+        if kill == "engine":
+            os.kill(client.engines[1].engine_pid, signal.SIGKILL)
+        else:  # the node's supervisor: its engine follows it (parent death), then TCP drops
+            assert node.pid is not None
+            os.kill(node.pid, signal.SIGKILL)
         failed = await _run_to_end(client, victims)
         assert time.monotonic() - killed_at < 10
         for reason, detail, engine in failed.values():
@@ -103,7 +108,8 @@ async def test_headless_rank_serves_and_its_death_is_seen(
         await client.add_request_async(request_factory("after", [3], max_tokens=1))
         assert client.engine_of("after") == 0
         node.join(timeout=20)
-        assert node.exitcode == 1  # its engine died: the node says so and exits
+        # Its engine died: the node says so and exits 1 (or was killed itself).
+        assert node.exitcode == (1 if kill == "engine" else -signal.SIGKILL)
     finally:
         client.shutdown()
         if node.is_alive():
