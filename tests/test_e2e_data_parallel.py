@@ -3,7 +3,8 @@
 Two OS processes on loopback, through the CLI: `paged serve -dp 2 -dpl 1`
 (the API server and DP rank 0) and `paged serve --headless -dp 2 -dpr 1`
 (rank 1, connected over TCP). Greedy output equals DP=1 (`LLM`, in-process),
-both engines serve (their own `engine="<i>"` metrics count the tokens), then
+both engines serve (their own `engine="<i>"` metrics count the tokens; 64
+requests split within 40/60 by those counts), then
 the remote engine is killed: its stream fails at once with a clear error,
 /health turns 503, new requests are still served by the local rank, and the
 headless node exits 1. (Local DP ranks are covered with fake engines in
@@ -76,9 +77,9 @@ def _complete(base_url: str, prompt: str, model: str) -> str:
     return text
 
 
-def _metric(text: str, name: str, engine: str) -> float:
+def _metric(text: str, name: str, engine: str, extra_label: str = "") -> float:
     for line in text.splitlines():
-        if line.startswith(name + "{") and f'engine="{engine}"' in line:
+        if line.startswith(name + "{") and f'engine="{engine}"' in line and extra_label in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no {name} for engine {engine} in /metrics")
 
@@ -119,6 +120,18 @@ def test_server_dp2_with_a_headless_rank(
     metrics = httpx.get(f"{server.base_url}/metrics").text
     generated = [_metric(metrics, "vllm:generation_tokens_total", e) for e in ("0", "1")]
     assert sum(generated) == MAX_TOKENS * len(PROMPTS) and min(generated) > 0, generated
+
+    # Balance: 64 requests in all (52 more, 16 at a time), split within 40/60 as counted
+    # by each engine's own finished requests in /metrics.
+    extra = [PROMPTS[i % len(PROMPTS)] for i in range(64 - len(PROMPTS))]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda p: _complete(server.base_url, p, model), extra))
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    finished = [
+        _metric(metrics, "vllm:request_success_total", e, 'finished_reason="length"')
+        for e in ("0", "1")
+    ]
+    assert sum(finished) == 64 and 0.4 * 64 <= min(finished) <= max(finished) <= 0.6 * 64, finished
 
     # Kill one engine while two long streams run (one lands on each engine).
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True,
