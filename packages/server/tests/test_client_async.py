@@ -13,6 +13,7 @@ import pytest
 
 from paged.server.engine.client import AsyncMPClient
 from paged.server.engine.errors import EngineDeadError
+from paged.server.engine.launch import EngineProcess
 from paged.server.engine.messages import EngineCoreInfo
 
 pytestmark = pytest.mark.timeout(180)
@@ -44,6 +45,7 @@ async def test_requests_and_utilities(fake_core_cls: Any, request_factory: Any) 
         assert client.dead_error is None
     finally:
         client.shutdown()
+    assert isinstance(client._engine, EngineProcess)
     assert client._engine.process.exitcode == 0
     with pytest.raises(EngineDeadError):
         await client.get_output_async()
@@ -72,7 +74,7 @@ async def test_killed_engine_fails_every_waiter_promptly(
         # Drain what is queued so the next get has to wait for the engine.
         waiters = [asyncio.ensure_future(client.get_output_async()) for _ in range(3)]
         await asyncio.sleep(0.1)
-        pid = client._engine.process.pid
+        pid = client.engine_pid
         assert pid is not None
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
@@ -101,7 +103,7 @@ async def test_utility_pending_when_engine_dies(fake_core_cls: Any) -> None:
     client = AsyncMPClient(functools.partial(fake_core_cls, step_sleep_s=5.0))
     try:
         await client.call_utility_async("is_healthy")  # start the reader
-        pid = client._engine.process.pid
+        pid = client.engine_pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)  # the call below cannot be answered
         call = asyncio.ensure_future(client.call_utility_async("get_stats"))

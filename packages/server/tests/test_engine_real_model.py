@@ -147,7 +147,7 @@ async def test_real_engine_process_serves_then_dies_loudly(tiny_llama: Path) -> 
         await client.add_request_async(greedy("long", PROMPTS["p1"], 80))
         await asyncio.wait_for(client.get_output_async(), 120)
         pending = asyncio.ensure_future(client.get_output_async())
-        pid = client._engine.process.pid
+        pid = client.engine_pid
         assert pid is not None
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)

@@ -21,12 +21,16 @@ from typing import TYPE_CHECKING
 
 from paged.scheduler import SamplingParams, SchedulerStats
 from paged.scheduler.boundary import KVTransferParams
-from paged.server.client_protocols import AsyncEngineClient, AsyncUtilityClient
+from paged.server.client_protocols import (
+    AsyncEngineClient,
+    AsyncUtilityClient,
+    DegradableClient,
+)
 from paged.server.collector import RequestOutputCollector
 from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import InputProcessor, PromptType
-from paged.server.metrics import StatLogger
+from paged.server.metrics import PerEngineStatLogger, StatLogger
 from paged.server.offload import BlockingWork, prompt_size
 from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
@@ -85,6 +89,15 @@ class AsyncLLM:
     def dead_error(self) -> EngineDeadError | None:
         """Why the engine is unusable, or None while it serves."""
         return self._dead or self.engine_client.dead_error
+
+    @property
+    def health_error(self) -> EngineDeadError | None:
+        """What /health reports: `dead_error`, or a data-parallel engine that is gone
+        while the others still serve (`DegradableClient.degraded_error`)."""
+        dead = self.dead_error
+        if dead is None and isinstance(self.engine_client, DegradableClient):
+            return self.engine_client.degraded_error
+        return dead
 
     @property
     def errored(self) -> bool:
@@ -240,7 +253,13 @@ class AsyncLLM:
                     if processed.reqs_to_abort:
                         await self.engine_client.abort_requests_async(processed.reqs_to_abort)
                 for stat_logger in self.stat_loggers:
-                    stat_logger.record(outputs.scheduler_stats, stats)
+                    if isinstance(stat_logger, PerEngineStatLogger):
+                        # Data parallelism: each batch comes from one engine.
+                        stat_logger.record_engine(
+                            outputs.engine_index, outputs.scheduler_stats, stats
+                        )
+                    else:
+                        stat_logger.record(outputs.scheduler_stats, stats)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:

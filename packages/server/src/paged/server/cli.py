@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from paged.server.data_parallel import add_data_parallel_args, data_parallel_options_from
 from paged.server.engine_args import EngineArgs, parse_bytes
 from paged.server.metrics_names import METRICS_PREFIXES
 from paged.server.openai.cors import add_cors_args, cors_config_from
@@ -397,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_cors_args(serve)
     add_tool_calling_args(serve)
+    add_data_parallel_args(serve)
     h.add_argument(
         "--max-request-body-size",
         type=_byte_size,
@@ -486,8 +488,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             from paged.server.openai.tools import ToolCallingConfig
-            from paged.server.serve import run_server
+            from paged.server.serve import run_headless, run_server
 
+            data_parallel = data_parallel_options_from(ns)
+            if data_parallel.headless:
+                return run_headless(args, data_parallel)
             run_server(
                 args,
                 host=ns.host,
@@ -502,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ns.tool_call_parser,
                     ns.exclude_tools_when_tool_choice_none,
                 ),
+                data_parallel=data_parallel,
             )
             return 0
         if ns.command == "generate":

@@ -35,6 +35,17 @@ class AsyncEngineClient(Protocol):
 
 
 @runtime_checkable
+class DegradableClient(Protocol):
+    """A client over several engines that serves on while some are gone (data parallel).
+
+    `degraded_error` is set once any engine is gone, `dead_error` only when all are.
+    """
+
+    @property
+    def degraded_error(self) -> EngineDeadError | None: ...
+
+
+@runtime_checkable
 class AsyncUtilityClient(Protocol):
     """An async client that can also run engine utilities (`reset_prefix_cache`, ...)."""
 

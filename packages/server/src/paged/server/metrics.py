@@ -9,7 +9,8 @@ vLLM's `vllm:` metrics for vLLM's dashboards and routers.
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -31,8 +32,29 @@ class StatLogger(Protocol):
     ) -> None: ...
 
 
+@runtime_checkable
+class PerEngineStatLogger(Protocol):
+    """A `StatLogger` that labels what it records with the engine it came from.
+
+    `AsyncLLM` calls `record_engine` with each output batch's `engine_index`
+    (data parallelism: one frontend, several engine cores).
+    """
+
+    def record_engine(
+        self,
+        engine_index: int,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+    ) -> None: ...
+
+
 class PrometheusStatLogger:
-    """Engine and request metrics for one served model."""
+    """Engine and request metrics for one served model.
+
+    `num_engines > 1` (data parallelism): every engine metric carries the
+    `engine` label ("0", "1", ... as vLLM's do) under either naming scheme,
+    and each engine's gauges show that engine's own scheduler.
+    """
 
     def __init__(
         self,
@@ -43,7 +65,13 @@ class PrometheusStatLogger:
         kv_cache_metrics: bool = False,
         kv_connector_metrics: bool = False,
         num_speculative_tokens: int = 0,
+        num_engines: int = 1,
     ) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        if num_engines > 1 and not naming.engine_label:
+            naming = dataclasses.replace(naming, engine_label=True)
+        self.num_engines = num_engines
         self.registry = registry if registry is not None else CollectorRegistry()
         # Residency histograms exist only with --kv-cache-metrics (as in vLLM).
         self.kv_residency = (
@@ -111,6 +139,7 @@ class PrometheusStatLogger:
         # Every engine metric's label values: (model_name,) or vLLM's (model_name, engine);
         # always `.labels(*self._lv)`, never the model name alone.
         self._lv = naming.label_values(model_name)
+        self._engine_lv = [naming.label_values(model_name, i) for i in range(num_engines)]
         # paged's own per-tier connector counters keep the paged: names (vLLM has none);
         # registered only when a KV connector is configured, so other servers show none.
         self.kv_connector = KVConnectorMetrics(model_name, r) if kv_connector_metrics else None
@@ -120,13 +149,25 @@ class PrometheusStatLogger:
             if num_speculative_tokens > 0
             else None
         )
-        for reason in FINISH_REASONS:  # export zeros so dashboards see every series
-            self.request_success.labels(*self._lv, reason)
+        for lv in self._engine_lv:
+            for reason in FINISH_REASONS:  # export zeros so dashboards see every series
+                self.request_success.labels(*lv, reason)
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
     ) -> None:
-        m = self._lv
+        self.record_engine(0, scheduler_stats, iteration_stats)
+
+    def record_engine(
+        self,
+        engine_index: int,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+    ) -> None:
+        """Record under engine `engine_index`'s labels (ValueError outside 0..num_engines-1)."""
+        if not 0 <= engine_index < self.num_engines:
+            raise ValueError(f"engine_index must be in [0, {self.num_engines}), got {engine_index}")
+        m = self._engine_lv[engine_index]
         if scheduler_stats is not None:
             s = scheduler_stats
             self.running.labels(*m).set(s.num_running_reqs)

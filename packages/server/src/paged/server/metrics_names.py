@@ -4,7 +4,7 @@ Both schemes use vLLM's metric names after the prefix (`num_requests_waiting`,
 `prompt_tokens`, ...). `--metrics-prefix vllm` publishes them exactly as
 vLLM v1's `PrometheusStatLogger` does, so dashboards and routers that scrape
 `vllm:num_requests_waiting` work unchanged: the `vllm:` prefix, the label set
-`{model_name, engine}` (engine "0": paged runs one engine core per server)
+`{model_name, engine}` (engine "0", or each data-parallel engine's index)
 and vLLM's histogram buckets. The default `paged` scheme keeps the `paged:`
 prefix, the single `model_name` label and paged's buckets.
 """
@@ -58,9 +58,9 @@ class MetricsNaming:
     def labelnames(self) -> tuple[str, ...]:
         return ("model_name", "engine") if self.engine_label else ("model_name",)
 
-    def label_values(self, model_name: str) -> tuple[str, ...]:
+    def label_values(self, model_name: str, engine_index: int = 0) -> tuple[str, ...]:
         """The engine metrics' label values for `model_name`, in `labelnames` order."""
-        return (model_name, "0") if self.engine_label else (model_name,)
+        return (model_name, str(engine_index)) if self.engine_label else (model_name,)
 
 
 PAGED_NAMING = MetricsNaming(

@@ -5,12 +5,21 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from paged.server.data_parallel import (
+    DataParallelOptions,
+    build_engine_client,
+    engines_world_size,
+    run_headless_node,
+)
 from paged.server.engine_args import EngineArgs, build_frontend_for, tokenizer_path
 from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
+    from paged.runner.config import EngineConfig
     from paged.server.openai.cors import CorsConfig
     from paged.server.openai.tools import ToolCallingConfig
+    from paged.server.structured_output import GrammarCompiler, StructuredOutputConfig
+    from paged.server.tokenizer import TokenizerLike
 
 logger = logging.getLogger("paged.server.serve")
 
@@ -26,25 +35,20 @@ def run_server(
     metrics_prefix: str = "paged",
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_config: ToolCallingConfig | None = None,
+    data_parallel: DataParallelOptions | None = None,
 ) -> None:
     import uvicorn
 
     from paged.server.async_llm import AsyncLLM
-    from paged.server.engine.client import AsyncMPClient
     from paged.server.engine.core import make_engine_core_factory
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
-    from paged.server.structured_output import (
-        GrammarCompiler,
-        StructuredOutputConfig,
-        try_load_ll_tokenizer,
-    )
     from paged.server.tokenizer import load_tokenizer
 
     naming = metrics_naming(metrics_prefix)  # a bad prefix fails before the model loads
     core_options = args.engine_core_options()  # bad options fail before the model loads
-    so_options = args.structured_output_options()
+    args.structured_output_options()  # a bad config fails before the model loads
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -60,27 +64,13 @@ def run_server(
     logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
     # Images: a vision model's processor, loaded before the engine starts (fails fast).
     mm_frontend = build_frontend_for(args, config)
-    # The engine process builds its grammar backend from this recipe; the API
-    # process compiles constraints too, to refuse bad ones with a 400.
-    # A tokenizer llguidance cannot read turns structured outputs off (logged), not the server.
-    ll_tokenizer = try_load_ll_tokenizer(tokenizer, mc.vocab_size, mc.eos_token_ids)
-    so_config = compiler = None
-    if ll_tokenizer is not None:
-        so_config = StructuredOutputConfig(
-            tokenizer_path(config, args.tokenizer),
-            mc.vocab_size,
-            tuple(mc.eos_token_ids),
-            cache_size=so_options.cache_size,
-            compile_timeout_s=so_options.compile_timeout_s,
-        )
-        compiler = GrammarCompiler(
-            ll_tokenizer,
-            eos_token_ids=mc.eos_token_ids,
-            cache_size=so_options.cache_size,
-            compile_timeout_s=so_options.compile_timeout_s,
-        )
-    client = AsyncMPClient(
-        make_engine_core_factory(config, structured_output=so_config, **core_options)
+    so_config, compiler = _structured_outputs(args, config, tokenizer)
+    dp = data_parallel if data_parallel is not None else DataParallelOptions()
+    client = build_engine_client(
+        make_engine_core_factory(config, structured_output=so_config, **core_options),
+        dp,
+        device=mc.device,
+        world_size=engines_world_size(config),
     )
     try:
         info = client.info
@@ -97,6 +87,7 @@ def run_server(
             naming=naming,
             kv_cache_metrics=args.kv_cache_metrics,
             kv_connector_metrics=args.has_kv_connector(),
+            num_engines=dp.size,
             num_speculative_tokens=(
                 config.speculative_config.num_speculative_tokens
                 if config.speculative_config is not None
@@ -134,3 +125,57 @@ def run_server(
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         client.shutdown()
+
+
+def _structured_outputs(
+    args: EngineArgs, config: EngineConfig, tokenizer: TokenizerLike
+) -> tuple[StructuredOutputConfig | None, GrammarCompiler | None]:
+    """The engine's grammar-backend recipe and the API's compiler (None, None: off).
+
+    The engine process builds its grammar backend from the recipe; the API
+    process compiles constraints too, to refuse bad ones with a 400. A
+    tokenizer llguidance cannot read turns structured outputs off (logged).
+    """
+    from paged.server.structured_output import (
+        GrammarCompiler,
+        StructuredOutputConfig,
+        try_load_ll_tokenizer,
+    )
+
+    so_options = args.structured_output_options()
+    mc = config.model_config
+    ll_tokenizer = try_load_ll_tokenizer(tokenizer, mc.vocab_size, mc.eos_token_ids)
+    if ll_tokenizer is None:
+        return None, None
+    so_config = StructuredOutputConfig(
+        tokenizer_path(config, args.tokenizer),
+        mc.vocab_size,
+        tuple(mc.eos_token_ids),
+        cache_size=so_options.cache_size,
+        compile_timeout_s=so_options.compile_timeout_s,
+    )
+    compiler = GrammarCompiler(
+        ll_tokenizer,
+        eos_token_ids=mc.eos_token_ids,
+        cache_size=so_options.cache_size,
+        compile_timeout_s=so_options.compile_timeout_s,
+    )
+    return so_config, compiler
+
+
+def run_headless(args: EngineArgs, data_parallel: DataParallelOptions) -> int:
+    """`paged serve --headless`: this node's DP engines, no API server; the exit status."""
+    from paged.server.engine.core import make_engine_core_factory
+    from paged.server.tokenizer import load_tokenizer
+
+    core_options = args.engine_core_options()
+    config = args.create_engine_config()
+    tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
+    so_config, _ = _structured_outputs(args, config, tokenizer)
+    factory = make_engine_core_factory(config, structured_output=so_config, **core_options)
+    return run_headless_node(
+        factory,
+        data_parallel,
+        device=config.model_config.device,
+        world_size=engines_world_size(config),
+    )

@@ -30,7 +30,7 @@ import zmq.asyncio
 from paged.scheduler.boundary import EngineCoreOutputs, EngineCoreRequest
 from paged.server.engine.errors import EngineDeadError
 from paged.server.engine.interfaces import EngineCoreFactory, EngineCoreLike
-from paged.server.engine.launch import EngineProcess, socket_frames
+from paged.server.engine.launch import EngineHandle, EngineProcess, socket_frames
 from paged.server.engine.messages import (
     UTILITY_RESULT_TYPES,
     EngineCoreInfo,
@@ -72,6 +72,11 @@ class AsyncEngineCoreClient(Protocol):
 
     @property
     def dead_error(self) -> EngineDeadError | None: ...
+
+    @property
+    def engine_pid(self) -> int:
+        """The engine process's pid (on its own node for a remote engine)."""
+        ...
 
     async def add_request_async(self, request: EngineCoreRequest) -> None: ...
 
@@ -278,7 +283,17 @@ class AsyncMPClient:
     """
 
     def __init__(self, core_factory: EngineCoreFactory, *, startup_timeout_s: float | None = None):
-        self._engine = EngineProcess(core_factory, startup_timeout_s=startup_timeout_s)
+        self._setup(EngineProcess(core_factory, startup_timeout_s=startup_timeout_s))
+
+    @classmethod
+    def attach(cls, engine: EngineHandle) -> AsyncMPClient:
+        """A client of an engine that is already up (e.g. a data-parallel rank on another node)."""
+        self = cls.__new__(cls)
+        self._setup(engine)
+        return self
+
+    def _setup(self, engine: EngineHandle) -> None:
+        self._engine: EngineHandle = engine
         self._dispatch = _OutputDispatch()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
@@ -294,6 +309,11 @@ class AsyncMPClient:
     @property
     def info(self) -> EngineCoreInfo:
         return self._engine.info
+
+    @property
+    def engine_pid(self) -> int:
+        """The engine process's pid (on its own node for a remote data-parallel rank)."""
+        return self._engine.pid
 
     @property
     def dead_error(self) -> EngineDeadError | None:

@@ -27,7 +27,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -50,6 +50,38 @@ _POLL_MS = 100
 # just before may still take to arrive.
 _LAST_MESSAGE_GRACE_MS = 500
 _SHUTDOWN_GRACE_S = 5.0
+
+
+class EngineHandle(Protocol):
+    """The frontend's end of one engine core, whatever runs it (what the clients drive).
+
+    `EngineProcess` (a local process it started) and `dp_remote.RemoteEngine`
+    (an engine another node started, over TCP) satisfy it.
+    """
+
+    info: EngineCoreInfo
+    output_socket: zmq.Socket[Any]
+
+    @property
+    def pid(self) -> int:
+        """The engine process's pid (on its own node for a remote engine)."""
+        ...
+
+    def send(self, kind: EngineCoreRequestType, payload: object = None) -> None:
+        """Deliver one message; `EngineDeadError` if it cannot be."""
+        ...
+
+    def start_monitor(self, on_death: Callable[[str], None]) -> None:
+        """Call `on_death(message)` from a thread once the engine is gone (before `shutdown`)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Make the engine stop; idempotent."""
+        ...
+
+    def close(self) -> None:
+        """Release the sockets (after `shutdown`)."""
+        ...
 
 
 class EngineProcess:
@@ -107,6 +139,10 @@ class EngineProcess:
             self.info.block_size,
             self.info.max_model_len,
         )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid or 0
 
     def _wait_for_handshake(self, timeout_s: float | None) -> EngineCoreInfo:
         decoder = MsgpackDecoder(EngineHandshake)

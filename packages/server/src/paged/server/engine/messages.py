@@ -135,3 +135,27 @@ UTILITY_RESULT_TYPES: dict[str, type[Any]] = {
     "get_num_unfinished_requests": int,
     "get_info": EngineCoreInfo,
 }
+
+
+# ---- data-parallel rendezvous (engines on other nodes; see `dp_remote.py`) -------------
+# On the frontend's ROUTER at --data-parallel-address:--data-parallel-rpc-port:
+#   <- [EngineRegistration]   a headless node offers DP rank `dp_rank`
+#   -> [EngineAssignment]     the sockets (and identity) that rank's engine connects to
+# The engine then sends its `EngineHandshake` on the assigned input socket, as a local one does.
+
+
+class EngineRegistration(msgspec.Struct, array_like=True, frozen=True):
+    """A headless node's offer of one DP rank."""
+
+    dp_rank: int
+    host: str
+    pid: int
+
+
+class EngineAssignment(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """The frontend's answer: where rank's engine connects; `error` set when refused."""
+
+    input_address: str = ""
+    output_address: str = ""
+    identity: bytes = b""
+    error: str | None = None

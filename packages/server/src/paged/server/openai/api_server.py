@@ -244,7 +244,8 @@ def build_app(
         },
     )
     async def health() -> Response:
-        dead = llm.dead_error
+        # Data parallel: 503 as soon as one engine is gone, though the others serve on.
+        dead = llm.health_error
         if dead is not None:
             return error_response(503, f"The engine is not running: {dead}")
         return Response(status_code=200)
