@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from paged.runner.config import EngineConfig
@@ -44,6 +45,7 @@ from paged.runner.executor.rank_layout import world_size
 from paged.runner.executor.ray_worker import RayWorkerActor
 
 _POLL_S = 0.5
+_ERROR_GRACE_S = 10.0
 # Environment handed to every actor (a Ray worker inherits the raylet's, not ours).
 _ENV_PREFIXES = ("PAGED_", "TRITON_", "HF_", "TORCH_", "NCCL_", "GLOO_")
 _ENV_KEYS = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
@@ -63,6 +65,10 @@ def _actor_env() -> dict[str, str]:
     return {
         k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_KEYS
     }
+
+
+def _is_error_reply(data: bytes) -> bool:
+    return decode_reply(data).error is not None
 
 
 class RayDistributedExecutor(Executor):
@@ -158,12 +164,24 @@ class RayDistributedExecutor(Executor):
         )
         return WorkerDiedError(self._dead)
 
-    def _gather(self, refs: list[Any], deadline: float | None) -> list[Any]:
-        """ray.get of `refs` in order; a dead actor raises WorkerDiedError as soon as it shows."""
+    def _gather(
+        self,
+        refs: list[Any],
+        deadline: float | None,
+        failed: Callable[[Any], bool] | None = None,
+    ) -> list[Any]:
+        """ray.get of `refs` in order; a dead actor raises WorkerDiedError as soon as it shows.
+
+        `failed(value)` tells whether a value is a rank's error reply: once one
+        arrives, the other ranks get `_ERROR_GRACE_S` to answer, since a rank
+        that raised mid-step leaves the others blocked in a collective with it
+        for good; then the executor is marked broken rather than left hanging.
+        """
         ray = self._ray
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         values: list[Any] = [None] * len(refs)
         pending = list(refs)
+        error_since: float | None = None
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
             for ref in ready:
@@ -172,7 +190,18 @@ class RayDistributedExecutor(Executor):
                     values[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
                     raise self._died(rank, exc) from exc
-            if pending and deadline is not None and time.monotonic() > deadline:
+                if error_since is None and failed is not None and failed(values[rank]):
+                    error_since = time.monotonic()
+            now = time.monotonic()
+            if pending and error_since is not None and now - error_since > _ERROR_GRACE_S:
+                ranks = sorted(rank_of[r] for r in pending)
+                self._dead = (
+                    f"workers {ranks} did not answer after another rank failed (blocked in a "
+                    "collective with it); the executor cannot continue"
+                )
+                errors = [decode_reply(v).error for v in values if v is not None]
+                raise WorkerError(self._dead + "\n" + "\n".join(e for e in errors if e))
+            if pending and deadline is not None and now > deadline:
                 ranks = sorted(rank_of[r] for r in pending)
                 raise TimeoutError(f"workers {ranks} did not answer in time")
         return values
@@ -184,7 +213,9 @@ class RayDistributedExecutor(Executor):
             raise WorkerDiedError(self._dead)
         deadline = None if timeout is None else time.monotonic() + timeout
         payload = encode_call(call)
-        raw = self._gather([a.call.remote(payload) for a in self.actors], deadline)
+        raw = self._gather(
+            [a.call.remote(payload) for a in self.actors], deadline, failed=_is_error_reply
+        )
         results: list[Any] = []
         errors: list[str] = []
         for data in raw:
