@@ -33,6 +33,8 @@ from paged.runner.executor.messages import (
     KVCacheConfigWire,
 )
 
+# As RayDistributedExecutor does before importing ray: no `uv run` runtime-env hook.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 ray = pytest.importorskip("ray")
 
 from paged.runner.executor.ray_distributed import RayDistributedExecutor  # noqa: E402
@@ -56,7 +58,9 @@ def config(path: Path, tp: int, backend: ExecutorBackend) -> EngineConfig:
     return EngineConfig(
         model_config=ModelConfig.from_pretrained(str(path), max_model_len=64),
         cache_config=CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=1 << 20),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tp, distributed_executor_backend=backend
+        ),
         scheduler_limits=SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=32),
     )
 
@@ -109,7 +113,7 @@ def test_tp2_ray_matches_tp1_then_errors_death_and_shutdown(
         assert len(set(executor.pids)) == 2 and os.getpid() not in executor.pids
         # A worker's exception comes back with its traceback; the actors survive it.
         empty = InitializeFromConfig(KVCacheConfigWire(num_blocks=4, tensors=[], groups=[]))
-        with pytest.raises(WorkerError, match=r"worker 0: (?s:.*)kv_cache_groups must not be empty"):
+        with pytest.raises(WorkerError, match=r"worker 0: (?s:.*)kv_cache_groups must not be"):
             executor.collective_rpc(empty)
         executor.check_health()
         # Kill rank 1's process: the next call fails within seconds, naming it.

@@ -25,7 +25,8 @@ HIDDEN = 24
 
 @pytest.fixture(scope="module", autouse=True)
 def one_process_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    store = dist.HashStore()  # type: ignore[attr-defined]  # exported at runtime, not in stubs
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield
     finally:
@@ -44,9 +45,9 @@ def attention(qkv: QKVParallelLinear, x: torch.Tensor) -> torch.Tensor:
     return out.transpose(0, 1).reshape(t, qkv.q_size)
 
 
-def build(heads: int, kv_heads: int, tp: TPGroup, weights: dict[str, torch.Tensor]) -> tuple[
-    QKVParallelLinear, RowParallelLinear
-]:
+def build(
+    heads: int, kv_heads: int, tp: TPGroup, weights: dict[str, torch.Tensor]
+) -> tuple[QKVParallelLinear, RowParallelLinear]:
     qkv = QKVParallelLinear(HIDDEN, HEAD, heads, kv_heads, bias=True, tp=tp, dtype=F32)
     o_proj = RowParallelLinear(
         heads * HEAD, HIDDEN, bias=False, reduce_results=False, tp=tp, dtype=F32,

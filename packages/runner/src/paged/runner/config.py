@@ -515,9 +515,7 @@ class EngineConfig:
         # Heads need not divide evenly (layers/head_partition.py replicates KV
         # heads and splits heads unevenly); this raises only for tp > heads.
         heads = int(cfg.num_attention_heads)
-        partition_heads(
-            heads, int(getattr(cfg, "num_key_value_heads", None) or heads), tp
-        )
+        partition_heads(heads, int(getattr(cfg, "num_key_value_heads", None) or heads), tp)
         sizes = {"intermediate size": int(cfg.intermediate_size)}
         for what, size in sizes.items():
             if size % tp != 0:

@@ -32,6 +32,7 @@ multiproc executor's shared-memory ring.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -52,6 +53,12 @@ _ENV_KEYS = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
 
 
 def _import_ray() -> Any:
+    # Under `uv run`, Ray by default starts every worker through `uv run` again
+    # and ships the working directory to it (its uv runtime-env hook): seconds
+    # per actor here, and a copy of the tree. paged's workers run from the
+    # installed environment instead (the same on every node; docs/multi-node.md).
+    # Read by ray at import time; set RAY_ENABLE_UV_RUN_RUNTIME_ENV=1 to keep the hook.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     try:
         import ray
     except ImportError as exc:
@@ -62,9 +69,7 @@ def _import_ray() -> Any:
 
 
 def _actor_env() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_KEYS
-    }
+    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_KEYS}
 
 
 def _is_error_reply(data: bytes) -> bool:
@@ -236,13 +241,12 @@ class RayDistributedExecutor(Executor):
         self._closed = True
         ray = self._ray
         if self.actors and self._dead is None:
-            try:  # let every rank leave the process group cleanly
+            # Let every rank leave the process group cleanly; a dead one is killed below.
+            with contextlib.suppress(TimeoutError, WorkerDiedError):
                 self._gather(
                     [a.call.remote(encode_call(Shutdown())) for a in self.actors],
                     time.monotonic() + 30.0,
                 )
-            except (TimeoutError, WorkerDiedError):
-                pass
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         if self._placement_group is not None:
