@@ -148,6 +148,12 @@ def test_cache_parallel_scheduler_validation() -> None:
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerLimits(max_num_seqs=0)
+    ray = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert ray.executor_backend == "ray" and ray.ray_placement_strategy == "PACK"
+    with pytest.raises(ValueError, match="distributed_executor_backend: 'slurm' is unknown"):
+        ParallelConfig(distributed_executor_backend="slurm")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ray_placement_strategy: 'RANDOM' is unknown"):
+        ParallelConfig(ray_placement_strategy="RANDOM")  # type: ignore[arg-type]
 
 
 def test_engine_config_checks(tiny_checkpoint: Callable[..., Path]) -> None:
