@@ -1,4 +1,4 @@
-"""vLLM's --distributed-executor-backend (and paged's --ray-placement-strategy) reach ParallelConfig."""
+"""vLLM's --distributed-executor-backend and paged's --ray-placement-strategy flags."""
 
 from __future__ import annotations
 
