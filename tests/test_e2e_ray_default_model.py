@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from paged.runner.executor import WorkerDiedError
+from paged.runner.executor.ray_distributed import start_local_ray
 from paged.scheduler import SamplingParams
 from paged.server.llm import LLM
 
@@ -40,7 +41,7 @@ OPTIONS: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    start_local_ray(num_cpus=2)
     try:
         yield
     finally:

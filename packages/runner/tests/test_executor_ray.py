@@ -37,7 +37,10 @@ from paged.runner.executor.messages import (
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 ray = pytest.importorskip("ray")
 
-from paged.runner.executor.ray_distributed import RayDistributedExecutor  # noqa: E402
+from paged.runner.executor.ray_distributed import (  # noqa: E402
+    RayDistributedExecutor,
+    start_local_ray,
+)
 
 BLOCK = 4
 GreedyDriver = Callable[..., dict[str, list[int]]]
@@ -47,7 +50,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    start_local_ray(num_cpus=2)
     try:
         yield
     finally:

@@ -68,6 +68,24 @@ def _import_ray() -> Any:
     return ray
 
 
+def start_local_ray(num_cpus: int) -> None:
+    """`ray.init` of a private local cluster, as small as Ray allows.
+
+    `num_cpus` bundles' worth of CPUs, no dashboard UI, worker logs not
+    forwarded. The raylet waits for its agent processes to report their ports
+    (30 s by default); on a loaded machine they start slower, so the wait is
+    raised to 2 minutes unless RAY_agent_register_timeout_ms is set.
+    """
+    ray = _import_ray()
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+
 def _actor_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_KEYS}
 
@@ -103,14 +121,7 @@ class RayDistributedExecutor(Executor):
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         else:
-            # A local cluster just big enough for our bundles; no dashboard
-            # (it costs a process and seconds of start-up).
-            ray.init(
-                num_cpus=self.world_size,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            start_local_ray(self.world_size)
         self._owns_cluster = True
 
     def _bundles(self) -> list[dict[str, float]]:
