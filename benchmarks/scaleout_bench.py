@@ -13,8 +13,11 @@
   step_ms at the same batch: the cost of the executor's IPC alone.
 
 Every executor runs one worker (TP=1 by default, `--tp 2` adds gloo
-all-reduces on the worker side). Medians over `--steps` steps after a warm-up,
-with load average and thread counts recorded beside the figures. `ray`
+all-reduces on the worker side). All executors are started first and then
+measured in turns (`--rounds`, each `--steps` timed steps after 5 warm-up
+steps), so that load swings on a shared machine hit them alike; the ratios are
+taken per round and their median reported. Load average and thread counts are
+recorded beside the figures. `ray`
 starts a local cluster (num_cpus = world size, no dashboard) unless
 RAY_ADDRESS is set.
 
@@ -110,12 +113,13 @@ def time_steps(
     warmup: int,
     blocks_per_req: int,
     finished: list[str],
+    tag: str,
 ) -> tuple[list[float], list[str]]:
     """Seconds per decode step of `batch` requests (one prefill, then decodes); their ids.
 
     `finished`: the previous batch's requests, retired in this batch's first step.
     """
-    ids = [f"b{batch}-r{i}" for i in range(batch)]
+    ids = [f"{tag}-r{i}" for i in range(batch)]
     params = SamplingParams(temperature=0.0, ignore_eos=True)
     new = [
         NewRequestData(
@@ -167,50 +171,80 @@ def time_noop_rpc(executor: Executor, n: int) -> list[float]:
 
 
 def run_executor_part(args: argparse.Namespace, path: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+    """All executors alive at once, measured in turns, so that load swings hit them alike."""
     batches = [int(b) for b in args.batches.split(",")]
+    backends = args.backends.split(",")
     warmup = 5
     blocks_per_req = blocks_per_request(args.steps, warmup)
-    for backend in args.backends.split(","):
-        tp = 1 if backend == "uni" else args.tp
-        began = time.perf_counter()
-        executor = Executor.create(engine_config(path, backend, tp, max(batches)))
-        startup_s = time.perf_counter() - began
-        per_batch: dict[str, Any] = {}
-        try:
-            noop = time_noop_rpc(executor, args.steps)
-            init_kv(executor, max(batches), blocks_per_req)
-            finished: list[str] = []
+    executors: dict[str, Executor] = {}
+    results: dict[str, Any] = {}
+    try:
+        for backend in backends:
+            tp = 1 if backend == "uni" else args.tp
+            began = time.perf_counter()
+            executors[backend] = Executor.create(engine_config(path, backend, tp, max(batches)))
+            results[backend] = {"tp": tp, "startup_s": round(time.perf_counter() - began, 1)}
+            init_kv(executors[backend], max(batches), blocks_per_req)
+        noop: dict[str, list[float]] = {b: [] for b in backends}
+        steps: dict[str, dict[int, list[float]]] = {b: {n: [] for n in batches} for b in backends}
+        round_medians: dict[str, dict[int, list[float]]] = {
+            b: {n: [] for n in batches} for b in backends
+        }
+        finished: dict[str, list[str]] = {b: [] for b in backends}
+        loads: list[float] = []
+        for rnd in range(args.rounds):
+            loads.append(round(os.getloadavg()[0], 2))
             for batch in batches:
-                times, finished = time_steps(
-                    executor, batch, args.steps, warmup, blocks_per_req, finished
-                )
-                per_batch[str(batch)] = {
-                    "median_ms": round(statistics.median(times) * 1e3, 3),
-                    "p90_ms": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e3, 3),
-                    "loadavg_1m": round(os.getloadavg()[0], 2),
-                }
-        finally:
-            executor.shutdown()
-        results[backend] = {
-            "tp": tp,
-            "startup_s": round(startup_s, 1),
-            "noop_rpc_us": round(statistics.median(noop) * 1e6, 1),
-            "step_ms": per_batch,
-        }
-    if "uni" in results:
-        base = results["uni"]["step_ms"]
-        for r in results.values():
-            r["overhead_vs_uni_ms"] = {
-                b: round(v["median_ms"] - base[b]["median_ms"], 3)
-                for b, v in r["step_ms"].items()
-                if b in base
+                for backend in backends:
+                    ex = executors[backend]
+                    noop[backend] += time_noop_rpc(ex, 20)
+                    times, finished[backend] = time_steps(
+                        ex, batch, args.steps, warmup, blocks_per_req, finished[backend],
+                        tag=f"{rnd}-{batch}",
+                    )  # fmt: skip
+                    steps[backend][batch] += times
+                    round_medians[backend][batch].append(statistics.median(times))
+    finally:
+        for ex in executors.values():
+            ex.shutdown()
+    results["loadavg_1m_per_round"] = loads
+    for backend in backends:
+        results[backend]["noop_rpc_us"] = round(statistics.median(noop[backend]) * 1e6, 1)
+        results[backend]["step_ms"] = {
+            str(n): {
+                "median_ms": round(statistics.median(t) * 1e3, 3),
+                "p90_ms": round(sorted(t)[int(0.9 * (len(t) - 1))] * 1e3, 3),
+                "round_medians_ms": [round(m * 1e3, 2) for m in round_medians[backend][n]],
             }
-    if "ray" in results and "mp" in results:
-        results["ray"]["step_over_mp"] = {
-            b: round(v["median_ms"] / results["mp"]["step_ms"][b]["median_ms"], 2)
-            for b, v in results["ray"]["step_ms"].items()
+            for n, t in steps[backend].items()
         }
+    for base_name in ("uni", "mp"):
+        if base_name not in results:
+            continue
+        for backend in backends:
+            if backend == base_name:
+                continue
+            # Per round (same moment, same load), then the median over rounds.
+            results[backend][f"step_over_{base_name}"] = {
+                str(n): round(
+                    statistics.median(
+                        a / b
+                        for a, b in zip(
+                            round_medians[backend][n], round_medians[base_name][n], strict=True
+                        )
+                    ),
+                    2,
+                )
+                for n in batches
+            }
+            results[backend][f"overhead_vs_{base_name}_ms"] = {
+                str(n): round(
+                    (statistics.median(steps[backend][n]) - statistics.median(steps[base_name][n]))
+                    * 1e3,
+                    3,
+                )
+                for n in batches
+            }
     return results
 
 
@@ -232,7 +266,8 @@ def main() -> None:
     ap.add_argument("--part", choices=["executor", "dp", "all"], default="executor")
     ap.add_argument("--backends", default="uni,mp,ray", help="comma list of uni, mp, ray")
     ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=30, help="timed decode steps per round")
+    ap.add_argument("--rounds", type=int, default=3, help="turns over the executors")
     ap.add_argument("--tp", type=int, default=1, help="TP size of the mp and ray runs")
     args = ap.parse_args()
     out: dict[str, Any] = {
@@ -249,7 +284,8 @@ def main() -> None:
             out["executor"] = {
                 "what": "decode step (execute_model + sample_tokens) on a 1-layer hidden-64 "
                 "model; noop_rpc = collective_rpc(CheckHealth)",
-                "steps": args.steps,
+                "steps_per_round": args.steps,
+                "rounds": args.rounds,
                 **run_executor_part(args, path),
             }
     if args.part in ("dp", "all"):

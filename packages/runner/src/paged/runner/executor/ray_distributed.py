@@ -22,7 +22,9 @@
   fail fast with the same error.
 - Shutdown: `Shutdown` to every live actor (leaves the process group), then
   `ray.kill` each actor, remove the placement group and, if this executor
-  started the cluster, `ray.shutdown()`; nothing started here outlives it.
+  made the connection, `ray.shutdown()` (which stops a local cluster it
+  started, and only disconnects from a `RAY_ADDRESS` one); nothing started
+  here outlives it.
 
 Ray's known cost: its core workers poll, and every call is a task submission
 through the driver's core worker (a gRPC round trip per actor);
@@ -72,11 +74,18 @@ def start_local_ray(num_cpus: int) -> None:
     """`ray.init` of a private local cluster, as small as Ray allows.
 
     `num_cpus` bundles' worth of CPUs, no dashboard UI, worker logs not
-    forwarded. The raylet waits for its agent processes to report their ports
-    (30 s by default); on a loaded machine they start slower, so the wait is
-    raised to 2 minutes unless RAY_agent_register_timeout_ms is set.
+    forwarded. Two Ray defaults are changed unless already set in the
+    environment (the raylet reads them at start):
+    - RAY_worker_niceness=0: Ray starts worker processes at nice 15, which on
+      a busy machine starves the actors that run the model (measured: a
+      batch-32 step of the benchmark's tiny model 9x slower than the
+      multiproc executor's under load ~10; benchmarks/scaleout_bench.py).
+    - RAY_agent_register_timeout_ms=120000: the raylet waits 30 s for its agent
+      processes to report their ports; on a loaded machine they start slower
+      and the cluster fails to come up.
     """
     ray = _import_ray()
+    os.environ.setdefault("RAY_worker_niceness", "0")
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     ray.init(
         num_cpus=num_cpus,
