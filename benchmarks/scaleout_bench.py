@@ -222,7 +222,7 @@ def run_executor_part(args: argparse.Namespace, path: Path) -> dict[str, Any]:
         if base_name not in results:
             continue
         for backend in backends:
-            if backend == base_name:
+            if backend in (base_name, "uni"):  # uni is only ever the baseline
                 continue
             # Per round (same moment, same load), then the median over rounds.
             results[backend][f"step_over_{base_name}"] = {
