@@ -219,6 +219,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="GPUs to shard the model over",
     )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["uni", "mp", "ray"],
+        default=None,
+        help="how workers run: 'uni' (in the engine process), 'mp' (one process per rank, "
+        "the default for TP > 1) or 'ray' (one Ray actor per rank, across nodes; needs "
+        "paged-runner[ray]; joins RAY_ADDRESS or starts a local cluster)",
+    )
+    p.add_argument(
+        "--ray-placement-strategy",
+        choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+        default="PACK",
+        help="Ray placement-group strategy for the 'ray' backend's one bundle per rank "
+        "(default PACK: fill the engine's node first)",
+    )
     _add_multimodal_args(parser)
     e = parser.add_argument_group("Encoder-cache transfer")
     e.add_argument(
@@ -321,6 +336,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         enable_chunked_prefill=ns.enable_chunked_prefill,
         tensor_parallel_size=ns.tensor_parallel_size,
+        distributed_executor_backend=ns.distributed_executor_backend,
+        ray_placement_strategy=ns.ray_placement_strategy,
         max_logprobs=ns.max_logprobs,
         seed=ns.seed,
         enforce_eager=ns.enforce_eager,

@@ -15,7 +15,12 @@ from paged.server.tokenizer import DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
     from paged.connectors.events import KVEventsConfig
-    from paged.runner.config import EngineConfig, ModelConfig
+    from paged.runner.config import (
+        EngineConfig,
+        ExecutorBackend,
+        ModelConfig,
+        RayPlacementStrategy,
+    )
     from paged.server.mm_frontend import MultiModalEngineOptions, MultiModalFrontend
     from paged.server.structured_output.options import StructuredOutputOptions
 
@@ -40,6 +45,10 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    # vLLM's --distributed-executor-backend ("uni" | "mp" | "ray"; None: mp for TP > 1).
+    distributed_executor_backend: ExecutorBackend | None = None
+    # The "ray" backend's placement-group strategy (PACK | SPREAD | STRICT_*).
+    ray_placement_strategy: RayPlacementStrategy = "PACK"
     max_logprobs: int = 20
     seed: int = 0
     enforce_eager: bool = False
@@ -188,7 +197,11 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                ray_placement_strategy=self.ray_placement_strategy,
+            ),
             scheduler_limits=SchedulerLimits(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -3,7 +3,8 @@
 Every method fans one typed call out to all workers (`collective_rpc`) and
 returns the output rank's answer (rank 0). `Executor.create(engine_config)`
 picks the implementation from `ParallelConfig.executor_backend`:
-"uni" (one worker in this process) or "mp" (one process per TP rank).
+"uni" (one worker in this process), "mp" (one process per rank) or "ray"
+(one Ray actor per rank; ray is imported only then).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, Scheduler
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process exited while the executor was using it."""
+    """A worker process (or Ray actor) exited while the executor was using it."""
 
 
 class WorkerError(RuntimeError):
@@ -50,6 +51,10 @@ class Executor(abc.ABC):
             from paged.runner.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor(engine_config)
+        if backend == "ray":
+            from paged.runner.executor.ray_distributed import RayDistributedExecutor
+
+            return RayDistributedExecutor(engine_config)
         from paged.runner.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(engine_config)
