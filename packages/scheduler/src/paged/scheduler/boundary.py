@@ -177,6 +177,34 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     kv_connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
 
 
+class ECConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Base of what an encoder-cache connector's scheduler side tells its worker side per step.
+
+    Each connector subclasses it with its own fields (e.g. the mm hashes to
+    load). The scheduler msgpack-encodes the instance `build_connector_meta`
+    returns into `SchedulerOutput.ec_connector_metadata`; the worker side
+    decodes those bytes with its own subclass (it knows its type, the wire
+    does not carry it).
+    """
+
+
+class ECConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """What a worker-side encoder-cache connector reports back after a step (vLLM gap 1).
+
+    Every entry is an mm hash (the encoder item's identifier), not a request
+    id: one item is loaded once for every request that shares it.
+    finished_sending: saves/sends that completed (the producer may release them).
+    finished_recving: asynchronous loads whose embeddings are now in the
+        worker's encoder cache (the scheduler may schedule the item's tokens).
+    failed_recving: loads that failed (missing, corrupt, peer gone); the
+        scheduler encodes the item locally or fails its requests, by config.
+    """
+
+    finished_sending: list[str] = msgspec.field(default_factory=list)
+    finished_recving: list[str] = msgspec.field(default_factory=list)
+    failed_recving: list[str] = msgspec.field(default_factory=list)
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """The runner's answer to one `SchedulerOutput`; plain lists, never tensors.
 
@@ -196,6 +224,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     kv_connector_output: KVConnectorOutput | None = None
     # Speculative decoding: drafts to verify next step (Scheduler.update_draft_token_ids).
     draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # Encoder-cache connector report (finished async loads/saves); trailing, optional.
+    ec_connector_output: ECConnectorOutput | None = None
 
 
 class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

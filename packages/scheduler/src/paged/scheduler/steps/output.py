@@ -50,7 +50,8 @@ def build_scheduler_output(state: SchedulerState, plan: StepPlan) -> SchedulerOu
         meta = state.kv_connector.build_connector_meta(output)
         output = msgspec.structs.replace(output, kv_connector_metadata=meta)
     if state.ec_connector is not None:
-        ec_meta = state.ec_connector.build_connector_meta(output)
+        # The connector's own metadata struct, as bytes: its worker side decodes it.
+        ec_meta = msgspec.msgpack.encode(state.ec_connector.build_connector_meta(output))
         output = msgspec.structs.replace(output, ec_connector_metadata=ec_meta)
     return output
 
