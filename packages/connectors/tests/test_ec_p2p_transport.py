@@ -189,8 +189,6 @@ def test_config_keys_and_errors() -> None:
         ECZmqConfig.from_extra_config({"listen_prot": 1})
     with pytest.raises(ValueError, match="producer_endpoints: 'nohost' is not host:port"):
         ECZmqConfig.from_extra_config({"producer_endpoints": ["nohost"]})
-    with pytest.raises(ValueError, match="on_producer_failure must be 'recompute' or 'fail'"):
-        ECZmqConfig.from_extra_config({"on_producer_failure": "retry"})
     with pytest.raises(ValueError, match="transfer_timeout must be positive"):
         ECZmqConfig.from_extra_config({"transfer_timeout": 0})
     with pytest.raises(ValueError, match="listen_port: expected a number"):

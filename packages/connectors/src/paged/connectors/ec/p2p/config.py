@@ -9,17 +9,18 @@ Consumer (ec_consumer / ec_both):
     producer_endpoints   the producers' "host:port" (or "tcp://host:port") list; every one
                          is asked for a hash it does not know the holder of
     transfer_timeout     seconds to wait for a producer's reply before it counts as dead (5)
-    on_producer_failure  "recompute": run the encoder locally for an item no producer
-                         delivered (default); "fail": finish the request with an error
 
-Unknown keys are an error naming the key.
+What a consumer does with an item no producer delivered is the transfer
+config's `ec_load_failure_policy` ("recompute": encode it locally, the same
+output; "fail": finish its requests with an error). Unknown keys are an error
+naming the key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 _KNOWN = frozenset(
     {
@@ -28,11 +29,8 @@ _KNOWN = frozenset(
         "hold_timeout",
         "producer_endpoints",
         "transfer_timeout",
-        "on_producer_failure",
     }
 )
-
-FailurePolicy = Literal["recompute", "fail"]
 
 
 def _endpoint(raw: str) -> str:
@@ -55,7 +53,6 @@ class ECZmqConfig:
     hold_timeout: float = 120.0
     producer_endpoints: tuple[str, ...] = ()
     transfer_timeout: float = 5.0
-    on_producer_failure: FailurePolicy = "recompute"
 
     def __post_init__(self) -> None:
         # Frozen: normalise "host:port" to a ZMQ address once, here.
@@ -72,11 +69,6 @@ class ECZmqConfig:
                     f"ec_connector_extra_config.{name} must be positive seconds, "
                     f"got {getattr(self, name)}"
                 )
-        if self.on_producer_failure not in ("recompute", "fail"):
-            raise ValueError(
-                "ec_connector_extra_config.on_producer_failure must be 'recompute' or 'fail', "
-                f"got {self.on_producer_failure!r}"
-            )
 
     @property
     def listen_endpoint(self) -> str:
@@ -123,5 +115,4 @@ class ECZmqConfig:
             hold_timeout=pick("hold_timeout", float),
             producer_endpoints=tuple(endpoints_raw),
             transfer_timeout=pick("transfer_timeout", float),
-            on_producer_failure=pick("on_producer_failure", str),
         )
