@@ -3,7 +3,7 @@
     paged serve [MODEL]          OpenAI-compatible server (default: SmolLM2-135M-Instruct)
     paged generate [MODEL] -p .. one completion, printed to stdout
     paged chat [MODEL]           an interactive chat in the terminal
-    paged proxy --prefill URL --decode URL   prefill/decode disaggregation router
+    paged proxy [--encode URL] [--prefill URL] --decode URL   E/P/D disaggregation router
 
 Engine options are shared by all three (see `paged serve --help`).
 """
@@ -431,7 +431,19 @@ def _add_proxy_parser(sub: Any) -> None:
         "--kv-transfer-config naming PagedZmqConnector (or vLLM with NixlConnector).",
     )
     proxy.add_argument(
-        "--prefill", action="append", required=True, metavar="URL", help="a prefill instance"
+        "--encode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an encoder-only instance (paged serve --ec-role producer); requests with "
+        "images go there first",
+    )
+    proxy.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill instance (required unless --encode is given)",
     )
     proxy.add_argument(
         "--decode", action="append", required=True, metavar="URL", help="a decode instance"
@@ -454,6 +466,7 @@ def _proxy(ns: argparse.Namespace) -> int:
             port=ns.port,
             log_level=ns.log_level,
             timeout_s=ns.timeout,
+            encode=ns.encode,
         )
     except ValueError as e:
         print(f"paged proxy: error: {e}", file=sys.stderr)
