@@ -110,10 +110,13 @@ def test_text_only_requests_skip_the_encoder(e_pd: TestClient, upstreams: Upstre
 
 
 def test_e_p_d_runs_the_three_stages_in_order(upstreams: Upstreams) -> None:
-    with proxy(upstreams, ProxyConfig((P1,), (D1,), encode_urls=(E1,))) as client:
-        with client.stream("POST", "/v1/chat/completions", json=chat(IMAGE, stream=True)) as r:
-            assert r.status_code == 200
-            assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    body = chat(IMAGE, stream=True)
+    with (
+        proxy(upstreams, ProxyConfig((P1,), (D1,), encode_urls=(E1,))) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
     assert upstreams.hosts() == [E1, P1, D1]
     (prefill_body,) = upstreams.bodies("http://p")
     assert prefill_body["kv_transfer_params"]["do_remote_decode"] is True
