@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import pytest
 
 from paged.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from paged.scheduler.boundary import FinishReason, GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from paged.scheduler.boundary import (
+    ECConnectorMetadata,
+    ECConnectorOutput,
+    FinishReason,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from paged.scheduler.connectors import ECConnectorScheduler
 from paged.scheduler.request import Request
 from paged.scheduler.structured_output import StructuredOutputProvider
@@ -110,8 +119,21 @@ class FakeECConnector:
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         self.loaded.append((request.request_id, index))
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes:
-        return ",".join(f"{r}:{i}" for r, i in self.loaded).encode()
+    def is_async_load(self, identifier: str) -> bool:
+        return False
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        return FakeECMetadata([f"{r}:{i}" for r, i in self.loaded])
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        return None
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+
+class FakeECMetadata(ECConnectorMetadata):
+    loads: list[str]
 
 
 def test_ec_connector_loads_instead_of_computing() -> None:
@@ -123,7 +145,9 @@ def test_ec_connector_loads_instead_of_computing() -> None:
     so = sched.schedule()
     assert so.scheduled_encoder_inputs == {"a": [1]}  # only the local item is computed
     assert ec.loaded == [("a", 0)]
-    assert so.ec_connector_metadata == b"a:0"
+    assert so.ec_connector_metadata is not None
+    meta = msgspec.msgpack.decode(so.ec_connector_metadata, type=FakeECMetadata)
+    assert meta.loads == ["a:0"]
     assert set(sched.state.encoder_cache.cached) == {"remote", "local"}
 
 

@@ -150,6 +150,22 @@ class EncoderCacheManager:
         for input_id in self.get_cached_input_ids(request):
             self.free_encoder_input(request, input_id)
 
+    def evict_unreferenced(self, mm_hash: str) -> bool:
+        """Evict `mm_hash` now if no request references it; True if it was evicted.
+
+        For an entry whose content never arrived (a failed encoder-cache load):
+        keeping it would make later requests skip the encoder for it.
+        """
+        refs = self.cached.get(mm_hash)
+        if refs is None or refs:
+            return False
+        size = self.freeable.pop(mm_hash)
+        del self.cached[mm_hash]
+        del self._sizes[mm_hash]
+        self.freed.append(mm_hash)
+        self.num_free_slots += size
+        return True
+
     def get_freed_mm_hashes(self) -> list[str]:
         """Hashes evicted since the last call; the caller forwards them to the worker."""
         freed = self.freed

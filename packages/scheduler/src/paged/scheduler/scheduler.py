@@ -33,6 +33,7 @@ from paged.scheduler.boundary import (
 from paged.scheduler.budget import StepBudget
 from paged.scheduler.config import SchedulerConfig
 from paged.scheduler.connectors import ECConnectorScheduler, KVConnectorScheduler
+from paged.scheduler.ec_transfer import ECTransferState
 from paged.scheduler.queue import RequestQueue, create_request_queue
 from paged.scheduler.remote_kv import add_counters, process_connector_output
 from paged.scheduler.request import FINISHED_STATUSES, Request, RequestStatus
@@ -48,6 +49,7 @@ from paged.scheduler.structured_output import (
 )
 from paged.scheduler.update import (
     StepResults,
+    fail_ec_loads,
     fail_kv_loads,
     finish_requests,
     update_requests,
@@ -80,9 +82,15 @@ class Scheduler:
         enable_kv_cache_events: bool = False,
         include_finished_set: bool = False,
         kv_metrics_collector: KVCacheMetricsCollector | None = None,
+        ec_load_failure_policy: str = "recompute",
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if ec_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                "ec_load_failure_policy must be 'recompute' or 'fail', "
+                f"got {ec_load_failure_policy!r}"
+            )
         config = scheduler_config
         if config.disable_chunked_mm_input and max_tokens_per_mm_item > (
             config.max_num_batched_tokens
@@ -139,6 +147,7 @@ class Scheduler:
                 if isinstance(structured_output, GrammarCompileGate)
                 else None
             ),
+            ec_transfer=ECTransferState(load_failure_policy=ec_load_failure_policy),
         )
 
     # -- requests in ------------------------------------------------------------
@@ -237,6 +246,13 @@ class Scheduler:
             if failed and self.config.kv_load_failure_policy == "fail":
                 fail_kv_loads(state, failed, self.structured_output)
                 failed = set()
+        ec_out = model_runner_output.ec_connector_output
+        if ec_out is not None:
+            if state.ec_connector is not None:
+                state.ec_connector.update_connector_output(ec_out)
+            ec_failed = state.ec_transfer.process_output(ec_out, state.encoder_cache)
+            if ec_failed:
+                fail_ec_loads(state, ec_failed, self.structured_output)
         if self.spec_decoding_counter is not None:
             self.spec_decoding_counter.observe(scheduler_output, model_runner_output)
         results = update_requests(
@@ -311,7 +327,12 @@ class Scheduler:
 
     def has_finished_requests(self) -> bool:
         state = self.state
-        return bool(state.finished_req_ids or state.pending_outputs or state.delayed_free_req_ids)
+        return bool(
+            state.finished_req_ids
+            or state.pending_outputs
+            or state.delayed_free_req_ids
+            or state.ec_transfer.has_pending()
+        )
 
     def has_requests(self) -> bool:
         """Whether EngineCore must keep stepping (work, unreported finishes, pending transfers)."""

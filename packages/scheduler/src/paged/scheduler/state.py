@@ -17,6 +17,7 @@ from paged.scheduler.boundary import EngineCoreOutput
 from paged.scheduler.budget import StepBudget
 from paged.scheduler.config import SchedulerConfig
 from paged.scheduler.connectors import ECConnectorScheduler, KVConnectorScheduler
+from paged.scheduler.ec_transfer import ECTransferState
 from paged.scheduler.queue import RequestQueue
 from paged.scheduler.request import Request
 
@@ -58,6 +59,8 @@ class SchedulerState:
     delayed_free_req_ids: set[str] = field(default_factory=set)
     num_preempted_since_stats: int = 0
     last_num_scheduled_tokens: int = 0
+    # Encoder items loading asynchronously through the EC connector, delayed frees.
+    ec_transfer: ECTransferState = field(default_factory=ECTransferState)
     # The provider's GrammarCompileGate check (None: grammars are always ready).
     grammar_ready: Callable[[Request], bool] | None = None
 

@@ -65,7 +65,9 @@ def free_request(state: SchedulerState, request: Request) -> KVTransferParams | 
     state.finished_recving_kv_req_ids.discard(req_id)
     state.failed_recving_kv_req_ids.discard(req_id)
     delay, params = connector_finished(state, request, was_loading)
-    state.encoder_cache.free(request)
+    # vLLM's gap 2: the EC connector hears of every end; it may keep the entries.
+    if not state.ec_transfer.request_ended(request, state.encoder_cache, state.ec_connector):
+        state.encoder_cache.free(request)
     state.finished_req_ids.add(req_id)
     per_client = state.finished_req_ids_per_client.get(request.client_index)
     if per_client is None:
@@ -119,6 +121,25 @@ def fail_kv_loads(
         state, sorted(request_ids), RequestStatus.FINISHED_ERROR, structured
     ):
         req.finish_detail = "KV cache load failed (kv_load_failure_policy: fail)"
+        cached = req.num_cached_tokens
+        output = EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            finish_detail=req.finish_detail,
+            num_cached_tokens=cached if cached > 0 else 0,
+        )
+        state.pending_outputs.append((req.client_index, output))
+
+
+def fail_ec_loads(
+    state: SchedulerState, request_ids: set[str], structured: StructuredOutputProvider | None
+) -> None:
+    """ec_load_failure_policy "fail": finish requests whose encoder-cache load failed."""
+    for req in finish_requests(
+        state, sorted(request_ids), RequestStatus.FINISHED_ERROR, structured
+    ):
+        req.finish_detail = "encoder cache load failed (ec_load_failure_policy: fail)"
         cached = req.num_cached_tokens
         output = EngineCoreOutput(
             request_id=req.request_id,

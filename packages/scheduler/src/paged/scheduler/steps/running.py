@@ -21,6 +21,7 @@ from paged.scheduler.steps.encoder_inputs import (
     EncoderDecision,
     commit_encoder_inputs,
     schedule_encoder_inputs,
+    start_async_loads,
 )
 from paged.scheduler.steps.preemption import pick_victim, preempt, unschedule
 
@@ -59,9 +60,19 @@ def schedule_running(state: SchedulerState, plan: StepPlan, long_prefill_thresho
                 state.encoder_cache,
                 state.ec_connector,
                 config.disable_chunked_mm_input,
+                state.ec_transfer,
             )
             num_new = decision.num_new_tokens
         if num_new <= 0:
+            if decision is not None:
+                # Stopped before an item whose embeddings load asynchronously.
+                start_async_loads(
+                    request,
+                    decision,
+                    state.encoder_cache,
+                    state.ec_connector,
+                    state.ec_transfer,
+                )
             index += 1
             continue
         while True:
@@ -106,8 +117,10 @@ def _record(
             plan.spec_decode_tokens[req_id] = request.spec_token_ids[:num_spec]
         # Fresh drafts arrive through update_draft_token_ids before the next step.
         request.spec_token_ids = []
-    if decision is not None and (decision.to_compute or decision.to_load):
+    if decision is not None and (decision.to_compute or decision.to_load or decision.to_load_async):
         if decision.to_compute:
             plan.encoder_inputs[req_id] = decision.to_compute
             plan.budget.encoder_embeds -= decision.compute_embeds
-        commit_encoder_inputs(request, decision, state.encoder_cache, state.ec_connector)
+        commit_encoder_inputs(
+            request, decision, state.encoder_cache, state.ec_connector, state.ec_transfer
+        )

@@ -4,6 +4,8 @@ Skipped entirely in a step that preempted (admitting would only thrash).
 Per request at the head of the queue:
 
     WAITING_FOR_REMOTE_KVS, load not finished     -> set aside, look at the next one
+    nothing to run before an encoder item still loading through the EC connector
+                                                  -> start the load if new, set aside
     grammar still compiling (GrammarCompileGate)  -> set aside, look at the next one
     local prefix-cache hit + connector hit        -> computed tokens (connector may
                                                      say "ask again": set aside)
@@ -27,6 +29,7 @@ from paged.scheduler.steps.encoder_inputs import (
     EncoderDecision,
     commit_encoder_inputs,
     schedule_encoder_inputs,
+    start_async_loads,
 )
 from paged.scheduler.update import free_request
 
@@ -96,6 +99,17 @@ def _try_admit(
             num_new = decision.num_new_tokens
             if num_new == 0:
                 state.encoder_cache.free(request)
+                if decision.waiting_for_load:
+                    # Its embeddings are on their way: wait aside, others go on.
+                    start_async_loads(
+                        request,
+                        decision,
+                        state.encoder_cache,
+                        state.ec_connector,
+                        state.ec_transfer,
+                    )
+                    skipped.add_request(state.waiting.pop_request())
+                    return True
                 return False
     if not load_async and not _whole_sequence_fits(state, request, computed_blocks, num_computed):
         if request.mm_features:
@@ -180,6 +194,7 @@ def _encoder_decision(
         state.encoder_cache,
         state.ec_connector,
         state.config.disable_chunked_mm_input,
+        state.ec_transfer,
     )
 
 
@@ -205,8 +220,10 @@ def _admit(
     request.num_computed_tokens = num_computed
     if request.num_cached_tokens < 0:
         request.num_cached_tokens = num_computed
-    if decision is not None and (decision.to_compute or decision.to_load):
+    if decision is not None and (decision.to_compute or decision.to_load or decision.to_load_async):
         if decision.to_compute:
             plan.encoder_inputs[req_id] = decision.to_compute
             plan.budget.encoder_embeds -= decision.compute_embeds
-        commit_encoder_inputs(request, decision, state.encoder_cache, state.ec_connector)
+        commit_encoder_inputs(
+            request, decision, state.encoder_cache, state.ec_connector, state.ec_transfer
+        )
