@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
+    from paged.runner.ec_connector import ECConnectorWorkerFactory
     from paged.runner.kv_connector import KVConnectorWorkerFactory
     from paged.runner.spec_decode.config import SpeculativeConfig
 
@@ -479,6 +480,11 @@ class EngineConfig:
     kv_connector_factory: KVConnectorWorkerFactory | None = None
     # vLLM's --speculative-config (n-gram or draft model); None: no speculation.
     speculative_config: SpeculativeConfig | None = None
+    # Builds each worker's encoder-cache connector (None: none); picklable, as above.
+    ec_connector_factory: ECConnectorWorkerFactory | None = None
+    # The scheduler's encoder_cache_size (embeddings); None: its default. Sizes the
+    # worker's preallocated encoder cache so both sides count the same capacity.
+    encoder_cache_size: int | None = None
 
     def __post_init__(self) -> None:
         limits = self.scheduler_limits

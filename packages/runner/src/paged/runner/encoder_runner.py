@@ -1,11 +1,17 @@
 """The runner's multimodal half (seed: GPUModelRunner `_execute_mm_encoder`,
 `_gather_mm_embeddings`, `embed_input_ids`), held by `ModelRunner` by composition.
 
-Per step, in this order:
+Per step, in this order (`step` runs the first four):
 
     free(free_encoder_mm_hashes)      drop what the scheduler's EncoderCacheManager evicted
+    EC connector, consumer            bind the step's metadata, start_load_caches: loaded
+                                      embeddings are written straight into the cache
     execute(scheduled_encoder_inputs) run the encoder for the scheduled items, batched per
-                                      modality; outputs -> encoder_cache[mm_hash] = [E, H]
+                                      modality; outputs -> encoder_cache rows [E, H];
+                                      producer: save_caches(encoder_cache, mm_hash) each
+    recompute failed loads            an item whose synchronous load failed (missing or
+                                      corrupt file) is encoded here, same output
+    EC connector report               get_finished + get_failed_loads -> ECConnectorOutput
     prepare(batch, inputs)            for every request's chunk [computed, computed + n):
                                       the slice of each overlapping item's output it needs
                                       (is_embed picks the embedded positions), in token order,
@@ -24,11 +30,14 @@ are cumsum(is_embed) over that window:
 The cache is the worker's copy of the scheduler's: it holds an output from the
 step its item was scheduled until the scheduler lists its hash as freed, so a
 chunked prefill across a placeholder, and other requests with the same image,
-read the same tensor without re-encoding.
+read the same tensor without re-encoding. It is one preallocated buffer
+(`PreallocatedEncoderCache`, sized like the scheduler's EncoderCacheManager),
+handed to the EC connector once with `register_caches`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -36,10 +45,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from paged.multimodal.encoder_cache import compute_mm_encoder_budget
 from paged.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange, TensorData
+from paged.runner.ec_connector import ECConnectorWorker
+from paged.runner.encoder_cache_buffer import PreallocatedEncoderCache
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.input_prep import StepInputs
 from paged.runner.models.interface import SupportsMultiModal
+from paged.scheduler.boundary import ECConnectorOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,21 +88,109 @@ def embed_runs(pos: PlaceholderRange) -> list[tuple[int, int]]:
     return runs
 
 
-class EncoderRunner:
-    """Encoder cache keyed by mm_hash, the per-step gather, and the merge into embeddings."""
+def encoder_cache_capacity(
+    max_num_batched_tokens: int, max_tokens_per_mm_item: int, encoder_cache_size: int | None = None
+) -> int:
+    """Embeddings the worker's cache holds: the scheduler's EncoderCacheManager size.
 
-    def __init__(self, model: SupportsMultiModal, device: torch.device) -> None:
+    The same resolution as the scheduler's (`compute_mm_encoder_budget`, with
+    `encoder_cache_size` None meaning max_num_batched_tokens), so every
+    allocation the scheduler admits fits the buffer.
+    """
+    size = max_num_batched_tokens if encoder_cache_size is None else encoder_cache_size
+    budget = compute_mm_encoder_budget(max_num_batched_tokens, size, max_tokens_per_mm_item)
+    return max(budget.encoder_cache_size, 1)
+
+
+class EncoderRunner:
+    """Encoder cache keyed by mm_hash, the per-step gather, and the merge into embeddings.
+
+    Holds the preallocated cache and, optionally, the worker side of an EC
+    connector (composition: the runner calls it, never the other way round).
+    """
+
+    def __init__(
+        self,
+        model: SupportsMultiModal,
+        device: torch.device,
+        encoder_cache: PreallocatedEncoderCache,
+        ec_connector: ECConnectorWorker | None = None,
+    ) -> None:
         self.model = model
         self.device = device
-        self.encoder_cache: dict[str, torch.Tensor] = {}
-        # Counters for tests and metrics: encoder forward calls, items encoded.
+        self.encoder_cache = encoder_cache
+        self.ec_connector = ec_connector
+        if ec_connector is not None:
+            ec_connector.register_caches(encoder_cache)  # vLLM's gap 3
+        # Counters for tests and metrics: encoder forward calls, items encoded,
+        # items encoded because their connector load failed.
         self.num_encoder_calls = 0
         self.num_encoded_items = 0
+        self.num_recomputed_loads = 0
 
     def free(self, mm_hashes: Iterable[str]) -> None:
         """Drop the outputs the scheduler evicted (a hash it never sent here is ignored)."""
         for mm_hash in mm_hashes:
-            self.encoder_cache.pop(mm_hash, None)
+            self.encoder_cache.free(mm_hash)
+
+    def step(
+        self, scheduler_output: SchedulerOutput, requests: Mapping[str, CachedRequestState]
+    ) -> ECConnectorOutput | None:
+        """Free, load, encode and report for one step (module docstring); before the forward."""
+        so = scheduler_output
+        self.free(so.free_encoder_mm_hashes)
+        connector = self.ec_connector
+        if connector is None:
+            self.execute(so.scheduled_encoder_inputs, requests)
+            return None
+        bound = so.ec_connector_metadata is not None
+        if so.ec_connector_metadata is not None:
+            connector.bind_connector_metadata(so.ec_connector_metadata)
+        try:
+            failed: set[str] = set()
+            if connector.is_consumer:
+                connector.start_load_caches(self.encoder_cache)
+                failed = connector.get_failed_loads()
+            self.execute(so.scheduled_encoder_inputs, requests)
+            if failed:
+                self._recompute_failed_loads(failed, so.num_scheduled_tokens, requests)
+        finally:
+            if bound:
+                connector.clear_connector_metadata()
+        sending, recving = connector.get_finished(set(so.finished_req_ids))
+        failed |= connector.get_failed_loads()
+        return ECConnectorOutput(
+            finished_sending=sorted(sending or ()),
+            finished_recving=sorted(recving or ()),
+            failed_recving=sorted(failed),
+        )
+
+    def _recompute_failed_loads(
+        self,
+        failed: set[str],
+        num_scheduled_tokens: Mapping[str, int],
+        requests: Mapping[str, CachedRequestState],
+    ) -> None:
+        """Encode the items this step needs whose load failed (their data came along)."""
+        needed: dict[str, list[int]] = {}
+        for req_id, n in num_scheduled_tokens.items():
+            state = requests.get(req_id)
+            if state is None or not state.mm_features:
+                continue
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            for i, feature in enumerate(state.mm_features):
+                pos = feature.mm_position
+                if (
+                    feature.identifier in failed
+                    and feature.identifier not in self.encoder_cache
+                    and pos.offset < end
+                    and pos.end > start
+                ):
+                    needed.setdefault(req_id, []).append(i)
+        if needed:
+            before = self.num_encoded_items
+            self.execute(needed, requests)
+            self.num_recomputed_loads += self.num_encoded_items - before
 
     def execute(
         self,
@@ -134,7 +237,16 @@ class EncoderRunner:
                         f"mm_hash {feature.identifier}: the encoder gave {output.shape[0]} "
                         f"embeddings for a placeholder with {expected} embedded positions"
                     )
-                self.encoder_cache[feature.identifier] = output
+                self.encoder_cache.store(feature.identifier, output)
+                if self.ec_connector is not None and self.ec_connector.is_producer:
+                    self._save(self.ec_connector, feature.identifier)
+
+    def _save(self, connector: ECConnectorWorker, mm_hash: str) -> None:
+        """A failed save (disk full, peer gone) costs a later recompute, never this step."""
+        try:
+            connector.save_caches(self.encoder_cache, mm_hash)
+        except Exception:
+            logger.warning("EC connector: saving mm_hash %s failed", mm_hash, exc_info=True)
 
     def prepare(
         self,

@@ -22,7 +22,9 @@ Multimodal models get an `EncoderRunner` (`encoder_runner.py`), also held by
 composition: it frees what the scheduler evicted, runs the vision encoder for
 the step's scheduled items, and turns the step's tokens into inputs_embeds
 (encoder rows merged with masked_scatter) plus the bidirectional image spans
-the attention metadata carries.
+the attention metadata carries. Its encoder cache is one preallocated buffer;
+an optional worker-side EC connector is handed to it (loads, saves, and the
+step's `ECConnectorOutput`, carried on the step's output like the KV one).
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ from paged.runner.attention.backends import select_attention_backend
 from paged.runner.attention.metadata import ForwardContext
 from paged.runner.config import CacheConfig, ModelConfig, SchedulerLimits
 from paged.runner.cuda_graphs import CudaGraphRunner
-from paged.runner.encoder_runner import EncoderRunner, MultiModalStepInputs
+from paged.runner.ec_connector import ECConnectorWorker
+from paged.runner.encoder_cache_buffer import PreallocatedEncoderCache
+from paged.runner.encoder_runner import (
+    EncoderRunner,
+    MultiModalStepInputs,
+    encoder_cache_capacity,
+)
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.input_prep import InputBuffers, StepInputs, prepare_inputs
 from paged.runner.kv_cache_setup import allocate_kv_caches, available_kv_cache_memory
@@ -50,6 +58,7 @@ from paged.runner.spec_decode.config import SpeculativeConfig
 from paged.runner.spec_decode.decoder import SpecDecoder
 from paged.runner.state_updates import update_states
 from paged.scheduler.boundary import (
+    ECConnectorOutput,
     GrammarOutput,
     KVConnectorOutput,
     LogprobsLists,
@@ -66,6 +75,7 @@ class _ExecuteState:
     logits: torch.Tensor | None  # [S, V] for the sampling rows
     prompt_logprobs: dict[str, LogprobsLists]
     kv_connector_output: KVConnectorOutput | None = None
+    ec_connector_output: ECConnectorOutput | None = None
 
 
 class ModelRunner:
@@ -82,6 +92,8 @@ class ModelRunner:
         tp_size: int = 1,
         kv_connector: KVConnectorWorker | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        ec_connector: ECConnectorWorker | None = None,
+        encoder_cache_size: int | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -106,6 +118,9 @@ class ModelRunner:
         self.kv_connector = kv_connector
         self.layer_names: list[str] = []
         self.encoder_runner: EncoderRunner | None = None  # set by load_model for mm models
+        # The worker side of an EC connector, handed to the EncoderRunner (which holds it).
+        self.ec_connector = ec_connector
+        self.encoder_cache_size = encoder_cache_size  # None: the scheduler's default
         # Speculative decoding (drafts, verification, a draft model): a component.
         self.spec_decoder = (
             SpecDecoder(
@@ -140,7 +155,12 @@ class ModelRunner:
             model = load_model(self.model_config, self.device, self.tp_rank, self.tp_size)
         self.model = model
         if supports_multimodal(model):
-            self.encoder_runner = EncoderRunner(cast(SupportsMultiModal, model), self.device)
+            self.encoder_runner = self._make_encoder_runner(cast(SupportsMultiModal, model))
+        elif self.ec_connector is not None:
+            raise ValueError(
+                f"ec_transfer_config: the model {self.model_config.architecture} has no "
+                "encoder (an encoder-cache connector needs a multimodal model)"
+            )
         if self.spec_decoder is not None and self.spec_decoder.draft is not None:
             if self.tp_size > 1:
                 raise ValueError(
@@ -148,6 +168,21 @@ class ModelRunner:
                 )
             if self.spec_decoder.draft.model is None:
                 self.spec_decoder.draft.load_model()
+
+    def _make_encoder_runner(self, model: SupportsMultiModal) -> EncoderRunner:
+        """The encoder runner with its preallocated cache, sized as the scheduler's."""
+        hf = self.model_config.hf_config
+        tokens_per_item = int(getattr(hf, "mm_tokens_per_image", 0) or 0)
+        capacity = encoder_cache_capacity(
+            self.max_num_tokens, tokens_per_item, self.encoder_cache_size
+        )
+        cache = PreallocatedEncoderCache(
+            capacity,
+            int(self.model_config.text_config.hidden_size),
+            self.model_config.dtype,
+            self.device,
+        )
+        return EncoderRunner(model, self.device, cache, self.ec_connector)
 
     def _require_model(self) -> CausalLM:
         if self.model is None:
@@ -242,9 +277,9 @@ class ModelRunner:
                 f"{self.model_config.architecture} takes no images"
             )
         update_states(self.requests, self.input_batch, scheduler_output, self.device)
+        ec_output = None
         if encoder is not None:
-            encoder.free(scheduler_output.free_encoder_mm_hashes)
-            encoder.execute(scheduler_output.scheduled_encoder_inputs, self.requests)
+            ec_output = encoder.step(scheduler_output, self.requests)
         num_drafts = None
         if spec is not None:
             spec.forget(scheduler_output.finished_req_ids)
@@ -259,7 +294,11 @@ class ModelRunner:
             else None
         )
         if self.input_batch.num_reqs == 0:
-            return self._kv_connector_no_forward(step)
+            # Async EC loads finish while their requests wait unscheduled: report them.
+            empty = self._kv_connector_no_forward(step)
+            if ec_output is None:
+                return empty
+            return msgspec.structs.replace(empty, ec_connector_output=ec_output)
         inputs = prepare_inputs(
             self.input_batch,
             scheduler_output.num_scheduled_tokens,
@@ -278,6 +317,7 @@ class ModelRunner:
             logits=logits,
             prompt_logprobs=prompt_logprobs(model, hidden, inputs.prompt_logprobs),
             kv_connector_output=kv_output,
+            ec_connector_output=ec_output,
         )
         return None
 
@@ -364,11 +404,7 @@ class ModelRunner:
                 batch.append_token_ids(row, [token])
                 self.requests[inputs.req_ids[row]].output_token_ids.append(token)
         output = build_output(inputs, sampled, sampler_output, batch, pending.prompt_logprobs)
-        if pending.kv_connector_output is not None:
-            output = msgspec.structs.replace(
-                output, kv_connector_output=pending.kv_connector_output
-            )
-        return output
+        return _with_connector_outputs(output, pending)
 
     def _sample_speculative(
         self, spec: SpecDecoder, pending: _ExecuteState, grammar_output: GrammarOutput | None
@@ -382,8 +418,13 @@ class ModelRunner:
                 pending.logits, inputs, self.input_batch, self.requests, grammar_output
             )
             output = msgspec.structs.replace(output, prompt_logprobs=pending.prompt_logprobs)
-        if pending.kv_connector_output is not None:
-            output = msgspec.structs.replace(
-                output, kv_connector_output=pending.kv_connector_output
-            )
-        return output
+        return _with_connector_outputs(output, pending)
+
+
+def _with_connector_outputs(output: ModelRunnerOutput, pending: _ExecuteState) -> ModelRunnerOutput:
+    """The step's KV and EC connector reports on its output (when there are any)."""
+    if pending.kv_connector_output is not None:
+        output = msgspec.structs.replace(output, kv_connector_output=pending.kv_connector_output)
+    if pending.ec_connector_output is not None:
+        output = msgspec.structs.replace(output, ec_connector_output=pending.ec_connector_output)
+    return output

@@ -78,6 +78,12 @@ class Worker:
             if factory is not None
             else None
         )
+        ec_factory = self.engine_config.ec_connector_factory
+        ec_connector = (
+            ec_factory.make_worker_ec_connector(self.rank, self.world_size)
+            if ec_factory is not None
+            else None
+        )
         self._runner = ModelRunner(
             model_config,
             self.engine_config.cache_config,
@@ -87,6 +93,8 @@ class Worker:
             tp_size=self.world_size,
             kv_connector=kv_connector,
             speculative_config=self.engine_config.speculative_config,
+            ec_connector=ec_connector,
+            encoder_cache_size=self.engine_config.encoder_cache_size,
         )
 
     def load_model(self) -> None:
@@ -120,6 +128,8 @@ class Worker:
             # Lets a connector finish its background writes (a disk tier must be
             # complete for the next engine on the same directory).
             self._runner.kv_connector.shutdown()
+        if self._runner is not None and self._runner.ec_connector is not None:
+            self._runner.ec_connector.shutdown()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
         self._runner = None

@@ -219,6 +219,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="GPUs to shard the model over",
     )
     _add_multimodal_args(parser)
+    e = parser.add_argument_group("Encoder-cache transfer")
+    e.add_argument(
+        "--ec-transfer-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's encoder-cache connector config, e.g. "
+        '\'{"ec_connector":"ECExampleConnector","ec_role":"ec_consumer",'
+        '"ec_connector_extra_config":{"shared_storage_path":"/tmp/ec"}}\'',
+    )
     k = parser.add_argument_group("KV transfer")
     k.add_argument(
         "--kv-transfer-config",
@@ -332,6 +341,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         mm_processor_cache_gb=ns.mm_processor_cache_gb,
         disable_chunked_mm_input=ns.disable_chunked_mm_input,
         speculative_config=ns.speculative_config,
+        ec_transfer_config=ns.ec_transfer_config,
     )
 
 

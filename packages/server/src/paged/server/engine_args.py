@@ -15,7 +15,8 @@ from paged.server.tokenizer import DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
     from paged.connectors.events import KVEventsConfig
-    from paged.runner.config import EngineConfig
+    from paged.runner.config import EngineConfig, ModelConfig
+    from paged.server.ec_transfer import ECConnectorBuilder
     from paged.server.mm_frontend import MultiModalEngineOptions, MultiModalFrontend
     from paged.server.structured_output.options import StructuredOutputOptions
 
@@ -122,6 +123,8 @@ class EngineArgs:
     block_hash_seed: int = 0
     # vLLM's --speculative-config: JSON text (or a dict from LLM(...)); None: no speculation.
     speculative_config: str | dict[str, Any] | None = None
+    # vLLM's --ec-transfer-config (encoder-cache connector): JSON text or a dict; None: none.
+    ec_transfer_config: str | dict[str, Any] | None = None
     _shm_prefix: str | None = field(default=None, repr=False)
 
     def resolved_device(self) -> str:
@@ -171,6 +174,7 @@ class EngineArgs:
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config: not supported with async_scheduling")
         speculative_config = resolve_speculative_config(self.speculative_config, model_config)
+        ec_connector = self._ec_connector_builder(model_config)
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu":
             kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
@@ -193,6 +197,7 @@ class EngineArgs:
             block_hash_seed=self.block_hash_seed,
             kv_connector_factory=kv_connector,
             speculative_config=speculative_config,
+            ec_connector_factory=ec_connector,
         )
         # Build the scheduler's config now, in the caller's process, so that limits it
         # rejects (vLLM's SchedulerConfig checks) fail here with a message rather than
@@ -201,6 +206,19 @@ class EngineArgs:
 
         scheduler_config_from(config)
         return config
+
+    def _ec_connector_builder(self, model_config: ModelConfig) -> ECConnectorBuilder | None:
+        """The validated EC connector; `ValueError` for a bad config or a text-only model."""
+        from paged.server.ec_transfer import ec_connector_builder
+        from paged.server.mm_frontend import mm_tokens_per_item
+
+        builder = ec_connector_builder(self.ec_transfer_config, model_name=self.model_name())
+        if builder is not None and not mm_tokens_per_item(model_config.hf_config):
+            raise ValueError(
+                f"ec_transfer_config: the model {model_config.architecture} has no vision "
+                "encoder; an encoder-cache connector needs a multimodal model"
+            )
+        return builder
 
     def has_kv_connector(self) -> bool:
         """Whether these options configure a KV connector (offloading or a transfer config)."""

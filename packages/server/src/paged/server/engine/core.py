@@ -56,6 +56,7 @@ from paged.scheduler.config import SchedulerConfig
 from paged.scheduler.request import RequestStatus
 from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.structured_output import StructuredOutputProvider
+from paged.server.ec_transfer import ec_load_failure_policy, make_scheduler_ec_connector
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
 from paged.server.engine.mask_overlap import GrammarMaskOverlap
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
@@ -68,6 +69,7 @@ from paged.server.mm_frontend import MultiModalEngineOptions, mm_tokens_per_item
 from paged.server.structured_output.factory import StructuredOutputConfig
 
 if TYPE_CHECKING:
+    from paged.connectors.ec import ECConnectorBase
     from paged.connectors.kv import KVConnectorBase
 
 logger = logging.getLogger(__name__)
@@ -150,6 +152,8 @@ class EngineCore:
             logger.warning("KV cache events are enabled but prefix caching is off: none will come")
         # The scheduler-side KV connector (built with the scheduler; None without one).
         self.kv_connector: KVConnectorBase | None = None
+        # The scheduler-side EC connector (None without --ec-transfer-config).
+        self.ec_connector: ECConnectorBase | None = None
         try:
             if isinstance(structured_output, StructuredOutputConfig):
                 structured_output = structured_output.build()
@@ -237,6 +241,10 @@ class EngineCore:
                 scheduler_config,
                 kv_load_failure_policy=kv_load_failure_policy(self.engine_config),
             )
+        self.ec_connector = make_scheduler_ec_connector(self.engine_config)
+        if self.ec_connector is not None:
+            extra["ec_connector"] = self.ec_connector
+            extra["ec_load_failure_policy"] = ec_load_failure_policy(self.engine_config)
         return (scheduler_class or Scheduler)(
             scheduler_config,
             self.kv_cache_config,
@@ -442,6 +450,8 @@ class EngineCore:
         self.model_executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        if self.ec_connector is not None:
+            self.ec_connector.shutdown()
 
 
 def _default_executor_class(engine_config: EngineConfig) -> ExecutorFactory:
