@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from paged.server.ec_cli import add_ec_shorthand_args, ec_transfer_config_from
 from paged.server.engine_args import EngineArgs, parse_bytes
 from paged.server.metrics_names import METRICS_PREFIXES
 from paged.server.openai.cors import add_cors_args, cors_config_from
@@ -228,6 +229,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '\'{"ec_connector":"ECExampleConnector","ec_role":"ec_consumer",'
         '"ec_connector_extra_config":{"shared_storage_path":"/tmp/ec"}}\'',
     )
+    add_ec_shorthand_args(e)
     k = parser.add_argument_group("KV transfer")
     k.add_argument(
         "--kv-transfer-config",
@@ -341,7 +343,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         mm_processor_cache_gb=ns.mm_processor_cache_gb,
         disable_chunked_mm_input=ns.disable_chunked_mm_input,
         speculative_config=ns.speculative_config,
-        ec_transfer_config=ns.ec_transfer_config,
+        ec_transfer_config=ec_transfer_config_from(ns),
     )
 
 

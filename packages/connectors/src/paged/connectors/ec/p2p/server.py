@@ -86,7 +86,17 @@ class EmbeddingServer:
             self.counters.held += 1
 
     def take_freed(self) -> set[str]:
-        """Hashes freed since the last call: acknowledged, or held past hold_timeout."""
+        """Hashes freed since the last call: acknowledged, or held past hold_timeout.
+
+        The thread frees them as soon as it knows (no engine step needed); this
+        only collects the report.
+        """
+        self._expire()
+        with self._lock:
+            freed, self._freed = self._freed, set()
+        return freed
+
+    def _expire(self) -> None:
         now = time.monotonic()
         with self._lock:
             for mm_hash, held in list(self._held.items()):
@@ -101,8 +111,6 @@ class EmbeddingServer:
                     self._freed.add(mm_hash)
                     self.counters.expired += 1
                     self.stats.expired += 1
-            freed, self._freed = self._freed, set()
-        return freed
 
     def holds(self, mm_hash: str) -> bool:
         with self._lock:
@@ -137,6 +145,7 @@ class EmbeddingServer:
                 if poller.poll(_POLL_MS):
                     while _readable(self._sock):
                         self._handle(self._sock.recv_multipart())
+                self._expire()
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     return
