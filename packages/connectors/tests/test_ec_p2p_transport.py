@@ -205,3 +205,21 @@ def test_port_in_use_is_a_clear_error() -> None:
             EmbeddingServer(ECZmqConfig(listen_port=port))
     finally:
         first.close()
+
+
+def test_a_hash_put_twice_is_freed_with_its_last_reference(
+    pair: tuple[EmbeddingServer, EmbeddingFetcher, ECZmqConfig],
+) -> None:
+    server, fetcher, _ = pair
+    server.put("twice", torch.ones(2))
+    server.put("twice", torch.ones(2))
+    fetcher.submit("twice")
+    wait_for(fetcher, 1)
+    until(lambda: server.counters.acknowledged == 1)
+    # One reference released (reported), the copy kept for the second one.
+    assert server.take_freed() == {"twice"} and server.holds("twice")
+    fetcher.submit("twice")
+    (again,) = wait_for(fetcher, 1)
+    assert again.output is not None
+    until(lambda: not server.holds("twice"))
+    assert server.take_freed() == {"twice"}

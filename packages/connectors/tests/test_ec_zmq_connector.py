@@ -248,3 +248,15 @@ def test_roles_and_config_errors() -> None:
     assert not producer_sched.has_cache_item("x")
     with pytest.raises(ValueError, match="unknown key 'bogus'"):
         ECZmqConnector(config("ec_producer", bogus=1), ECConnectorRole.SCHEDULER, ctx)
+
+
+def test_a_producer_delays_the_free_of_requests_with_images() -> None:
+    ctx = ECConnectorContext()
+    sched = ECZmqConnector(config("ec_producer"), ECConnectorRole.SCHEDULER, ctx)
+    assert sched.request_finished(image_request("r", ["h"])) == (True, None)
+    text_only = Request.from_engine_core_request(make_request("t", 8), max_model_len=256)
+    assert sched.request_finished(text_only) == (False, None)
+    consumer = ECZmqConnector(
+        config("ec_consumer", producer_endpoints=["127.0.0.1:1"]), ECConnectorRole.SCHEDULER, ctx
+    )
+    assert consumer.request_finished(image_request("r", ["h"])) == (False, None)

@@ -117,6 +117,13 @@ class ECZmqConnector(ECConnectorBase):
         feature = request.mm_features[index]
         self._step_loads.append(ECZmqLoad(feature.identifier, feature.mm_position.get_num_embeds()))
 
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        # A producer keeps a finished request's encoder-cache entries until its worker
+        # reports them released (acknowledged by the consumer, or hold_timeout), so the
+        # engine keeps stepping, and reporting, until then.
+        self._require_role(ECConnectorRole.SCHEDULER, "request_finished")
+        return self.is_producer and bool(request.mm_features), None
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECZmqMetadata:
         self._require_role(ECConnectorRole.SCHEDULER, "build_connector_meta")
         loads, self._step_loads = self._step_loads, []
@@ -145,7 +152,14 @@ class ECZmqConnector(ECConnectorBase):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._require_role(ECConnectorRole.WORKER, "get_finished")
-        sending = self.server.take_freed() if self.server is not None else None
+        sending: set[str] | None = None
+        if self.server is not None:
+            sending = self.server.take_freed()
+            if not sending and self.fetcher is None and self.server.num_held():
+                # Only holds pending (the engine steps for their release): wait a moment.
+                self._news.wait(_IDLE_WAIT_S)
+                self._news.clear()
+                sending = self.server.take_freed()
         recving: set[str] | None = None
         if self.fetcher is not None:
             results = self.fetcher.collect()

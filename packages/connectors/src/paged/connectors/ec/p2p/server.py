@@ -1,11 +1,14 @@
 """Producer side: hold encoder outputs and serve them to consumers (a ROUTER thread).
 
-    worker:  put(mm_hash, output)   a CPU copy is held, deadline = now + hold_timeout
-                                    (a hash held already gets a fresh deadline)
+    worker:  put(mm_hash, output)   a CPU copy is held, deadline = now + hold_timeout;
+                                    a hash held already gains a reference and a fresh
+                                    deadline (two requests, maybe two consumers)
     thread:  <- FETCH               held: DATA with its bytes; else DATA with an error
-             <- ACK                 the consumer has it: free it now
-    worker:  take_freed()           acknowledged + expired hashes since the last call
-                                    (ECConnectorOutput.finished_sending)
+             <- ACK                 a consumer has it: one reference released, the copy
+                                    freed with the last; expiry frees it whatever is left
+    worker:  take_freed()           hashes with a reference released since the last call
+                                    (ECConnectorOutput.finished_sending: the scheduler
+                                    frees the finished requests waiting on them)
 
 The thread only reads held CPU copies, never the encoder cache the model
 writes, so the step that runs meanwhile is never disturbed.
@@ -35,6 +38,7 @@ _POLL_MS = 10
 class _Held:
     output: torch.Tensor  # CPU, contiguous
     deadline: float
+    refs: int = 1  # puts not yet acknowledged
 
 
 @dataclass
@@ -82,7 +86,12 @@ class EmbeddingServer:
         copy = output.detach().to("cpu", copy=True).contiguous()
         deadline = time.monotonic() + self._config.hold_timeout
         with self._lock:
-            self._held[mm_hash] = _Held(copy, deadline)
+            held = self._held.get(mm_hash)
+            if held is None:
+                self._held[mm_hash] = _Held(copy, deadline)
+            else:
+                held.refs += 1
+                held.deadline = deadline
             self.counters.held += 1
 
     def take_freed(self) -> set[str]:
@@ -162,7 +171,11 @@ class EmbeddingServer:
         elif kind == wire.ACK:
             ack = wire.ACK_DECODER.decode(payload)
             with self._lock:
-                if self._held.pop(ack.mm_hash, None) is not None:
+                held = self._held.get(ack.mm_hash)
+                if held is not None:
+                    held.refs -= 1
+                    if held.refs <= 0:
+                        del self._held[ack.mm_hash]
                     self._freed.add(ack.mm_hash)
                     self.counters.acknowledged += 1
             if self._news is not None:
