@@ -132,7 +132,7 @@ class FakeECConnector:
         return False, None
 
 
-class FakeECMetadata(ECConnectorMetadata):
+class FakeECMetadata(ECConnectorMetadata, frozen=True):
     loads: list[str]
 
 

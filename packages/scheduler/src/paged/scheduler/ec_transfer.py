@@ -20,9 +20,9 @@ waits any more), so a landed item is not evicted before its reader comes.
 Gap 2, `request_finished`. Every end of a request (finish, abort, error, too
 long) reaches `free_request`, which calls `request_ended` here: the request
 stops waiting for loads and the connector's `request_finished` is asked; a
-`delay_free` answer keeps the request's encoder-cache references until every
-mm hash of the request has been reported in `finished_sending` (a producer
-still sending its outputs), so the entries are not evicted under the sender.
+`delay_free` answer re-references the request's entries still in the cache
+and keeps them until each has been reported in `finished_sending` (a
+producer still sending its outputs), so they are not evicted under the sender.
 """
 
 from __future__ import annotations
@@ -150,11 +150,21 @@ class ECTransferState:
         if ec_connector is None:
             return False
         delay, _params = ec_connector.request_finished(request)
-        if delay and request.mm_features:
-            hashes = {f.identifier for f in request.mm_features}
-            self.delayed[request.request_id] = (request, hashes)
-            return True
-        return False
+        if not delay:
+            return False
+        # References were dropped as each placeholder got computed; take them
+        # again on the entries still cached (this revives freeable ones), so
+        # none is evicted under the sender. An entry evicted earlier cannot be
+        # protected: a connector that sends after `save_caches` returns copies.
+        hashes = {
+            feature.identifier
+            for i, feature in enumerate(request.mm_features)
+            if encoder_cache.check_and_update_cache(request, i)
+        }
+        if not hashes:
+            return False
+        self.delayed[request.request_id] = (request, hashes)
+        return True
 
     def _sent(self, mm_hash: str, encoder_cache: EncoderCacheManager) -> None:
         done: list[str] = []

@@ -16,7 +16,6 @@ from paged.server.tokenizer import DEFAULT_MODEL_NAME
 if TYPE_CHECKING:
     from paged.connectors.events import KVEventsConfig
     from paged.runner.config import EngineConfig, ModelConfig
-    from paged.server.ec_transfer import ECConnectorBuilder
     from paged.server.mm_frontend import MultiModalEngineOptions, MultiModalFrontend
     from paged.server.structured_output.options import StructuredOutputOptions
 
@@ -148,12 +147,14 @@ class EngineArgs:
             ParallelConfig,
             SchedulerLimits,
         )
+        from paged.server.ec_transfer import ec_connector_builder
         from paged.server.kv_transfer import kv_connector_builder
 
         # Validated first: a bad connector config must stop start-up before the model loads.
         kv_connector = kv_connector_builder(
             self._kv_transfer_config(), self.block_size, model_name=self.model_name()
         )
+        ec_connector = ec_connector_builder(self.ec_transfer_config, model_name=self.model_name())
         device = self.resolved_device()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
@@ -174,7 +175,8 @@ class EngineArgs:
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config: not supported with async_scheduling")
         speculative_config = resolve_speculative_config(self.speculative_config, model_config)
-        ec_connector = self._ec_connector_builder(model_config)
+        if ec_connector is not None:
+            _check_ec_model(model_config)
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu":
             kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
@@ -209,19 +211,6 @@ class EngineArgs:
         scheduler_config_from(config)
         return config
 
-    def _ec_connector_builder(self, model_config: ModelConfig) -> ECConnectorBuilder | None:
-        """The validated EC connector; `ValueError` for a bad config or a text-only model."""
-        from paged.server.ec_transfer import ec_connector_builder
-        from paged.server.mm_frontend import mm_tokens_per_item
-
-        builder = ec_connector_builder(self.ec_transfer_config, model_name=self.model_name())
-        if builder is not None and not mm_tokens_per_item(model_config.hf_config):
-            raise ValueError(
-                f"ec_transfer_config: the model {model_config.architecture} has no vision "
-                "encoder; an encoder-cache connector needs a multimodal model"
-            )
-        return builder
-
     def has_kv_connector(self) -> bool:
         """Whether these options configure a KV connector (offloading or a transfer config)."""
         return self.kv_offloading_size is not None or self.kv_transfer_config is not None
@@ -238,6 +227,17 @@ class EngineArgs:
 
         return offloading_kv_transfer_config(
             self.kv_offloading_size, self.kv_offloading_backend, self.tensor_parallel_size
+        )
+
+
+def _check_ec_model(model_config: ModelConfig) -> None:
+    """An encoder-cache connector needs a model with a vision encoder."""
+    from paged.server.mm_frontend import mm_tokens_per_item
+
+    if not mm_tokens_per_item(model_config.hf_config):
+        raise ValueError(
+            f"ec_transfer_config: the model {model_config.architecture} has no vision "
+            "encoder; an encoder-cache connector needs a multimodal model"
         )
 
 

@@ -125,11 +125,15 @@ def save_tiny_gemma3_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     seed: int = 0,
+    random_projector: bool = False,
 ) -> Path:
     """A random `Gemma3ForConditionalGeneration` (text + SigLIP) and its processor, in `path`.
 
     The processor's tokenizer sets the vocabulary; the image token ids in the
     config are the tokenizer's, so transformers and paged read one checkpoint.
+    transformers initialises the projector's `mm_input_projection_weight` to
+    zeros, so every image embedding is zero; `random_projector=True` fills it
+    with random values, for tests whose result must depend on the image.
     """
     import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
@@ -179,5 +183,9 @@ def save_tiny_gemma3_model(
     torch.manual_seed(seed)
     model: Any = Gemma3ForConditionalGeneration(config)
     model = model.to(torch.float32).eval()
+    if random_projector:
+        with torch.no_grad():
+            weight = model.model.multi_modal_projector.mm_input_projection_weight
+            weight.copy_(torch.randn_like(weight) * 0.2)
     model.save_pretrained(str(path))
     return Path(path)

@@ -256,7 +256,10 @@ class ECConnectorBase(abc.ABC):
 
         Called on a producer right after the item was encoded into the cache,
         once per item. Must not modify the cache. A synchronous connector has
-        the bytes stored on return (e.g. `.detach().cpu()` then a file).
+        the bytes stored on return (e.g. `.detach().cpu()` then a file); one
+        that sends later copies the rows now: they move or are freed once the
+        scheduler evicts the entry (`request_finished` can only keep entries
+        that are still cached when the request ends).
         """
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
