@@ -82,7 +82,7 @@ def test_a_producer_gets_encode_only_settings(gemma3: Path) -> None:
 
 
 def test_a_producer_refuses_a_kv_connector(gemma3: Path) -> None:
-    with pytest.raises(ValueError, match="an encode-only producer .* has no KV cache"):
+    with pytest.raises(ValueError, match=r"an encode-only producer .* has no KV cache"):
         EngineArgs(
             model=str(gemma3),
             max_model_len=256,
