@@ -14,6 +14,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from paged.scheduler import SchedulerStats
+from paged.server.epd_metrics import EncoderItemMetrics
 from paged.server.kv_cache_metrics import KVCacheResidencyMetrics
 from paged.server.kv_metrics import KVConnectorMetrics
 from paged.server.metrics_names import PAGED_NAMING, MetricsNaming
@@ -61,25 +62,9 @@ class PrometheusStatLogger:
         self.kv_usage = Gauge(
             n("kv_cache_usage_perc"), "KV cache usage (1 = full)", labels, registry=r
         )
-        # paged-only (EPD): multimodal items run through this engine's vision encoder,
-        # and items whose embeddings arrived through the EC connector instead.
-        self.encoder_items_computed = Counter(
-            "paged:mm_encoder_items_computed",
-            "Multimodal items sent to this engine's vision encoder",
-            labels,
-            registry=r,
-        )
-        self.encoder_items_loaded = Counter(
-            "paged:ec_connector_loaded_items",
-            "Multimodal items whose embeddings were loaded by the EC connector",
-            labels,
-            registry=r,
-        )
-        self.encoder_items_released = Counter(
-            "paged:ec_connector_released_items",
-            "Encoder outputs an EC producer freed (acknowledged by a consumer, or expired)",
-            labels,
-            registry=r,
+        # paged-only (EPD): who encodes, who loads; absent under vLLM's naming.
+        self.encoder_items = (
+            EncoderItemMetrics(r, labels) if naming.prefix == PAGED_NAMING.prefix else None
         )
         self.prefix_queries = Counter(
             n("prefix_cache_queries"), "Prefix-cache queries, in tokens", labels, registry=r
@@ -155,9 +140,8 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(*m).inc(s.prefix_cache_stats.queries)
             self.prefix_hits.labels(*m).inc(s.prefix_cache_stats.hits)
             self.preemptions.labels(*m).inc(s.num_preempted_reqs)
-            self.encoder_items_computed.labels(*m).inc(s.num_encoder_items_computed)
-            self.encoder_items_loaded.labels(*m).inc(s.num_encoder_items_loaded)
-            self.encoder_items_released.labels(*m).inc(s.num_encoder_items_released)
+            if self.encoder_items is not None:
+                self.encoder_items.record(s, m)
             if self.kv_residency is not None:
                 self.kv_residency.observe(s.kv_cache_eviction_events)
             if self.kv_connector is not None:
