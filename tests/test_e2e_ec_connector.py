@@ -203,3 +203,42 @@ def test_paged_serve_consumer_over_http(
             extra_body={"ignore_eos": True},
         )
     assert reply.choices[0].message.content == produced.text
+
+
+def test_asynchronous_loads_hold_back_only_their_request(
+    model_dir: Path, produced: Produced
+) -> None:
+    """Gap 1 through the real engine: embeddings land two steps after the load starts.
+
+    Had the image's tokens run before their rows arrived, they would have read
+    uninitialised buffer rows and the logprobs would differ.
+    """
+    config = _ec_config("ec_consumer", produced.storage)
+    config["ec_connector"] = "DelayedECExampleConnector"
+    config["ec_connector_module_path"] = "paged.connectors.ec.testing"
+    config["ec_connector_extra_config"] = {
+        "shared_storage_path": str(produced.storage),
+        "delay_steps": 3,
+    }
+    consumer = _engine(model_dir, ec_transfer_config=config)
+    try:
+        text_only = [{"role": "user", "content": "hello world"}]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+        with_image, plain = consumer.chat([MESSAGES, text_only], params, use_tqdm=False)
+        sample = with_image.outputs[0]
+        assert list(sample.token_ids) == produced.tokens
+        assert sample.logprobs is not None
+        _assert_same_logprobs(
+            [{t: lp.logprob for t, lp in pos.items()} for pos in sample.logprobs],
+            produced.logprobs,
+        )
+        assert len(plain.outputs[0].token_ids) == MAX_TOKENS  # served meanwhile
+        encoder = _encoder(consumer)
+        assert encoder.num_encoder_calls == 0
+        connector = encoder.ec_connector
+        assert connector is not None and type(connector).__name__ == "DelayedECExampleConnector"
+        assert cast(Any, connector).num_loaded == 2
+        client: Any = consumer.engine_client
+        assert not client.core.scheduler.state.ec_transfer.has_pending()
+    finally:
+        consumer.shutdown()

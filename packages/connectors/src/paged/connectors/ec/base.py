@@ -191,9 +191,10 @@ class ECConnectorBase(abc.ABC):
     def register_caches(self, encoder_cache: EncoderCache) -> None:
         """Adopt the runner's preallocated encoder cache, once at start-up (vLLM's gap 3).
 
-        Connectors that load asynchronously write into it later (from the
-        worker's main thread, in `get_finished`); the connector keeps the
-        reference, never a copy.
+        Connectors that load asynchronously reserve rows in `start_load_caches`
+        and write them later from the worker's main thread, in `get_finished`,
+        looking them up again with `get(mm_hash)` (an allocation in between may
+        have moved them). The connector keeps the reference, never a copy.
         """
         self._require_role(ECConnectorRole.WORKER, "register_caches")
         self._encoder_cache = encoder_cache

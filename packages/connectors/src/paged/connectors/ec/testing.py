@@ -21,6 +21,8 @@ from paged.connectors.ec import (
     ec_transfer_config_from_dict,
 )
 from paged.connectors.ec.base import ECConnectorBase
+from paged.connectors.ec.config import ECTransferConfig
+from paged.connectors.ec.example import ECExampleConnector, ECExampleConnectorMetadata
 from paged.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from paged.scheduler.boundary import EngineCoreRequest
 from paged.scheduler.request import Request
@@ -95,3 +97,58 @@ def make_connector(
     return factory.create_connector(
         ec_transfer_config_from_dict(dict(config)), role, ECConnectorContext()
     )
+
+
+class DelayedECExampleConnector(ECExampleConnector):
+    """ECExampleConnector whose loads land asynchronously, `delay_steps` steps later.
+
+    A stand-in for a network connector, to test the asynchronous path (vLLM's
+    gap 1) through a real engine: `start_load_caches` reserves the rows and
+    reads the file, `get_finished` copies the bytes in after `delay_steps`
+    further calls (looking the rows up again: they may have moved) and reports
+    the hash in `finished_recving`. `ec_connector_extra_config.delay_steps`
+    (default 2) sets the delay. Select it with
+    `"ec_connector": "DelayedECExampleConnector",
+    "ec_connector_module_path": "paged.connectors.ec.testing"`.
+    """
+
+    def __init__(
+        self, config: ECTransferConfig, role: ECConnectorRole, context: ECConnectorContext
+    ) -> None:
+        super().__init__(config, role, context)
+        self.delay_steps = int(config.get_from_extra_config("delay_steps", 2))
+        # mm hash -> (steps left, bytes read from the file, or None if unreadable)
+        self._in_flight: dict[str, tuple[int, torch.Tensor | None]] = {}
+
+    def is_async_load(self, identifier: str) -> bool:
+        return True
+
+    def start_load_caches(self, encoder_cache: EncoderCache, **kwargs: Any) -> None:
+        if not self.is_consumer or not self.has_connector_metadata():
+            return
+        metadata = self._get_connector_metadata(ECExampleConnectorMetadata)
+        for item in metadata.mm_datas:
+            if item.mm_hash in encoder_cache or item.mm_hash in self._in_flight:
+                continue
+            tensor = self._read(item, encoder_cache.hidden_size)
+            encoder_cache.allocate(item.mm_hash, item.num_token)  # reserved, written later
+            self._in_flight[item.mm_hash] = (self.delay_steps, tensor)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        cache = self.registered_cache
+        done: set[str] = set()
+        for mm_hash, (left, tensor) in list(self._in_flight.items()):
+            if left > 0:
+                self._in_flight[mm_hash] = (left - 1, tensor)
+                continue
+            del self._in_flight[mm_hash]
+            rows = cache.get(mm_hash) if cache is not None else None
+            if rows is None or tensor is None:
+                if cache is not None:
+                    cache.free(mm_hash)  # the contract: a failed load leaves no rows
+                self._failed.add(mm_hash)
+                continue
+            rows.copy_(tensor)
+            self.num_loaded += 1
+            done.add(mm_hash)
+        return None, done or None
