@@ -15,7 +15,10 @@ Modes:
   epd        `paged serve --ec-role producer` (encode only) + `paged serve
              --ec-role consumer` + `paged proxy --encode P --decode C`
 Each EPD engine runs torch on `--threads` threads, the colocated one on twice
-that, so both modes use the same compute threads.
+that (`--colocated-threads`), so both modes use the same compute threads; on a
+machine loaded beyond its cores, 2 OpenMP threads in one process can be far
+slower than 1 (threads wait for each other while descheduled), so compare with
+`--colocated-threads 1` too.
 
 Reported per mode (median over `--reps`): TTFT p50/p99, output tok/s, and
 from the engines' /metrics: images through each engine's vision encoder
@@ -249,7 +252,7 @@ def run_mode(mode: str, model: str, ns: argparse.Namespace, rep: int) -> dict[st
     procs: list[subprocess.Popen[bytes]] = []
     try:
         if mode == "colocated":
-            threads: Any = 2 * ns.threads
+            threads: Any = ns.colocated_threads or 2 * ns.threads
             proc, url = start(base, threads)
             procs.append(proc)
             engines = {"colocated": url}
@@ -306,6 +309,9 @@ def main() -> None:
     )
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per EPD engine")
+    p.add_argument(
+        "--colocated-threads", type=int, default=0, help="torch threads (default 2 x --threads)"
+    )
     p.add_argument("--chats", type=int, default=16)
     p.add_argument("--images", type=int, default=4, help="images per chat")
     p.add_argument("--max-tokens", type=int, default=8)
