@@ -165,6 +165,7 @@ def chat_body(model: str, seeds: list[int], max_tokens: int) -> dict[str, Any]:
     return {
         "model": model, "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "logprobs": True,
     }  # fmt: skip
 
 
@@ -177,10 +178,12 @@ async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any], c: Chat
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             for choice in json.loads(line[6:]).get("choices", []):
-                if choice.get("delta", {}).get("content"):
-                    if not c.tokens:
-                        c.ttft = time.perf_counter() - start_t
-                    c.tokens += 1
+                # Count tokens by their logprobs entries: a token may decode to "" (a
+                # partial UTF-8 byte), which a count of non-empty deltas would miss.
+                n = len((choice.get("logprobs") or {}).get("content") or [])
+                if n and not c.tokens:
+                    c.ttft = time.perf_counter() - start_t
+                c.tokens += n
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -203,6 +206,7 @@ async def workload(url: str, model: str, ns: argparse.Namespace, rep: int) -> di
         "ttft_p50_s": pct(ttfts, 50),
         "ttft_p99_s": pct(ttfts, 99),
         "output_tok_s": sum(c.tokens for c in chats) / wall,
+        "all_completed": all(c.tokens == ns.max_tokens for c in chats),
         "wall_s": wall,
         "chats": ns.chats,
         "images": ns.chats * ns.images,
