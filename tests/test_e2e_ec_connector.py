@@ -120,7 +120,9 @@ def produced(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         assert _encoder(colocated).num_encoded_items == 2
     finally:
         colocated.shutdown()
-    producer = _engine(model_dir, ec_transfer_config=_ec_config("producer", storage))
+    # ec_both: an ec_producer alone is an encode-only instance (vLLM's, and paged's
+    # EPD producer: no language model, no tokens), so "saves while it generates" is both.
+    producer = _engine(model_dir, ec_transfer_config=_ec_config("both", storage))
     try:
         assert _answer(producer) == (tokens, logprobs, text)  # saving changes nothing
         assert _worker_connector(producer).num_saved == 2

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from paged.kvcache import KVCacheConfig
 from paged.runner.config import EngineConfig
 from paged.runner.cpu_threads import apply_default_cpu_threads
+from paged.runner.encode_only import EncodeOnlyRunner
 from paged.runner.model_runner import ModelRunner
 from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -47,10 +48,10 @@ class Worker:
         self.world_size = tp
         self.distributed_init_method = distributed_init_method
         self.device = torch.device("cpu")
-        self._runner: ModelRunner | None = None
+        self._runner: ModelRunner | EncodeOnlyRunner | None = None
 
     @property
-    def model_runner(self) -> ModelRunner:
+    def model_runner(self) -> ModelRunner | EncodeOnlyRunner:
         if self._runner is None:
             raise RuntimeError("init_device() must be called first")
         return self._runner
@@ -84,6 +85,17 @@ class Worker:
             if ec_factory is not None
             else None
         )
+        if ec_connector is not None and ec_connector.is_producer and not ec_connector.is_consumer:
+            # An EPD encoder producer: the vision encoder only, no KV cache, no sampling.
+            self._runner = EncodeOnlyRunner(
+                model_config,
+                self.engine_config.cache_config,
+                self.engine_config.scheduler_limits,
+                device,
+                ec_connector,
+                encoder_cache_size=self.engine_config.encoder_cache_size,
+            )
+            return
         self._runner = ModelRunner(
             model_config,
             self.engine_config.cache_config,

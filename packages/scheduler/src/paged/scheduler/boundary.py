@@ -277,6 +277,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     kv_connector_stats: dict[str, float] = msgspec.field(default_factory=dict)
     # Drafted / accepted tokens since the last report (None: no speculative decoding).
     spec_decoding_stats: SpecDecodingStats | None = None
+    # Multimodal items since the last report: sent to this engine's vision encoder,
+    # and loaded through its EC connector instead (EPD: a consumer computes none).
+    num_encoder_items_computed: int = 0
+    num_encoder_items_loaded: int = 0
+    # Encoder outputs an EC producer released (ECConnectorOutput.finished_sending).
+    num_encoder_items_released: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

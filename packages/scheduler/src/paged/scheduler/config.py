@@ -40,6 +40,9 @@ class SchedulerConfig:
       requests whose blocks failed (vLLM's `KVTransferConfig` field, copied
       here by the engine core): "recompute" rewinds them to the first bad
       block; "fail" finishes them with FinishReason.ERROR.
+    - `encode_only`: an EPD encoder producer (`--ec-role producer`): the runner
+      samples nothing, and a request finishes (LENGTH_CAPPED, no tokens) in the
+      step that computes the rest of its prompt, so every item was encoded.
     """
 
     max_model_len: int
@@ -55,6 +58,7 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     num_speculative_tokens: int = 0
     kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
+    encode_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):

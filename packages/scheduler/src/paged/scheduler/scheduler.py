@@ -225,6 +225,10 @@ class Scheduler:
             schedule_waiting(state, plan, threshold)
         output = build_scheduler_output(state, plan)
         advance_after_schedule(state, output)
+        if output.scheduled_encoder_inputs:
+            state.num_encoder_items_computed_since_stats += sum(
+                len(items) for items in output.scheduled_encoder_inputs.values()
+            )
         return output
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
@@ -248,6 +252,8 @@ class Scheduler:
                 failed = set()
         ec_out = model_runner_output.ec_connector_output
         if ec_out is not None:
+            state.num_encoder_items_loaded_since_stats += len(ec_out.finished_recving)
+            state.num_encoder_items_released_since_stats += len(ec_out.finished_sending)
             if state.ec_connector is not None:
                 state.ec_connector.update_connector_output(ec_out)
             ec_failed = state.ec_transfer.process_output(ec_out, state.encoder_cache)
@@ -376,8 +382,14 @@ class Scheduler:
             spec_decoding_stats=(
                 self.spec_decoding_counter.take() if self.spec_decoding_counter else None
             ),
+            num_encoder_items_computed=state.num_encoder_items_computed_since_stats,
+            num_encoder_items_loaded=state.num_encoder_items_loaded_since_stats,
+            num_encoder_items_released=state.num_encoder_items_released_since_stats,
         )
         state.num_preempted_since_stats = 0
+        state.num_encoder_items_computed_since_stats = 0
+        state.num_encoder_items_loaded_since_stats = 0
+        state.num_encoder_items_released_since_stats = 0
         return stats
 
     def _take_eviction_events(self) -> list[KVCacheEvictionEvent]:

@@ -58,6 +58,10 @@ class SchedulerState:
     # Finished requests whose blocks are kept until the worker finishes a transfer.
     delayed_free_req_ids: set[str] = field(default_factory=set)
     num_preempted_since_stats: int = 0
+    # Encoder items scheduled for the local encoder / landed from the EC connector.
+    num_encoder_items_computed_since_stats: int = 0
+    num_encoder_items_loaded_since_stats: int = 0
+    num_encoder_items_released_since_stats: int = 0
     last_num_scheduled_tokens: int = 0
     # Encoder items loading asynchronously through the EC connector, delayed frees.
     ec_transfer: ECTransferState = field(default_factory=ECTransferState)

@@ -176,6 +176,7 @@ def update_requests(
     outputs: dict[int, list[EngineCoreOutput]] = {}
     requests = state.requests
     max_model_len = state.config.max_model_len
+    encode_only = state.config.encode_only
     index = {req_id: i for i, req_id in enumerate(mro.req_ids)}
     sampled = mro.sampled_token_ids
     spec = so.scheduled_spec_decode_tokens
@@ -214,6 +215,10 @@ def update_requests(
             new_tokens, stopped = append_and_check(request, generated, max_model_len)
         else:
             new_tokens, stopped = [], False
+            if encode_only and running and request.num_computed_tokens >= request.num_prompt_tokens:
+                # EPD producer: the prompt (so every image) went through the encoder.
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                stopped = True
         if (
             structured is not None
             and new_tokens

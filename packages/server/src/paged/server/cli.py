@@ -3,7 +3,7 @@
     paged serve [MODEL]          OpenAI-compatible server (default: SmolLM2-135M-Instruct)
     paged generate [MODEL] -p .. one completion, printed to stdout
     paged chat [MODEL]           an interactive chat in the terminal
-    paged proxy --prefill URL --decode URL   prefill/decode disaggregation router
+    paged proxy [--encode URL] [--prefill URL] --decode URL   E/P/D disaggregation router
 
 Engine options are shared by all three (see `paged serve --help`).
 """
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paged.server.data_parallel import add_data_parallel_args, data_parallel_options_from
+from paged.server.ec_cli import add_ec_shorthand_args, ec_transfer_config_from
 from paged.server.engine_args import EngineArgs, parse_bytes
 from paged.server.metrics_names import METRICS_PREFIXES
 from paged.server.openai.cors import add_cors_args, cors_config_from
@@ -244,6 +245,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '\'{"ec_connector":"ECExampleConnector","ec_role":"ec_consumer",'
         '"ec_connector_extra_config":{"shared_storage_path":"/tmp/ec"}}\'',
     )
+    add_ec_shorthand_args(e)
     k = parser.add_argument_group("KV transfer")
     k.add_argument(
         "--kv-transfer-config",
@@ -359,7 +361,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         mm_processor_cache_gb=ns.mm_processor_cache_gb,
         disable_chunked_mm_input=ns.disable_chunked_mm_input,
         speculative_config=ns.speculative_config,
-        ec_transfer_config=ns.ec_transfer_config,
+        ec_transfer_config=ec_transfer_config_from(ns),
     )
 
 
@@ -460,7 +462,19 @@ def _add_proxy_parser(sub: Any) -> None:
         "--kv-transfer-config naming PagedZmqConnector (or vLLM with NixlConnector).",
     )
     proxy.add_argument(
-        "--prefill", action="append", required=True, metavar="URL", help="a prefill instance"
+        "--encode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an encoder-only instance (paged serve --ec-role producer); requests with "
+        "images go there first",
+    )
+    proxy.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill instance (required unless --encode is given)",
     )
     proxy.add_argument(
         "--decode", action="append", required=True, metavar="URL", help="a decode instance"
@@ -483,6 +497,7 @@ def _proxy(ns: argparse.Namespace) -> int:
             port=ns.port,
             log_level=ns.log_level,
             timeout_s=ns.timeout,
+            encode=ns.encode,
         )
     except ValueError as e:
         print(f"paged proxy: error: {e}", file=sys.stderr)

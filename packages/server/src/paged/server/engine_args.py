@@ -217,8 +217,10 @@ class EngineArgs:
         # Build the scheduler's config now, in the caller's process, so that limits it
         # rejects (vLLM's SchedulerConfig checks) fail here with a message rather than
         # inside the engine core process after it was spawned.
+        from paged.server.encode_only import encode_only_engine_config
         from paged.server.engine.core import scheduler_config_from
 
+        config = encode_only_engine_config(config)  # an EPD encoder producer's settings
         scheduler_config_from(config)
         return config
 

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from paged.scheduler import SchedulerStats
+from paged.server.epd_metrics import EncoderItemMetrics
 from paged.server.kv_cache_metrics import KVCacheResidencyMetrics
 from paged.server.kv_metrics import KVConnectorMetrics
 from paged.server.metrics_names import PAGED_NAMING, MetricsNaming
@@ -88,6 +89,10 @@ class PrometheusStatLogger:
         )
         self.kv_usage = Gauge(
             n("kv_cache_usage_perc"), "KV cache usage (1 = full)", labels, registry=r
+        )
+        # paged-only (EPD): who encodes, who loads; absent under vLLM's naming.
+        self.encoder_items = (
+            EncoderItemMetrics(r, labels) if naming.prefix == PAGED_NAMING.prefix else None
         )
         self.prefix_queries = Counter(
             n("prefix_cache_queries"), "Prefix-cache queries, in tokens", labels, registry=r
@@ -176,6 +181,8 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(*m).inc(s.prefix_cache_stats.queries)
             self.prefix_hits.labels(*m).inc(s.prefix_cache_stats.hits)
             self.preemptions.labels(*m).inc(s.num_preempted_reqs)
+            if self.encoder_items is not None:
+                self.encoder_items.record(s, m)
             if self.kv_residency is not None:
                 self.kv_residency.observe(s.kv_cache_eviction_events)
             if self.kv_connector is not None:

@@ -1,10 +1,20 @@
-"""`paged proxy`: an OpenAI-compatible router for prefill/decode disaggregation.
+"""`paged proxy`: an OpenAI-compatible router for encoder/prefill/decode disaggregation.
 
-    client --> proxy --1--> prefill  (kv_transfer_params {"do_remote_decode": true},
+    client --> proxy --0--> encode   (only requests with images: the request with
+                                      max_tokens 1, stream false, n 1; the encoder-only
+                                      instance runs the vision encoder, hands the
+                                      embeddings to its EC connector and answers)
+                   --1--> prefill  (kv_transfer_params {"do_remote_decode": true},
                                       max_tokens 1, stream false, n 1)
                    <------- {"kv_transfer_params": {... remote_block_ids, host, port ...}}
                    --2--> decode     (the original request + those params; streamed back
                                       as it comes when the client asked for a stream)
+
+Stage 0 runs with `--encode` (vLLM's disaggregated-encoder proxy), stage 1 with
+`--prefill`; either may be left out (E + PD: `--encode E --decode PD`; P/D:
+`--prefill P --decode D`), the decode stage is always there. The consumer of
+the embeddings is the instance that computes the prompt (the prefill, else
+the decode instance); it loads them by mm hash through its EC connector.
 
 The protocol is vLLM's (its toy P/D proxy and NixlConnector), so the proxy
 also routes vLLM instances, and a vLLM router routes paged instances.
@@ -56,13 +66,17 @@ class ProxyConfig:
     decode_urls: tuple[str, ...]
     timeout_s: float = 600.0
     health_timeout_s: float = 2.0
+    encode_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.prefill_urls:
-            raise ValueError("--prefill: at least one prefill instance URL is required")
+        if not self.prefill_urls and not self.encode_urls:
+            raise ValueError(
+                "--prefill: at least one prefill instance URL is required "
+                "(or --encode for encoder disaggregation)"
+            )
         if not self.decode_urls:
             raise ValueError("--decode: at least one decode instance URL is required")
-        for url in (*self.prefill_urls, *self.decode_urls):
+        for url in (*self.encode_urls, *self.prefill_urls, *self.decode_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"instance URL {url!r} must start with http:// or https://")
 
@@ -88,6 +102,38 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     return req
 
 
+# Content parts that carry media for the encoder (vLLM's proxy looks for the same).
+MM_CONTENT_TYPES = frozenset({"image_url", "input_image", "image", "audio_url", "input_audio"})
+
+
+def has_mm_input(body: dict[str, Any]) -> bool:
+    """Whether a chat request carries any image or audio part (text-only skips stage 0)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("type") in MM_CONTENT_TYPES for part in content
+        ):
+            return True
+    return False
+
+
+def encode_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The body sent to an encoder instance: one token, no stream, one choice (as vLLM)."""
+    req = copy.deepcopy(body)
+    req["stream"] = False
+    req["max_tokens"] = 1
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    req.pop("stream_options", None)
+    req.pop("kv_transfer_params", None)
+    req["n"] = 1
+    req.pop("best_of", None)
+    return req
+
+
 class _UpstreamError(Exception):
     def __init__(self, response: Response) -> None:
         super().__init__("upstream error")
@@ -100,8 +146,12 @@ class Router:
     def __init__(self, config: ProxyConfig, client: httpx.AsyncClient) -> None:
         self.config = config
         self.client = client
+        self._encode = itertools.cycle(config.encode_urls)
         self._prefill = itertools.cycle(config.prefill_urls)
         self._decode = itertools.cycle(config.decode_urls)
+
+    def next_encode(self) -> str:
+        return next(self._encode)
 
     def next_prefill(self) -> str:
         return next(self._prefill)
@@ -148,6 +198,11 @@ async def _handle(router: Router, request: Request, path: str) -> Response:
     stream = body.get("stream") is True
 
     async def prefill_then_decode_params() -> dict[str, Any]:
+        if router.config.encode_urls and has_mm_input(body):
+            # Stage 0: the encoder holds the embeddings once it has answered.
+            await router.post_json(router.next_encode(), path, encode_request(body))
+        if not router.config.prefill_urls:
+            return copy.deepcopy(body)  # E + PD: the decode instance computes the prompt
         prefill_url = router.next_prefill()
         answer = await router.post_json(prefill_url, path, prefill_request(body))
         params = answer.get("kv_transfer_params")
@@ -203,7 +258,7 @@ async def _stream(router: Router, url: str, path: str, body: dict[str, Any]) -> 
 
 
 async def _health(router: Router) -> Response:
-    urls = [*router.config.prefill_urls, *router.config.decode_urls]
+    urls = [*router.config.encode_urls, *router.config.prefill_urls, *router.config.decode_urls]
 
     async def one(url: str) -> str:
         try:
@@ -270,6 +325,7 @@ def run_proxy(
     port: int,
     log_level: str = "info",
     timeout_s: float = 600.0,
+    encode: Sequence[str] = (),
 ) -> None:
     import uvicorn
 
@@ -277,6 +333,12 @@ def run_proxy(
         tuple(u.rstrip("/") for u in prefill),
         tuple(u.rstrip("/") for u in decode),
         timeout_s=timeout_s,
+        encode_urls=tuple(u.rstrip("/") for u in encode),
     )
-    logger.info("proxy: prefill %s, decode %s", config.prefill_urls, config.decode_urls)
+    logger.info(
+        "proxy: encode %s, prefill %s, decode %s",
+        config.encode_urls,
+        config.prefill_urls,
+        config.decode_urls,
+    )
     uvicorn.run(build_proxy_app(config), host=host, port=port, log_level=log_level)

@@ -32,6 +32,7 @@ class _Registration:
 _BUILTINS: dict[str, _Registration] = {
     "ECExampleConnector": _Registration("paged.connectors.ec.example", "ECExampleConnector"),
     "MultiECConnector": _Registration("paged.connectors.ec.multi", "MultiECConnector"),
+    "ECZmqConnector": _Registration("paged.connectors.ec.p2p.connector", "ECZmqConnector"),
 }
 
 

@@ -90,6 +90,38 @@ class Gemma3MultiModalProjector(nn.Module):
         return out.type_as(vision_outputs)
 
 
+def encode_images(
+    vision_tower: SiglipVisionModel,
+    projector: Gemma3MultiModalProjector,
+    modality: str,
+    items: Sequence[dict[str, torch.Tensor]],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """SigLIP + projector over a batch of images: one [mm_tokens_per_image, H] per item.
+
+    Shared by the full model and the encoder-only one (`gemma3_vision.py`), so
+    an EPD producer computes exactly the colocated model's embeddings.
+    """
+    if modality != "image":
+        raise ValueError(f"modality: Gemma3 takes images only, got {modality!r}")
+    pixels = []
+    for i, item in enumerate(items):
+        if "pixel_values" not in item:
+            raise ValueError(f"items[{i}]: no pixel_values (keys: {sorted(item)})")
+        p = item["pixel_values"]
+        if p.dim() == 4 and p.shape[0] == 1:
+            p = p[0]
+        if p.dim() != 3:
+            raise ValueError(
+                f"items[{i}].pixel_values: expected one image [3, S, S] or [1, 3, S, S], "
+                f"got {list(p.shape)} (pan-and-scan crops are not supported)"
+            )
+        pixels.append(p)
+    batch = torch.stack(pixels).to(device)
+    features = projector(vision_tower(batch))
+    return list(features.unbind(0))
+
+
 class _Gemma3Parts(nn.Module):
     """Holds the three parts under HF's names (model.vision_tower, ...)."""
 
@@ -145,24 +177,13 @@ class Gemma3ForConditionalGeneration(nn.Module):
         Each item's `pixel_values` is [3, S, S] or [1, 3, S, S] (no pan-and-scan
         crops); returns one [mm_tokens_per_image, H] tensor per item.
         """
-        if modality != "image":
-            raise ValueError(f"modality: Gemma3 takes images only, got {modality!r}")
-        pixels = []
-        for i, item in enumerate(items):
-            if "pixel_values" not in item:
-                raise ValueError(f"items[{i}]: no pixel_values (keys: {sorted(item)})")
-            p = item["pixel_values"]
-            if p.dim() == 4 and p.shape[0] == 1:
-                p = p[0]
-            if p.dim() != 3:
-                raise ValueError(
-                    f"items[{i}].pixel_values: expected one image [3, S, S] or [1, 3, S, S], "
-                    f"got {list(p.shape)} (pan-and-scan crops are not supported)"
-                )
-            pixels.append(p)
-        batch = torch.stack(pixels).to(self.lm_head.weight.device)
-        features = self.model.multi_modal_projector(self.model.vision_tower(batch))
-        return list(features.unbind(0))
+        return encode_images(
+            self.model.vision_tower,
+            self.model.multi_modal_projector,
+            modality,
+            items,
+            self.lm_head.weight.device,
+        )
 
     def embed_input_ids(
         self,

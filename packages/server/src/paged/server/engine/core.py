@@ -57,6 +57,7 @@ from paged.scheduler.request import RequestStatus
 from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.structured_output import StructuredOutputProvider
 from paged.server.ec_transfer import ec_load_failure_policy, make_scheduler_ec_connector
+from paged.server.encode_only import is_encode_only
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
 from paged.server.engine.mask_overlap import GrammarMaskOverlap
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
@@ -90,6 +91,7 @@ def scheduler_config_from(engine_config: EngineConfig) -> SchedulerConfig:
         max_logprobs=limits.max_logprobs,
         num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        encode_only=is_encode_only(engine_config),
     )
 
 
