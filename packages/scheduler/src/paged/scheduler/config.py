@@ -40,6 +40,9 @@ class SchedulerConfig:
       requests whose blocks failed (vLLM's `KVTransferConfig` field, copied
       here by the engine core): "recompute" rewinds them to the first bad
       block; "fail" finishes them with FinishReason.ERROR.
+    - `pipeline_parallel_size`: with > 1 the runner's first stages never see
+      the sampled tokens, so every running request's step tokens travel in
+      `CachedRequestData.new_token_ids` (vLLM's `use_pp`).
     """
 
     max_model_len: int
@@ -55,9 +58,15 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     num_speculative_tokens: int = 0
     kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "pipeline_parallel_size",
+        ):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -40,6 +40,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    # vLLM's --pipeline-parallel-size: decoder layers split over this many stages.
+    pipeline_parallel_size: int = 1
     max_logprobs: int = 20
     seed: int = 0
     enforce_eager: bool = False
@@ -182,7 +184,10 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+            ),
             scheduler_limits=SchedulerLimits(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
