@@ -14,6 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+from paged.kvcache import get_kv_cache_config
+from paged.runner.executor import Executor
+from paged.scheduler.boundary import CachedRequestData, NewRequestData, SchedulerOutput
+from paged.scheduler.sampling_params import SamplingParams
+
 TINY_BASE: dict[str, Any] = {
     "vocab_size": 128,
     "hidden_size": 64,
@@ -203,3 +208,49 @@ def hf_logits() -> Callable[[Any, list[int]], torch.Tensor]:
 def hf_model() -> Callable[[Path], Any]:
     """hf_model(checkpoint_dir) -> transformers model in float32, eval mode."""
     return load_hf
+
+
+def drive_greedy(
+    executor: Executor, prompts: dict[str, list[int]], steps: int
+) -> dict[str, list[int]]:
+    """Prefill `prompts` in one step, then decode greedily `steps` times through `executor`."""
+    kv = get_kv_cache_config(
+        executor.get_kv_cache_specs(),
+        executor.determine_available_memory(),
+        num_gpu_blocks_override=64,
+    )
+    executor.initialize_from_config(kv)
+    params = SamplingParams(temperature=0.0)
+    blocks = {rid: list(range(1 + 16 * i, 1 + 16 * (i + 1))) for i, rid in enumerate(prompts)}
+    new = [NewRequestData(rid, p, params, (blocks[rid],), 0) for rid, p in prompts.items()]
+    so = SchedulerOutput(
+        scheduled_new_reqs=new,
+        num_scheduled_tokens={rid: len(p) for rid, p in prompts.items()},
+        total_num_scheduled_tokens=sum(len(p) for p in prompts.values()),
+    )
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for _ in range(steps):
+        assert executor.execute_model(so) is None
+        result = executor.sample_tokens(None)
+        for rid, toks in zip(result.req_ids, result.sampled_token_ids, strict=True):
+            out[rid].extend(toks)
+        ids = list(prompts)
+        so = SchedulerOutput(
+            scheduled_cached_reqs=CachedRequestData(
+                ids,
+                [False] * len(ids),
+                [[] for _ in ids],
+                [None] * len(ids),
+                [len(prompts[r]) + len(out[r]) - 1 for r in ids],
+                [len(out[r]) for r in ids],
+            ),
+            num_scheduled_tokens=dict.fromkeys(ids, 1),
+            total_num_scheduled_tokens=len(ids),
+        )
+    return out
+
+
+@pytest.fixture
+def executor_greedy() -> Callable[..., dict[str, list[int]]]:
+    """`drive_greedy` (executor tests of both backends share it)."""
+    return drive_greedy

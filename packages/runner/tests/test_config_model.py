@@ -153,8 +153,12 @@ def test_cache_parallel_scheduler_validation() -> None:
 def test_engine_config_checks(tiny_checkpoint: Callable[..., Path]) -> None:
     mc = ModelConfig.from_pretrained(str(tiny_checkpoint("llama")))
     EngineConfig(mc, parallel_config=ParallelConfig(tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
+    # 3 ranks over 4 q heads / 2 KV heads is a valid uneven head split
+    # (layers/head_partition.py); the MLP still needs an even split.
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide.*intermediate"):
         EngineConfig(mc, parallel_config=ParallelConfig(tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size: 8 is more than .* 4 attention"):
+        EngineConfig(mc, parallel_config=ParallelConfig(tensor_parallel_size=8))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(
             mc,

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from paged.kvcache import get_kv_cache_config
 from paged.runner.config import (
     CacheConfig,
     EngineConfig,
@@ -26,8 +25,6 @@ from paged.runner.executor import (
     WorkerError,
 )
 from paged.runner.executor.messages import CheckHealth
-from paged.scheduler.boundary import NewRequestData, SchedulerOutput
-from paged.scheduler.sampling_params import SamplingParams
 
 BLOCK = 4
 
@@ -41,54 +38,17 @@ def config(path: Path, tp: int) -> EngineConfig:
     )
 
 
-def greedy(executor: Executor, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
-    kv = get_kv_cache_config(
-        executor.get_kv_cache_specs(),
-        executor.determine_available_memory(),
-        num_gpu_blocks_override=64,
-    )
-    executor.initialize_from_config(kv)
-    from paged.scheduler.boundary import CachedRequestData
-
-    params = SamplingParams(temperature=0.0)
-    blocks = {rid: list(range(1 + 16 * i, 1 + 16 * (i + 1))) for i, rid in enumerate(prompts)}
-    new = [NewRequestData(rid, p, params, (blocks[rid],), 0) for rid, p in prompts.items()]
-    so = SchedulerOutput(
-        scheduled_new_reqs=new,
-        num_scheduled_tokens={rid: len(p) for rid, p in prompts.items()},
-        total_num_scheduled_tokens=sum(len(p) for p in prompts.values()),
-    )
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    for _ in range(steps):
-        assert executor.execute_model(so) is None
-        result = executor.sample_tokens(None)
-        for rid, toks in zip(result.req_ids, result.sampled_token_ids, strict=True):
-            out[rid].extend(toks)
-        ids = list(prompts)
-        so = SchedulerOutput(
-            scheduled_cached_reqs=CachedRequestData(
-                ids,
-                [False] * len(ids),
-                [[] for _ in ids],
-                [None] * len(ids),
-                [len(prompts[r]) + len(out[r]) - 1 for r in ids],
-                [len(out[r]) for r in ids],
-            ),
-            num_scheduled_tokens=dict.fromkeys(ids, 1),
-            total_num_scheduled_tokens=len(ids),
-        )
-    return out
-
-
 @pytest.mark.slow
-def test_tp2_matches_tp1_and_dead_worker_raises(tiny_checkpoint: Callable[..., Path]) -> None:
+def test_tp2_matches_tp1_and_dead_worker_raises(
+    tiny_checkpoint: Callable[..., Path], executor_greedy: Callable[..., dict[str, list[int]]]
+) -> None:
     path = tiny_checkpoint("llama")
     prompts = {"a": [5, 6, 7, 8, 9], "b": [40, 41, 42]}
     with UniProcExecutor(replace(config(path, 1), parallel_config=ParallelConfig())) as uni:
-        want = greedy(uni, prompts, 12)
+        want = executor_greedy(uni, prompts, 12)
     executor = MultiprocExecutor(config(path, 2))
     try:
-        assert greedy(executor, prompts, 12) == want
+        assert executor_greedy(executor, prompts, 12) == want
         executor.check_health()
         victim = executor.procs[1]
         assert victim.pid is not None

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from paged.runner.layers.head_partition import partition_heads
+
 if TYPE_CHECKING:
     from paged.runner.kv_connector import KVConnectorWorkerFactory
     from paged.runner.spec_decode.config import SpeculativeConfig
@@ -409,9 +411,16 @@ class CacheConfig:
             )
 
 
+ExecutorBackend = Literal["uni", "mp", "ray"]
+# Ray placement-group strategies (ray.util.placement_group's names).
+RayPlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+_RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor and pipeline parallelism. More than one rank needs the multiprocess executor.
+    """Tensor and pipeline parallelism. More than one rank needs "mp" or "ray".
 
     World size = tensor_parallel_size x pipeline_parallel_size; rank
     r is pipeline stage r // TP, tensor rank r % TP (vLLM's layout, TP innermost).
@@ -420,7 +429,12 @@ class ParallelConfig:
     """
 
     tensor_parallel_size: int = 1
-    distributed_executor_backend: Literal["uni", "mp"] | None = None
+    # vLLM's --distributed-executor-backend: "uni", "mp" or "ray" (None: "mp" for TP > 1).
+    distributed_executor_backend: ExecutorBackend | None = None
+    # How the "ray" backend places its one-bundle-per-rank placement group:
+    # PACK fills the engine core's node first (vLLM's default), SPREAD puts
+    # ranks on different nodes where it can.
+    ray_placement_strategy: RayPlacementStrategy = "PACK"
     pipeline_parallel_size: int = 1
     pp_layer_partition: str | None = field(
         default_factory=lambda: os.environ.get("VLLM_PP_LAYER_PARTITION")
@@ -433,16 +447,21 @@ class ParallelConfig:
             raise ValueError(
                 f"pipeline_parallel_size: must be >= 1, got {self.pipeline_parallel_size}"
             )
-        if self.distributed_executor_backend not in (None, "uni", "mp"):
+        if self.distributed_executor_backend not in (None, *_EXECUTOR_BACKENDS):
             raise ValueError(
                 "distributed_executor_backend: "
-                f"{self.distributed_executor_backend!r} is unknown; use 'uni' or 'mp'"
+                f"{self.distributed_executor_backend!r} is unknown; use 'uni', 'mp' or 'ray'"
             )
         if self.world_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(
                 "distributed_executor_backend: 'uni' runs one worker, so it cannot serve "
                 f"tensor_parallel_size={self.tensor_parallel_size} x "
-                f"pipeline_parallel_size={self.pipeline_parallel_size}; use 'mp'"
+                f"pipeline_parallel_size={self.pipeline_parallel_size}; use 'mp' or 'ray'"
+            )
+        if self.ray_placement_strategy not in _RAY_STRATEGIES:
+            raise ValueError(
+                f"ray_placement_strategy: {self.ray_placement_strategy!r} is unknown; "
+                f"use one of {', '.join(_RAY_STRATEGIES)}"
             )
 
     @property
@@ -451,7 +470,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
-    def executor_backend(self) -> Literal["uni", "mp"]:
+    def executor_backend(self) -> ExecutorBackend:
         """The backend in effect: the explicit choice, else "mp" for several ranks, else "uni"."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
@@ -518,11 +537,11 @@ class EngineConfig:
             check_pipeline_config(self)
         cfg = self.model_config.text_config
         tp = self.parallel_config.tensor_parallel_size
-        sizes = {
-            "attention heads": int(cfg.num_attention_heads),
-            "KV heads": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
-            "intermediate size": int(cfg.intermediate_size),
-        }
+        # Heads need not divide evenly (layers/head_partition.py replicates KV
+        # heads and splits heads unevenly); this raises only for tp > heads.
+        heads = int(cfg.num_attention_heads)
+        partition_heads(heads, int(getattr(cfg, "num_key_value_heads", None) or heads), tp)
+        sizes = {"intermediate size": int(cfg.intermediate_size)}
         for what, size in sizes.items():
             if size % tp != 0:
                 raise ValueError(

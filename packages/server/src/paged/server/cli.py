@@ -226,6 +226,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="pipeline stages to split the decoder layers over (world size = TP x PP); "
         "VLLM_PP_LAYER_PARTITION=8,7 sets the layers per stage",
     )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["uni", "mp", "ray"],
+        default=None,
+        help="how workers run: 'uni' (in the engine process), 'mp' (one process per rank, "
+        "the default for TP > 1) or 'ray' (one Ray actor per rank, across nodes; needs "
+        "paged-runner[ray]; joins RAY_ADDRESS or starts a local cluster)",
+    )
+    p.add_argument(
+        "--ray-placement-strategy",
+        choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+        default="PACK",
+        help="Ray placement-group strategy for the 'ray' backend's one bundle per rank "
+        "(default PACK: fill the engine's node first)",
+    )
     _add_multimodal_args(parser)
     k = parser.add_argument_group("KV transfer")
     k.add_argument(
@@ -320,6 +335,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enable_chunked_prefill=ns.enable_chunked_prefill,
         tensor_parallel_size=ns.tensor_parallel_size,
         pipeline_parallel_size=ns.pipeline_parallel_size,
+        distributed_executor_backend=ns.distributed_executor_backend,
+        ray_placement_strategy=ns.ray_placement_strategy,
         max_logprobs=ns.max_logprobs,
         seed=ns.seed,
         enforce_eager=ns.enforce_eager,

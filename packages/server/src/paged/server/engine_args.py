@@ -15,7 +15,7 @@ from paged.server.tokenizer import DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
     from paged.connectors.events import KVEventsConfig
-    from paged.runner.config import EngineConfig
+    from paged.runner.config import EngineConfig, ExecutorBackend, RayPlacementStrategy
     from paged.server.mm_frontend import MultiModalEngineOptions, MultiModalFrontend
     from paged.server.structured_output.options import StructuredOutputOptions
 
@@ -42,6 +42,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # vLLM's --pipeline-parallel-size: decoder layers split over this many stages.
     pipeline_parallel_size: int = 1
+    # vLLM's --distributed-executor-backend ("uni" | "mp" | "ray"; None: mp for TP > 1).
+    distributed_executor_backend: ExecutorBackend | None = None
+    # The "ray" backend's placement-group strategy (PACK | SPREAD | STRICT_*).
+    ray_placement_strategy: RayPlacementStrategy = "PACK"
     max_logprobs: int = 20
     seed: int = 0
     enforce_eager: bool = False
@@ -187,6 +191,8 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                ray_placement_strategy=self.ray_placement_strategy,
             ),
             scheduler_limits=SchedulerLimits(
                 max_num_seqs=self.max_num_seqs,

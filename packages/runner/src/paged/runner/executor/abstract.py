@@ -4,7 +4,8 @@ Every method fans one typed call out to all workers (`collective_rpc`) and
 returns the output rank's answer (TP rank 0 of the last pipeline stage, which
 samples; rank 0 without PP). `Executor.create(engine_config)` picks the
 implementation from `ParallelConfig.executor_backend`: "uni" (one worker in
-this process) or "mp" (one process per rank, TP x PP).
+this process), "mp" (one process per rank, TP x PP) or "ray" (one Ray actor
+per rank; ray is imported only then).
 
 Pipeline parallelism: `max_concurrent_batches` (= PP size) micro-batches may
 be in flight; `execute_model_async` / `sample_tokens_async` return futures
@@ -36,7 +37,7 @@ from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, Scheduler
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process exited while the executor was using it."""
+    """A worker process (or Ray actor) exited while the executor was using it."""
 
 
 class WorkerError(RuntimeError):
@@ -66,6 +67,10 @@ class Executor(abc.ABC):
             from paged.runner.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor(engine_config)
+        if backend == "ray":
+            from paged.runner.executor.ray_distributed import RayDistributedExecutor
+
+            return RayDistributedExecutor(engine_config)
         from paged.runner.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(engine_config)

@@ -9,7 +9,9 @@
                            (gate_proj + up_proj): each part is split per rank,
                            so rank r holds [gate_r | up_r].
     QKVParallelLinear      q, k, v projections merged the same way, split by
-                           heads: rank r holds [q heads_r | k heads_r | v heads_r].
+                           heads: rank r holds [q heads_r | k heads_r | v heads_r]
+                           (layers/head_partition.py: which heads, including
+                           replicated KV heads and uneven splits).
 
 Checkpoints store the full, unsharded tensors; `load_weight(name, tensor,
 shard_id)` cuts out this rank's share and checks the full shape, so a
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged.runner.layers.cpu_panels import make_panels, panel_matmul, use_panels
+from paged.runner.layers.head_partition import head_shard
 from paged.runner.layers.parallel import TPGroup
 from paged.runner.layers.quantized_linear import (
     QuantizedCheckpointTensor,
@@ -193,9 +196,11 @@ class ColumnParallelLinear(ShardedLinear):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
+        # shard: (start, size) of this rank's output rows; None is the even split.
         self.output_size = output_size
-        self.out_start, out_local = tp.shard(output_size, "the output features")
+        self.out_start, out_local = shard or tp.shard(output_size, "the output features")
         super().__init__(input_size, out_local, bias=bias, tp=tp, dtype=dtype, device=device)
         self.gather_output = gather_output
 
@@ -258,12 +263,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         dtype: torch.dtype,
         device: torch.device | None = None,
     ) -> None:
-        _, self.num_heads = tp.shard(total_num_heads, "the attention heads")
-        _, self.num_kv_heads = tp.shard(total_num_kv_heads, "the KV heads")
+        self.heads = head_shard(total_num_heads, total_num_kv_heads, tp.rank, tp.size)
+        self.num_heads = self.heads.num_heads
+        self.num_kv_heads = self.heads.num_kv_heads
         self.head_size = head_size
         self.total_heads = {"q": total_num_heads, "k": total_num_kv_heads, "v": total_num_kv_heads}
         total = (total_num_heads + 2 * total_num_kv_heads) * head_size
-        super().__init__(hidden_size, total, bias=bias, tp=tp, dtype=dtype, device=device)
+        local = (self.num_heads + 2 * self.num_kv_heads) * head_size
+        # out_start is not used: the q, k and v rows come from three ranges.
+        super().__init__(
+            hidden_size, total, bias=bias, tp=tp, dtype=dtype, device=device, shard=(0, local)
+        )
 
     @property
     def q_size(self) -> int:
@@ -273,6 +283,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_size
 
+    @property
+    def o_proj_shard(self) -> tuple[int, int]:
+        """(start, size) of o_proj's input columns that this rank's q heads produce."""
+        return self.heads.q_start * self.head_size, self.q_size
+
     def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
@@ -281,7 +296,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         check_shape(name, loaded, (full, *param.shape[1:]))
         local = self.q_size if shard_id == "q" else self.kv_size
         offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard_id]
-        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, self.tp.rank * local, local))
+        first = self.heads.q_start if shard_id == "q" else self.heads.kv_start
+        start = first * self.head_size
+        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, start, local))
 
 
 class RowParallelLinear(ShardedLinear):
@@ -297,9 +314,12 @@ class RowParallelLinear(ShardedLinear):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
+        # shard: (start, size) of this rank's input columns; None is the even split
+        # (o_proj passes QKVParallelLinear.o_proj_shard, which may be uneven).
         self.input_size = input_size
-        self.in_start, in_local = tp.shard(input_size, "the input features")
+        self.in_start, in_local = shard or tp.shard(input_size, "the input features")
         super().__init__(
             in_local, output_size, bias=bias, bias_size=output_size, tp=tp, dtype=dtype,
             device=device,

@@ -139,7 +139,7 @@ class Gemma3Attention(nn.Module):
         )  # fmt: skip
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-            bias=cfg.attention_bias, tp=tp, dtype=dtype,
+            bias=cfg.attention_bias, tp=tp, dtype=dtype, shard=self.qkv_proj.o_proj_shard,
         )  # fmt: skip
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size

@@ -73,6 +73,7 @@ class LlamaAttention(nn.Module):
             bias=cfg.o_proj_bias,
             tp=tp,
             dtype=dtype,
+            shard=self.qkv_proj.o_proj_shard,
         )
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
