@@ -220,3 +220,29 @@ def test_default_model_pp2_equals_pp1(default_model: ModelConfig) -> None:
     want = run(config(1), prompts, max_tokens=8)[0]
     got, _, in_flight, _ = run(config(2), prompts, max_tokens=8)
     assert got == want and in_flight == 2
+
+
+def test_pp2_with_the_ray_executor_equals_pp1(
+    tiny_llama: Path, pp1: tuple[dict[str, list[int]], dict[str, int], int, int]
+) -> None:
+    """The same Worker code under Ray actors (a local 2-CPU cluster), micro-batches in flight."""
+    ray = pytest.importorskip("ray")
+    model = ModelConfig.from_pretrained(str(tiny_llama), max_model_len=64)
+    config = engine_config(model, pp=2)
+    config = EngineConfig(
+        config.model_config,
+        config.cache_config,
+        ParallelConfig(pipeline_parallel_size=2, distributed_executor_backend="ray"),
+        config.scheduler_limits,
+    )
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        core = EngineCore(config)
+        try:
+            tokens, cached, in_flight = generate(core, PROMPTS, 10)
+        finally:
+            core.shutdown()
+    finally:
+        ray.shutdown()
+    assert tokens == pp1[0] and cached == pp1[1]
+    assert in_flight == 2

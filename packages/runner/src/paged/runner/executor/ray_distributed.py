@@ -24,6 +24,11 @@
   `ray.kill` each actor, remove the placement group and, if this executor
   started the cluster, `ray.shutdown()`; nothing started here outlives it.
 
+Pipeline parallelism: `collective_rpc_async` submits the call to every actor
+and returns at once (an actor runs its calls in submission order, so stage 0
+starts micro-batch N+1 while the last stage runs N); one helper thread
+gathers the replies in call order and settles the futures.
+
 Ray's known cost: its core workers poll, and every call is a task submission
 through the driver's core worker (a gRPC round trip per actor);
 benchmarks/scaleout_bench.py measures the per-step overhead against the
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from paged.runner.config import EngineConfig
@@ -60,9 +66,7 @@ def _import_ray() -> Any:
 
 
 def _actor_env() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_KEYS
-    }
+    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_KEYS}
 
 
 class RayDistributedExecutor(Executor):
@@ -76,6 +80,8 @@ class RayDistributedExecutor(Executor):
         self.actors: list[Any] = []
         self.pids: list[int] = []
         self._placement_group: Any = None
+        # PP > 1: gathers replies of calls submitted without waiting, in call order.
+        self._replies: ThreadPoolExecutor | None = None
         try:
             self._connect()
             self._start(startup_timeout)
@@ -197,6 +203,31 @@ class RayDistributedExecutor(Executor):
             raise WorkerError("\n".join(errors))
         return results
 
+    def collective_rpc_async(self, call: WorkerCall) -> Future[list[Any]]:
+        if self.pp_size == 1:
+            return super().collective_rpc_async(call)
+        if self._closed:
+            raise RuntimeError("the executor is shut down")
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+        if self._replies is None:
+            self._replies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-ray")
+        refs = [a.call.remote(encode_call(call)) for a in self.actors]
+        return self._replies.submit(self._settle, call, refs)
+
+    def _settle(self, call: WorkerCall, refs: list[Any]) -> list[Any]:
+        results: list[Any] = []
+        errors: list[str] = []
+        for data in self._gather(refs, None):
+            reply: Reply = decode_reply(data)
+            if reply.error is not None:
+                errors.append(f"worker {reply.rank}: {reply.error}")
+            else:
+                results.append(decode_result(call, reply.result))
+        if errors:
+            raise WorkerError("\n".join(errors))
+        return results
+
     # ------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
@@ -204,6 +235,8 @@ class RayDistributedExecutor(Executor):
             return
         self._closed = True
         ray = self._ray
+        if self._replies is not None:
+            self._replies.shutdown(wait=False, cancel_futures=True)
         if self.actors and self._dead is None:
             try:  # let every rank leave the process group cleanly
                 self._gather(
