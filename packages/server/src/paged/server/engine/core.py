@@ -391,8 +391,10 @@ class EngineCore:
         outputs of the oldest batch.
         """
         assert self._submitter is not None, "step_with_batch_queue needs batch_queue_size > 1"
-        if self.scheduler.has_requests():
-            scheduler_output = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule() if self.scheduler.has_requests() else None
+        if scheduler_output is not None and not (
+            self.batch_queue and _carries_nothing(scheduler_output)
+        ):
             sampled = self._submitter.submit(scheduler_output)
             self.batch_queue.appendleft((sampled, scheduler_output))
             if (
@@ -465,6 +467,23 @@ class EngineCore:
         self.model_executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+
+
+def _carries_nothing(scheduler_output: SchedulerOutput) -> bool:
+    """No tokens and no news for the workers: every request is in flight (batch queue).
+
+    Such a step is not sent (with pipeline parallelism it would be a round trip
+    through every stage); the engine waits for the oldest batch instead.
+    """
+    so = scheduler_output
+    return (
+        so.total_num_scheduled_tokens == 0
+        and not so.finished_req_ids
+        and not so.preempted_req_ids
+        and not so.free_encoder_mm_hashes
+        and so.kv_connector_metadata is None
+        and so.ec_connector_metadata is None
+    )
 
 
 def _default_executor_class(engine_config: EngineConfig) -> ExecutorFactory:
