@@ -1,8 +1,9 @@
 """Tensor-parallel plumbing: the rank/size pair layers carry, and the collectives.
 
 Layers receive their `TPGroup` explicitly (no global parallel state). The
-collectives use torch.distributed's default process group, which the worker
-initialises (gloo on CPU, NCCL on CUDA) before building the model; with
+collectives use `TPGroup.group`: torch.distributed's default process group
+(None), or, with pipeline parallelism, the stage's own TP group; the worker
+initialises them (gloo on CPU, NCCL on CUDA) before building the model; with
 `size == 1` they are identities and torch.distributed is never touched.
 """
 
