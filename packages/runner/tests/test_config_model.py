@@ -148,6 +148,12 @@ def test_cache_parallel_scheduler_validation() -> None:
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerLimits(max_num_seqs=0)
+    ray = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert ray.executor_backend == "ray" and ray.ray_placement_strategy == "PACK"
+    with pytest.raises(ValueError, match="distributed_executor_backend: 'slurm' is unknown"):
+        ParallelConfig(distributed_executor_backend="slurm")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ray_placement_strategy: 'RANDOM' is unknown"):
+        ParallelConfig(ray_placement_strategy="RANDOM")  # type: ignore[arg-type]
 
 
 def test_engine_config_checks(tiny_checkpoint: Callable[..., Path]) -> None:
@@ -155,9 +161,9 @@ def test_engine_config_checks(tiny_checkpoint: Callable[..., Path]) -> None:
     EngineConfig(mc, parallel_config=ParallelConfig(tensor_parallel_size=2))
     # 3 ranks over 4 q heads / 2 KV heads is a valid uneven head split
     # (layers/head_partition.py); the MLP still needs an even split.
-    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide.*intermediate"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 does not divide.*intermediate"):
         EngineConfig(mc, parallel_config=ParallelConfig(tensor_parallel_size=3))
-    with pytest.raises(ValueError, match="tensor_parallel_size: 8 is more than .* 4 attention"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 8 is more than .* 4 attention"):
         EngineConfig(mc, parallel_config=ParallelConfig(tensor_parallel_size=8))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(

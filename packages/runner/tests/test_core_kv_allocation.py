@@ -58,3 +58,17 @@ def test_allocation_errors_name_the_problem() -> None:
     ghost = replace(config, kv_cache_tensors=[*config.kv_cache_tensors, KVCacheTensor(64, ["x"])])
     with pytest.raises(ValueError, match="unknown layer 'x'"):
         allocate_kv_caches(ghost, specs, CPU)
+
+
+def test_a_rank_with_fewer_kv_heads_views_its_own_head_count() -> None:
+    # Uneven TP head split: the config comes from rank 0 (2 KV heads), this rank holds 1.
+    rank0 = {name: FullAttentionSpec(4, 2, 8, "float32") for name in ("a", "b")}
+    config = get_kv_cache_config(rank0, 1 << 16)
+    mine = {name: FullAttentionSpec(4, 1, 8, "float32") for name in ("a", "b")}
+    caches = allocate_kv_caches(config, mine, CPU)
+    assert [c.shape for c in caches] == [(2, config.num_blocks, 4, 1, 8)] * 2
+    # Anything else (more heads, another head size) keeps the config's spec, as before.
+    more = {name: FullAttentionSpec(4, 4, 8, "float32") for name in ("a", "b")}
+    assert [c.shape[3] for c in allocate_kv_caches(config, more, CPU)] == [2, 2]
+    other = {name: FullAttentionSpec(4, 1, 16, "float32") for name in ("a", "b")}
+    assert [c.shape[3:] for c in allocate_kv_caches(config, other, CPU)] == [(2, 8)] * 2

@@ -1,4 +1,4 @@
-"""Head partition over TP ranks: vLLM's layout where vLLM accepts the size, valid everywhere else."""
+"""Head partition over TP ranks: vLLM's layout where vLLM accepts the size, valid elsewhere."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ the order of the model's `kv_cache_specs()`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -93,11 +94,31 @@ def allocate_kv_caches(
         for name in tensor.shared_by:
             if name not in spec_of:
                 raise ValueError(f"kv_cache_config: tensor shared by unknown layer {name!r}")
-            caches[name] = _layer_view(buffer, spec_of[name], kv_cache_config.num_blocks, name)
+            spec = _this_rank_spec(layer_order.get(name), spec_of[name])
+            caches[name] = _layer_view(buffer, spec, kv_cache_config.num_blocks, name)
     without = [name for name in layer_order if name not in caches]
     if without:
         raise ValueError(f"kv_cache_config: layers {without} have no KV cache tensor")
     return [caches[name] for name in layer_order]
+
+
+def _this_rank_spec(local: Any, group_spec: AttentionSpec) -> AttentionSpec:
+    """The spec this rank views a layer's cache with.
+
+    The KV cache config is built from rank 0's specs. With an uneven
+    tensor-parallel head split (layers/head_partition.py) a later rank may hold
+    fewer KV heads than rank 0; its cache then uses its own head count, in the
+    first bytes of each buffer (rank 0 holds the most heads, so it fits).
+    Anything else must match the group's spec exactly.
+    """
+    if (
+        isinstance(local, AttentionSpec)
+        and type(local) is type(group_spec)
+        and local.num_kv_heads < group_spec.num_kv_heads
+        and dataclasses.replace(local, num_kv_heads=group_spec.num_kv_heads) == group_spec
+    ):
+        return local
+    return group_spec
 
 
 def _layer_view(

@@ -22,7 +22,9 @@
   fail fast with the same error.
 - Shutdown: `Shutdown` to every live actor (leaves the process group), then
   `ray.kill` each actor, remove the placement group and, if this executor
-  started the cluster, `ray.shutdown()`; nothing started here outlives it.
+  made the connection, `ray.shutdown()` (which stops a local cluster it
+  started, and only disconnects from a `RAY_ADDRESS` one); nothing started
+  here outlives it.
 
 Pipeline parallelism: `collective_rpc_async` submits the call to every actor
 and returns at once (an actor runs its calls in submission order, so stage 0
@@ -37,8 +39,10 @@ multiproc executor's shared-memory ring.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -50,12 +54,19 @@ from paged.runner.executor.rank_layout import world_size
 from paged.runner.executor.ray_worker import RayWorkerActor
 
 _POLL_S = 0.5
+_ERROR_GRACE_S = 10.0
 # Environment handed to every actor (a Ray worker inherits the raylet's, not ours).
 _ENV_PREFIXES = ("PAGED_", "TRITON_", "HF_", "TORCH_", "NCCL_", "GLOO_")
 _ENV_KEYS = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
 
 
 def _import_ray() -> Any:
+    # Under `uv run`, Ray by default starts every worker through `uv run` again
+    # and ships the working directory to it (its uv runtime-env hook): seconds
+    # per actor here, and a copy of the tree. paged's workers run from the
+    # installed environment instead (the same on every node; docs/multi-node.md).
+    # Read by ray at import time; set RAY_ENABLE_UV_RUN_RUNTIME_ENV=1 to keep the hook.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     try:
         import ray
     except ImportError as exc:
@@ -65,8 +76,37 @@ def _import_ray() -> Any:
     return ray
 
 
+def start_local_ray(num_cpus: int) -> None:
+    """`ray.init` of a private local cluster, as small as Ray allows.
+
+    `num_cpus` bundles' worth of CPUs, no dashboard UI, worker logs not
+    forwarded. Two Ray defaults are changed unless already set in the
+    environment (the raylet reads them at start):
+    - RAY_worker_niceness=0: Ray starts worker processes at nice 15, which on
+      a busy machine starves the actors that run the model (measured: a
+      batch-32 step of the benchmark's tiny model 9x slower than the
+      multiproc executor's under load ~10; benchmarks/scaleout_bench.py).
+    - RAY_agent_register_timeout_ms=120000: the raylet waits 30 s for its agent
+      processes to report their ports; on a loaded machine they start slower
+      and the cluster fails to come up.
+    """
+    ray = _import_ray()
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+
 def _actor_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_KEYS}
+
+
+def _is_error_reply(data: bytes) -> bool:
+    return decode_reply(data).error is not None
 
 
 class RayDistributedExecutor(Executor):
@@ -98,14 +138,7 @@ class RayDistributedExecutor(Executor):
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         else:
-            # A local cluster just big enough for our bundles; no dashboard
-            # (it costs a process and seconds of start-up).
-            ray.init(
-                num_cpus=self.world_size,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            start_local_ray(self.world_size)
         self._owns_cluster = True
 
     def _bundles(self) -> list[dict[str, float]]:
@@ -164,12 +197,24 @@ class RayDistributedExecutor(Executor):
         )
         return WorkerDiedError(self._dead)
 
-    def _gather(self, refs: list[Any], deadline: float | None) -> list[Any]:
-        """ray.get of `refs` in order; a dead actor raises WorkerDiedError as soon as it shows."""
+    def _gather(
+        self,
+        refs: list[Any],
+        deadline: float | None,
+        failed: Callable[[Any], bool] | None = None,
+    ) -> list[Any]:
+        """ray.get of `refs` in order; a dead actor raises WorkerDiedError as soon as it shows.
+
+        `failed(value)` tells whether a value is a rank's error reply: once one
+        arrives, the other ranks get `_ERROR_GRACE_S` to answer, since a rank
+        that raised mid-step leaves the others blocked in a collective with it
+        for good; then the executor is marked broken rather than left hanging.
+        """
         ray = self._ray
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         values: list[Any] = [None] * len(refs)
         pending = list(refs)
+        error_since: float | None = None
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
             for ref in ready:
@@ -178,7 +223,18 @@ class RayDistributedExecutor(Executor):
                     values[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
                     raise self._died(rank, exc) from exc
-            if pending and deadline is not None and time.monotonic() > deadline:
+                if error_since is None and failed is not None and failed(values[rank]):
+                    error_since = time.monotonic()
+            now = time.monotonic()
+            if pending and error_since is not None and now - error_since > _ERROR_GRACE_S:
+                ranks = sorted(rank_of[r] for r in pending)
+                self._dead = (
+                    f"workers {ranks} did not answer after another rank failed (blocked in a "
+                    "collective with it); the executor cannot continue"
+                )
+                errors = [decode_reply(v).error for v in values if v is not None]
+                raise WorkerError(self._dead + "\n" + "\n".join(e for e in errors if e))
+            if pending and deadline is not None and now > deadline:
                 ranks = sorted(rank_of[r] for r in pending)
                 raise TimeoutError(f"workers {ranks} did not answer in time")
         return values
@@ -190,7 +246,9 @@ class RayDistributedExecutor(Executor):
             raise WorkerDiedError(self._dead)
         deadline = None if timeout is None else time.monotonic() + timeout
         payload = encode_call(call)
-        raw = self._gather([a.call.remote(payload) for a in self.actors], deadline)
+        raw = self._gather(
+            [a.call.remote(payload) for a in self.actors], deadline, failed=_is_error_reply
+        )
         results: list[Any] = []
         errors: list[str] = []
         for data in raw:
@@ -218,7 +276,7 @@ class RayDistributedExecutor(Executor):
     def _settle(self, call: WorkerCall, refs: list[Any]) -> list[Any]:
         results: list[Any] = []
         errors: list[str] = []
-        for data in self._gather(refs, None):
+        for data in self._gather(refs, None, failed=_is_error_reply):
             reply: Reply = decode_reply(data)
             if reply.error is not None:
                 errors.append(f"worker {reply.rank}: {reply.error}")
@@ -238,13 +296,12 @@ class RayDistributedExecutor(Executor):
         if self._replies is not None:
             self._replies.shutdown(wait=False, cancel_futures=True)
         if self.actors and self._dead is None:
-            try:  # let every rank leave the process group cleanly
+            # Let every rank leave the process group cleanly; a dead one is killed below.
+            with contextlib.suppress(TimeoutError, WorkerDiedError):
                 self._gather(
                     [a.call.remote(encode_call(Shutdown())) for a in self.actors],
                     time.monotonic() + 30.0,
                 )
-            except (TimeoutError, WorkerDiedError):
-                pass
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         if self._placement_group is not None:

@@ -39,7 +39,7 @@ class RayWorkerActor:
         """A tcp:// init method on this node's IP and a free port (torch.distributed's store)."""
         import ray  # inside a Ray actor ray is already imported; keeps the module ray-free
 
-        ip = ray.util.get_node_ip_address()
+        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = int(s.getsockname()[1])

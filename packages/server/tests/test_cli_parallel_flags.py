@@ -1,0 +1,35 @@
+"""vLLM's --distributed-executor-backend and paged's --ray-placement-strategy flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged.server.cli import build_parser, engine_args_from
+
+
+def test_ray_backend_and_strategy_flags() -> None:
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "m",
+            "-tp",
+            "2",
+            "--distributed-executor-backend",
+            "ray",
+            "--ray-placement-strategy",
+            "SPREAD",
+        ]
+    )
+    args = engine_args_from(ns)
+    assert args.tensor_parallel_size == 2
+    assert args.distributed_executor_backend == "ray"
+    assert args.ray_placement_strategy == "SPREAD"
+    default = engine_args_from(build_parser().parse_args(["serve", "m"]))
+    assert default.distributed_executor_backend is None
+    assert default.ray_placement_strategy == "PACK"
+
+
+def test_unknown_backend_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--distributed-executor-backend", "slurm"])
+    assert "invalid choice: 'slurm'" in capsys.readouterr().err
