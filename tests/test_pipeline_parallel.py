@@ -235,7 +235,9 @@ def test_pp2_with_the_ray_executor_equals_pp1(
         ParallelConfig(pipeline_parallel_size=2, distributed_executor_backend="ray"),
         config.scheduler_limits,
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    from paged.runner.executor.ray_distributed import start_local_ray
+
+    start_local_ray(num_cpus=2)
     try:
         core = EngineCore(config)
         try:
