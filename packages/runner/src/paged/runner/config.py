@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -420,7 +421,13 @@ _RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism. TP > 1 needs a multi-worker executor ("mp" or "ray")."""
+    """Tensor and pipeline parallelism. More than one rank needs "mp" or "ray".
+
+    World size = tensor_parallel_size x pipeline_parallel_size; rank
+    r is pipeline stage r // TP, tensor rank r % TP (vLLM's layout, TP innermost).
+    `pp_layer_partition` is vLLM's VLLM_PP_LAYER_PARTITION ("8,7": decoder
+    layers per stage, summing to the model's); None: vLLM's even split.
+    """
 
     tensor_parallel_size: int = 1
     # vLLM's --distributed-executor-backend: "uni", "mp" or "ray" (None: "mp" for TP > 1).
@@ -429,19 +436,28 @@ class ParallelConfig:
     # PACK fills the engine core's node first (vLLM's default), SPREAD puts
     # ranks on different nodes where it can.
     ray_placement_strategy: RayPlacementStrategy = "PACK"
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = field(
+        default_factory=lambda: os.environ.get("VLLM_PP_LAYER_PARTITION")
+    )
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size: must be >= 1, got {self.pipeline_parallel_size}"
+            )
         if self.distributed_executor_backend not in (None, *_EXECUTOR_BACKENDS):
             raise ValueError(
                 "distributed_executor_backend: "
                 f"{self.distributed_executor_backend!r} is unknown; use 'uni', 'mp' or 'ray'"
             )
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+        if self.world_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(
                 "distributed_executor_backend: 'uni' runs one worker, so it cannot serve "
-                f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' or 'ray'"
+                f"tensor_parallel_size={self.tensor_parallel_size} x "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}; use 'mp' or 'ray'"
             )
         if self.ray_placement_strategy not in _RAY_STRATEGIES:
             raise ValueError(
@@ -450,11 +466,16 @@ class ParallelConfig:
             )
 
     @property
+    def world_size(self) -> int:
+        """Worker processes: TP x PP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def executor_backend(self) -> ExecutorBackend:
-        """The backend in effect: the explicit choice, else "mp" for TP > 1, else "uni"."""
+        """The backend in effect: the explicit choice, else "mp" for several ranks, else "uni"."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "mp" if self.tensor_parallel_size > 1 else "uni"
+        return "mp" if self.world_size > 1 else "uni"
 
 
 @dataclass(frozen=True)
@@ -516,6 +537,10 @@ class EngineConfig:
                 f"max_model_len={self.model_config.max_model_len} with chunked prefill off; "
                 "raise it, lower max_model_len or enable chunked prefill"
             )
+        if self.parallel_config.pipeline_parallel_size > 1:
+            from paged.runner.pipeline.partition import check_pipeline_config
+
+            check_pipeline_config(self)
         cfg = self.model_config.text_config
         tp = self.parallel_config.tensor_parallel_size
         # Heads need not divide evenly (layers/head_partition.py replicates KV

@@ -25,6 +25,13 @@ the step's scheduled items, and turns the step's tokens into inputs_embeds
 the attention metadata carries. Its encoder cache is one preallocated buffer;
 an optional worker-side EC connector is handed to it (loads, saves, and the
 step's `ECConnectorOutput`, carried on the step's output like the KV one).
+
+Pipeline parallelism (`stage_setup` with PP > 1): a `StageForward` held by
+composition runs this stage's layers, receiving the previous stage's
+activations and sending its own on; only the last stage computes logits and
+samples. The others learn each step's input tokens from the scheduler
+(`CachedRequestData.new_token_ids`), and allocate KV cache for their own
+layers only (`pipeline.kv.stage_kv_cache_config`).
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ from paged.runner.input_prep import InputBuffers, StepInputs, prepare_inputs
 from paged.runner.kv_cache_setup import allocate_kv_caches, available_kv_cache_memory
 from paged.runner.kv_connector import KVConnectorStep, KVConnectorWorker
 from paged.runner.models.interface import CausalLM, SupportsMultiModal, supports_multimodal
+from paged.runner.pipeline.forward import StageForward
+from paged.runner.pipeline.kv import stage_kv_cache_config
+from paged.runner.pipeline.stage import StageSetup
 from paged.runner.runner_output import apply_grammar_bitmask, build_output, prompt_logprobs
 from paged.runner.sampler import Sampler
 from paged.runner.spec_decode.config import SpeculativeConfig
@@ -94,7 +104,10 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         ec_connector: ECConnectorWorker | None = None,
         encoder_cache_size: int | None = None,
+        stage_setup: StageSetup | None = None,
     ) -> None:
+        if stage_setup is not None:
+            tp_rank, tp_size = stage_setup.stage.tp_rank, stage_setup.stage.tp_size
         self.model_config = model_config
         self.cache_config = cache_config
         self.limits = scheduler_limits
@@ -121,6 +134,19 @@ class ModelRunner:
         # The worker side of an EC connector, handed to the EncoderRunner (which holds it).
         self.ec_connector = ec_connector
         self.encoder_cache_size = encoder_cache_size  # None: the scheduler's default
+        self.stage_setup = stage_setup
+        # Pipeline parallelism: this stage's forward and its links to the neighbours.
+        self.pipeline = (
+            StageForward(
+                stage_setup.stage, self.device, model_config.hidden_size, model_config.dtype
+            )
+            if stage_setup is not None and stage_setup.is_pipelined
+            else None
+        )
+        if self.pipeline is not None and (kv_connector is not None or speculative_config):
+            raise ValueError(
+                "pipeline_parallel_size > 1 runs without a KV connector or speculative decoding"
+            )
         # Speculative decoding (drafts, verification, a draft model): a component.
         self.spec_decoder = (
             SpecDecoder(
@@ -152,7 +178,13 @@ class ModelRunner:
         if model is None:
             from paged.runner.loader import load_model
 
-            model = load_model(self.model_config, self.device, self.tp_rank, self.tp_size)
+            model = load_model(
+                self.model_config,
+                self.device,
+                self.tp_rank,
+                self.tp_size,
+                stage_setup=self.stage_setup,
+            )
         self.model = model
         if supports_multimodal(model):
             self.encoder_runner = self._make_encoder_runner(cast(SupportsMultiModal, model))
@@ -200,7 +232,13 @@ class ModelRunner:
         n = self.max_num_tokens
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         positions = torch.arange(n, dtype=torch.int64, device=self.device) % self.max_model_len
-        hidden = model.forward(ids, positions, ForwardContext(attn_metadata=None))
+        if self.pipeline is not None:
+            stage_hidden = self.pipeline.profile(model, ids, positions)
+            if stage_hidden is None:
+                return  # a stage before the last: no logits
+            hidden = stage_hidden
+        else:
+            hidden = model.forward(ids, positions, ForwardContext(attn_metadata=None))
         rows = min(self.max_num_reqs, n)
         model.compute_logits(hidden[:rows]).softmax(dim=-1)
 
@@ -221,6 +259,9 @@ class ModelRunner:
         """
         model = self._require_model()
         specs = model.kv_cache_specs(self.cache_config.block_size)
+        if self.pipeline is not None:
+            # The engine's config spans every stage's layers; allocate ours only.
+            kv_cache_config = stage_kv_cache_config(kv_cache_config, specs)
         self.kv_caches = allocate_kv_caches(kv_cache_config, specs, self.device)
         self.layer_names = list(specs)
         if self.kv_connector is not None:
@@ -240,8 +281,14 @@ class ModelRunner:
             if self.requests:
                 raise RuntimeError("initialize_kv_cache must run before any request")
             self.input_batch = self._make_batch(block_sizes)
-        # CUDA graphs capture one group's metadata; hybrid models run eagerly.
-        if self.device.type == "cuda" and not self.model_config.enforce_eager and len(groups) == 1:
+        # CUDA graphs capture one group's metadata; hybrid models and pipeline
+        # stages (whose forward sends and receives) run eagerly.
+        if (
+            self.device.type == "cuda"
+            and not self.model_config.enforce_eager
+            and len(groups) == 1
+            and self.pipeline is None
+        ):
             self.capture_cuda_graphs()
 
     def capture_cuda_graphs(self) -> None:
@@ -276,7 +323,13 @@ class ModelRunner:
                 "scheduler_output: encoder inputs were scheduled but the model "
                 f"{self.model_config.architecture} takes no images"
             )
-        update_states(self.requests, self.input_batch, scheduler_output, self.device)
+        update_states(
+            self.requests,
+            self.input_batch,
+            scheduler_output,
+            self.device,
+            stage=self.pipeline.stage if self.pipeline is not None else None,
+        )
         ec_output = None
         if encoder is not None:
             ec_output = encoder.step(scheduler_output, self.requests)
@@ -306,7 +359,17 @@ class ModelRunner:
             self.builder,
             num_drafts,
         )
-        hidden, kv_output = self._forward_with_connector(model, inputs, step)
+        if self.pipeline is not None:
+            layer_metadata = None
+            if self.layer_groups is not None:
+                layer_metadata = [inputs.group_metadata[g] for g in self.layer_groups]
+            ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, layer_metadata)
+            stage_hidden = self.pipeline.run(model, inputs.input_ids, inputs.positions, ctx)
+            if stage_hidden is None:
+                return None  # sent on to the next stage; the last one samples
+            hidden, kv_output = stage_hidden, None
+        else:
+            hidden, kv_output = self._forward_with_connector(model, inputs, step)
         if spec is not None:
             spec.follow_target(inputs)
         logits = None

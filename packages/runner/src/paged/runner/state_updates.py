@@ -9,6 +9,12 @@ Order matters and follows vLLM:
 5. cached requests: update computed counts, tokens, block ids; a request
    resumed from preemption replaces its block table and output tokens;
 6. (re-)add every scheduled request that is not in the batch, then condense.
+
+Pipeline parallelism (`stage`): only the last stage samples. With PP the
+scheduler sends each running request's input tokens for the step
+(`new_token_ids[i]` = all tokens [computed, computed + scheduled)); a stage
+before the last appends those it has not seen (the tokens sampled on the last
+stage), the last stage ignores them (it appended its own samples), as vLLM.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from paged.runner.input_batch import CachedRequestState, InputBatch
+from paged.runner.pipeline.stage import PipelineStage
 from paged.scheduler.boundary import CachedRequestData, NewRequestData, SchedulerOutput
 
 
@@ -24,6 +31,7 @@ def update_states(
     batch: InputBatch,
     scheduler_output: SchedulerOutput,
     generator_device: torch.device,
+    stage: PipelineStage | None = None,
 ) -> None:
     """Bring `requests` and `batch` to the state `scheduler_output` describes."""
     for req_id in scheduler_output.finished_req_ids:
@@ -48,7 +56,7 @@ def update_states(
                 f"scheduler_output: cached request {req_id!r} is unknown to the runner "
                 "(it was never sent as a new request, or already finished)"
             )
-        _apply_cached_diff(state, batch, cached, i)
+        _apply_cached_diff(state, batch, cached, i, stage)
 
     for req_id in scheduled:
         if req_id not in requests:
@@ -100,7 +108,11 @@ def _check_cached_lengths(cached: CachedRequestData) -> None:
 
 
 def _apply_cached_diff(
-    state: CachedRequestState, batch: InputBatch, cached: CachedRequestData, i: int
+    state: CachedRequestState,
+    batch: InputBatch,
+    cached: CachedRequestData,
+    i: int,
+    stage: PipelineStage | None = None,
 ) -> None:
     resumed = cached.resumed_from_preemption[i]
     new_tokens = cached.new_token_ids[i]
@@ -116,6 +128,8 @@ def _apply_cached_diff(
         batch.remove_request(state.req_id)  # re-added from the fresh state
         return
 
+    if stage is not None and stage.pp_size > 1:
+        new_tokens = _unseen_step_tokens(state, new_tokens, stage)
     if new_tokens:
         # Tokens the runner cannot know itself (e.g. sampled on another rank).
         state.output_token_ids.extend(new_tokens)
@@ -134,6 +148,16 @@ def _apply_cached_diff(
         batch.block_table.append_row(new_blocks, row)
     if new_tokens or batch.num_tokens[row] != state.num_tokens:
         _sync_tokens(batch, row, state)
+
+
+def _unseen_step_tokens(
+    state: CachedRequestState, step_tokens: list[int], stage: PipelineStage
+) -> list[int]:
+    """The tail of this step's input tokens this stage has not seen (PP; see module docstring)."""
+    if stage.is_last:
+        return []  # this stage sampled them and already holds them
+    unseen = state.num_computed_tokens + len(step_tokens) - state.num_tokens
+    return step_tokens[-unseen:] if unseen > 0 else []
 
 
 def _sync_tokens(batch: InputBatch, row: int, state: CachedRequestState) -> None:

@@ -10,6 +10,10 @@ torch.distributed group (gloo on CPU, NCCL on CUDA) before the model is built,
 and seeds the global RNG identically on every rank so that unseeded random
 sampling picks the same token everywhere (each rank keeps its own copy of the
 sampled tokens).
+
+With pipeline parallelism the world is TP x PP ranks (`PipelineStage.of_rank`:
+rank = pp_rank * TP + tp_rank); each stage's TP ranks get their own process
+group for their collectives, and the runner holds only the stage's layers.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from paged.runner.config import EngineConfig
 from paged.runner.cpu_threads import apply_default_cpu_threads
 from paged.runner.encode_only import EncodeOnlyRunner
 from paged.runner.model_runner import ModelRunner
+from paged.runner.pipeline.stage import PipelineStage, StageSetup, init_tp_groups
 from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class Worker:
-    """Owns the device context and the model runner of one tensor-parallel rank."""
+    """Owns the device context and the model runner of one rank (a TP rank of a PP stage)."""
 
     def __init__(
         self,
@@ -37,15 +42,19 @@ class Worker:
         local_rank: int = 0,
         distributed_init_method: str | None = None,
     ) -> None:
-        tp = engine_config.parallel_config.tensor_parallel_size
-        if not 0 <= rank < tp:
-            raise ValueError(f"rank must be in [0, {tp}), got {rank}")
-        if tp > 1 and distributed_init_method is None:
-            raise ValueError("distributed_init_method is required when tensor_parallel_size > 1")
+        parallel = engine_config.parallel_config
+        world = parallel.world_size
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, {world}), got {rank}")
+        if world > 1 and distributed_init_method is None:
+            raise ValueError("distributed_init_method is required with more than one rank")
         self.engine_config = engine_config
         self.rank = rank
         self.local_rank = local_rank
-        self.world_size = tp
+        self.world_size = world
+        self.stage = PipelineStage.of_rank(
+            rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        )
         self.distributed_init_method = distributed_init_method
         self.device = torch.device("cpu")
         self._runner: ModelRunner | EncodeOnlyRunner | None = None
@@ -71,6 +80,13 @@ class Worker:
                 init_method=self.distributed_init_method,
                 world_size=self.world_size,
                 rank=self.rank,
+            )
+        stage_setup = None
+        if self.stage.pp_size > 1:
+            stage_setup = StageSetup(
+                self.stage,
+                tp_group=init_tp_groups(self.stage),
+                pp_layer_partition=self.engine_config.parallel_config.pp_layer_partition,
             )
         torch.manual_seed(self.engine_config.seed)
         factory = self.engine_config.kv_connector_factory
@@ -101,12 +117,13 @@ class Worker:
             self.engine_config.cache_config,
             self.engine_config.scheduler_limits,
             device,
-            tp_rank=self.rank,
-            tp_size=self.world_size,
+            tp_rank=self.stage.tp_rank,
+            tp_size=self.stage.tp_size,
             kv_connector=kv_connector,
             speculative_config=self.engine_config.speculative_config,
             ec_connector=ec_connector,
             encoder_cache_size=self.engine_config.encoder_cache_size,
+            stage_setup=stage_setup,
         )
 
     def load_model(self) -> None:
@@ -136,6 +153,8 @@ class Worker:
             torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
+        if self._runner is not None and self._runner.pipeline is not None:
+            self._runner.pipeline.close()  # the last activations must reach the next stage
         if self._runner is not None and self._runner.kv_connector is not None:
             # Lets a connector finish its background writes (a disk tier must be
             # complete for the next engine on the same directory).

@@ -43,6 +43,9 @@ class SchedulerConfig:
     - `encode_only`: an EPD encoder producer (`--ec-role producer`): the runner
       samples nothing, and a request finishes (LENGTH_CAPPED, no tokens) in the
       step that computes the rest of its prompt, so every item was encoded.
+    - `pipeline_parallel_size`: with > 1 the runner's first stages never see
+      the sampled tokens, so every running request's step tokens travel in
+      `CachedRequestData.new_token_ids` (vLLM's `use_pp`).
     """
 
     max_model_len: int
@@ -59,9 +62,15 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
     encode_only: bool = False
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "pipeline_parallel_size",
+        ):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

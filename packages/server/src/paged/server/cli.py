@@ -221,6 +221,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="GPUs to shard the model over",
     )
     p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=_positive_int,
+        default=1,
+        help="pipeline stages to split the decoder layers over (world size = TP x PP); "
+        "VLLM_PP_LAYER_PARTITION=8,7 sets the layers per stage",
+    )
+    p.add_argument(
         "--distributed-executor-backend",
         choices=["uni", "mp", "ray"],
         default=None,
@@ -338,6 +346,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         enable_chunked_prefill=ns.enable_chunked_prefill,
         tensor_parallel_size=ns.tensor_parallel_size,
+        pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         ray_placement_strategy=ns.ray_placement_strategy,
         max_logprobs=ns.max_logprobs,

@@ -1,4 +1,4 @@
-"""`MultiprocExecutor`: one worker process per tensor-parallel rank.
+"""`MultiprocExecutor`: one worker process per rank (TP x PP of them).
 
     executor --(broadcast MessageQueue: 1 writer, N readers)--> worker 0..N-1
     executor <--(response MessageQueue per worker: 1 writer, 1 reader)-- worker r
@@ -9,6 +9,10 @@ polls the worker processes: a worker that exits turns into a
 `WorkerDiedError` naming its rank, pid and exit code, never a hang; later
 calls fail fast with the same error. Workers exit on `Shutdown`, or on their
 own when the executor's process disappears.
+
+With pipeline parallelism (PP > 1) a `ReplyReader` thread reads the replies,
+so `collective_rpc_async` returns a future as soon as the call is broadcast:
+the engine sends micro-batch N+1 to stage 0 while the last stage still runs N.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import socket
 import time
 import traceback
+from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -38,6 +43,7 @@ from paged.runner.executor.messages import (
     encode,
     encode_result,
 )
+from paged.runner.executor.replies import ReplyReader
 from paged.runner.shm_broadcast import MessageQueue, QueueHandle
 from paged.runner.worker import Worker
 
@@ -60,9 +66,10 @@ class MultiprocExecutor(Executor):
         startup_timeout: float = 900.0,
     ) -> None:
         super().__init__(engine_config)
-        self.world_size = engine_config.parallel_config.tensor_parallel_size
+        self.world_size = engine_config.parallel_config.world_size
         self._dead: str | None = None
         self._closed = False
+        self._replies: ReplyReader | None = None
         handle = MessageQueue.make_handle(self.world_size, n_chunks, chunk_bytes)
         self.broadcast = MessageQueue.create_writer(handle)
         response_handles = [
@@ -93,6 +100,9 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        if self.pp_size > 1:
+            # From here on only this thread reads the response queues.
+            self._replies = ReplyReader(self.responses, self._check_alive)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -124,20 +134,32 @@ class MultiprocExecutor(Executor):
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"worker {rank} did not answer in time") from None
 
-    def collective_rpc(self, call: WorkerCall, timeout: float | None = None) -> list[Any]:
+    def _broadcast(self, call: WorkerCall, deadline: float | None) -> None:
         if self._closed:
             raise RuntimeError("the executor is shut down")
         self._check_alive()
-        deadline = None if timeout is None else time.monotonic() + timeout
         payload = encode(call)
         while True:
             try:
                 self.broadcast.enqueue(payload, timeout=_POLL_S)
-                break
+                return
             except TimeoutError:
                 self._check_alive()
                 if deadline is not None and time.monotonic() > deadline:
                     raise
+
+    def collective_rpc_async(self, call: WorkerCall) -> Future[list[Any]]:
+        if self._replies is None:
+            return super().collective_rpc_async(call)
+        self._broadcast(call, None)
+        return self._replies.expect(call)
+
+    def collective_rpc(self, call: WorkerCall, timeout: float | None = None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._replies is not None:
+            self._broadcast(call, deadline)
+            return self._replies.expect(call).result(timeout)
+        self._broadcast(call, deadline)
         results: list[Any] = []
         errors: list[str] = []
         for rank, queue in enumerate(self.responses):
@@ -157,10 +179,20 @@ class MultiprocExecutor(Executor):
         if self._dead is None and all(p.is_alive() for p in self.procs):
             try:
                 self.broadcast.enqueue(encode(Shutdown()), timeout=5.0)
-                for rank, queue in enumerate(self.responses):
-                    self._dequeue(queue, rank, time.monotonic() + 30.0)
-            except (TimeoutError, WorkerDiedError):
+                if self._replies is not None:
+                    self._replies.expect(Shutdown()).result(timeout=30.0)
+                else:
+                    for rank, queue in enumerate(self.responses):
+                        self._dequeue(queue, rank, time.monotonic() + 30.0)
+            except (TimeoutError, WorkerDiedError, WorkerError, RuntimeError):
                 pass
+        elif self._dead is not None:
+            # A dead peer leaves the others blocked in a transfer: do not wait for them.
+            for proc in self.procs:
+                if proc.is_alive():
+                    proc.kill()
+        if self._replies is not None:
+            self._replies.stop()
         for proc in self.procs:
             proc.join(timeout=10.0)
             if proc.is_alive():
@@ -186,9 +218,9 @@ def worker_main(
     """Entry point of a worker process: start up, report Ready, then serve calls."""
     responses = MessageQueue.attach(response_handle, writer=True)
     calls = MessageQueue.attach(broadcast_handle, writer=False, reader_rank=rank)
-    tp = engine_config.parallel_config.tensor_parallel_size
+    world = engine_config.parallel_config.world_size
     # Share the cores between ranks instead of oversubscribing them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         worker = Worker(
             engine_config, rank=rank, local_rank=rank, distributed_init_method=init_method

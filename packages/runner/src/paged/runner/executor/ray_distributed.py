@@ -26,6 +26,11 @@
   started, and only disconnects from a `RAY_ADDRESS` one); nothing started
   here outlives it.
 
+Pipeline parallelism: `collective_rpc_async` submits the call to every actor
+and returns at once (an actor runs its calls in submission order, so stage 0
+starts micro-batch N+1 while the last stage runs N); one helper thread
+gathers the replies in call order and settles the futures.
+
 Ray's known cost: its core workers poll, and every call is a task submission
 through the driver's core worker (a gRPC round trip per actor);
 benchmarks/scaleout_bench.py measures the per-step overhead against the
@@ -38,6 +43,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from paged.runner.config import EngineConfig
@@ -114,6 +120,8 @@ class RayDistributedExecutor(Executor):
         self.actors: list[Any] = []
         self.pids: list[int] = []
         self._placement_group: Any = None
+        # PP > 1: gathers replies of calls submitted without waiting, in call order.
+        self._replies: ThreadPoolExecutor | None = None
         try:
             self._connect()
             self._start(startup_timeout)
@@ -253,6 +261,31 @@ class RayDistributedExecutor(Executor):
             raise WorkerError("\n".join(errors))
         return results
 
+    def collective_rpc_async(self, call: WorkerCall) -> Future[list[Any]]:
+        if self.pp_size == 1:
+            return super().collective_rpc_async(call)
+        if self._closed:
+            raise RuntimeError("the executor is shut down")
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+        if self._replies is None:
+            self._replies = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-ray")
+        refs = [a.call.remote(encode_call(call)) for a in self.actors]
+        return self._replies.submit(self._settle, call, refs)
+
+    def _settle(self, call: WorkerCall, refs: list[Any]) -> list[Any]:
+        results: list[Any] = []
+        errors: list[str] = []
+        for data in self._gather(refs, None, failed=_is_error_reply):
+            reply: Reply = decode_reply(data)
+            if reply.error is not None:
+                errors.append(f"worker {reply.rank}: {reply.error}")
+            else:
+                results.append(decode_result(call, reply.result))
+        if errors:
+            raise WorkerError("\n".join(errors))
+        return results
+
     # ------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
@@ -260,6 +293,8 @@ class RayDistributedExecutor(Executor):
             return
         self._closed = True
         ray = self._ray
+        if self._replies is not None:
+            self._replies.shutdown(wait=False, cancel_futures=True)
         if self.actors and self._dead is None:
             # Let every rank leave the process group cleanly; a dead one is killed below.
             with contextlib.suppress(TimeoutError, WorkerDiedError):

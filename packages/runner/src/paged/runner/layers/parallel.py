@@ -1,14 +1,16 @@
 """Tensor-parallel plumbing: the rank/size pair layers carry, and the collectives.
 
 Layers receive their `TPGroup` explicitly (no global parallel state). The
-collectives use torch.distributed's default process group, which the worker
-initialises (gloo on CPU, NCCL on CUDA) before building the model; with
+collectives use `TPGroup.group`: torch.distributed's default process group
+(None), or, with pipeline parallelism, the stage's own TP group; the worker
+initialises them (gloo on CPU, NCCL on CUDA) before building the model; with
 `size == 1` they are identities and torch.distributed is never touched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,9 @@ class TPGroup:
 
     rank: int = 0
     size: int = 1
+    # The TP ranks' own process group when pipeline stages split the world
+    # (pipeline/stage.init_tp_groups); None: the default (world) group.
+    group: Any = None
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -42,7 +47,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group (in place; returns `x`)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,5 +55,5 @@ class TPGroup:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)

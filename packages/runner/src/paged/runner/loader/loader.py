@@ -17,6 +17,8 @@ from paged.runner.loader.quantized import finish_quantized_load, prepare_quantiz
 from paged.runner.loader.safetensors_weights import iterate_safetensors
 from paged.runner.models.interface import LoadableCausalLM
 from paged.runner.models.registry import resolve_model_class
+from paged.runner.pipeline.partition import PIPELINE_ARCHITECTURES
+from paged.runner.pipeline.stage import StageSetup
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +40,12 @@ def load_model(
     device: torch.device | str,
     tp_rank: int = 0,
     tp_size: int = 1,
+    *,
+    stage_setup: StageSetup | None = None,
 ) -> LoadableCausalLM:
     """Build the model for `model_config` on `device` (this TP rank's shard) and load it.
+
+    `stage_setup` (pipeline parallelism): build only this stage's layers.
 
     Parameters are allocated directly on the device, uninitialised, then every
     one is overwritten from the checkpoint; a checkpoint that lacks any of
@@ -56,7 +62,10 @@ def load_model(
             "pass --dtype float32 to dequantize them for tensor parallelism"
         )
     with target:
-        model = model_class(model_config, tp_rank=tp_rank, tp_size=tp_size)
+        if stage_setup is None:
+            model = model_class(model_config, tp_rank=tp_rank, tp_size=tp_size)
+        else:
+            model = _build_stage(model_config, stage_setup)
     if keep_quantized:
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(model).__name__} is not a torch.nn.Module")
@@ -81,6 +90,26 @@ def load_model(
             build_cpu_panels(model)
     model.eval()
     return model
+
+
+def _build_stage(model_config: ModelConfig, setup: StageSetup) -> LoadableCausalLM:
+    """A pipeline stage of a model whose class builds stages (the Llama family)."""
+    if model_config.architecture not in PIPELINE_ARCHITECTURES:
+        raise ValueError(
+            f"pipeline_parallel_size: {model_config.architecture} has no pipeline-parallel "
+            "implementation"
+        )
+    from paged.runner.models.llama import LlamaForCausalLM
+
+    stage = setup.stage
+    return LlamaForCausalLM(
+        model_config,
+        tp_rank=stage.tp_rank,
+        tp_size=stage.tp_size,
+        stage=stage,
+        pp_layer_partition=setup.pp_layer_partition,
+        tp_group=setup.tp_group,
+    )
 
 
 def _panelled_modules(model: nn.Module) -> list[ShardedLinear | ParallelLMHead]:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from paged.runner.attention.metadata import ForwardContext
     from paged.runner.config import ModelConfig
     from paged.runner.layers.linear import CheckpointTensor
+    from paged.runner.pipeline.tensors import IntermediateTensors
 
 
 class CausalLM(Protocol):
@@ -107,3 +108,20 @@ class CausalLMClass(Protocol):
     def __call__(
         self, model_config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1
     ) -> LoadableCausalLM: ...
+
+
+class SupportsPipelineParallel(CausalLM, Protocol):
+    """A CausalLM that can run as one pipeline stage (built with a `PipelineStage`).
+
+    forward_stage: as forward, but a stage after the first takes the previous
+    stage's `IntermediateTensors` (input_ids are then unused), and a stage
+    before the last returns its `IntermediateTensors` instead of hidden [T, H].
+    """
+
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        intermediate: IntermediateTensors | None,
+    ) -> torch.Tensor | IntermediateTensors: ...

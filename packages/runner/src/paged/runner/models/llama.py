@@ -10,6 +10,13 @@
 
 Checkpoint names are the Hugging Face ones; q/k/v and gate/up are packed into
 one matmul each and unpacked by `load_weights`.
+
+Pipeline parallelism (`stage`): a stage builds only its decoder layers
+(`pipeline.partition.layer_range`), the others are `PPMissingLayer`s so that
+names keep the checkpoint's indices. The first stage holds the embedding, the
+last the final norm and the LM head (and the embedding too when the head is
+tied to it). `forward_stage` takes the previous stage's `IntermediateTensors`
+instead of ids and returns them for the next stage, except on the last.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from paged.runner.layers.rotary import RotaryEmbedding
 from paged.runner.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from paged.runner.models.llama_config import LlamaArchConfig
 from paged.runner.models.weight_loading import load_named_weights
+from paged.runner.pipeline.partition import layer_range
+from paged.runner.pipeline.stage import PipelineStage
+from paged.runner.pipeline.tensors import IntermediateTensors, PPMissingLayer
 
 # HF checkpoint name fragment -> (packed module attribute, shard id).
 
@@ -160,44 +170,80 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig, tp: TPGroup, model_config: ModelConfig) -> None:
+    def __init__(
+        self,
+        cfg: LlamaArchConfig,
+        tp: TPGroup,
+        model_config: ModelConfig,
+        stage: PipelineStage,
+        layers: tuple[int, int],
+    ) -> None:
         super().__init__()
         dtype = model_config.dtype
-        self.embed_tokens = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype
-        )
+        self.stage = stage
+        self.start_layer, self.end_layer = layers
+        # The last stage needs the table too when the LM head is tied to it.
+        if stage.is_first or (stage.is_last and cfg.tie_word_embeddings):
+            self.embed_tokens: VocabParallelEmbedding | PPMissingLayer = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
         rotary_emb = RotaryEmbedding(
             cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
             cfg.rope_scaling,
         )  # fmt: skip
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, tp, model_config, rotary_emb)
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm: RMSNorm | PPMissingLayer = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+            if stage.is_last
+            else PPMissingLayer()
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        if ctx.attn_metadata is not None and len(ctx.kv_caches) != len(self.layers):
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        num_layers = self.end_layer - self.start_layer
+        if ctx.attn_metadata is not None and len(ctx.kv_caches) != num_layers:
             raise ValueError(
-                f"ctx.kv_caches has {len(ctx.kv_caches)} tensors for {len(self.layers)} layers"
+                f"ctx.kv_caches has {len(ctx.kv_caches)} tensors for {num_layers} layers"
             )
-        if ctx.layer_metadata is not None and len(ctx.layer_metadata) != len(self.layers):
+        if ctx.layer_metadata is not None and len(ctx.layer_metadata) != num_layers:
             raise ValueError(
-                f"ctx.layer_metadata has {len(ctx.layer_metadata)} entries for "
-                f"{len(self.layers)} layers"
+                f"ctx.layer_metadata has {len(ctx.layer_metadata)} entries for {num_layers} layers"
             )
-        hidden_states = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
+        residual: torch.Tensor | None
+        if self.stage.is_first:
+            hidden_states = self.embed_tokens(input_ids)
+            residual = None
+        elif intermediate is None:
+            raise ValueError(
+                "intermediate: a later pipeline stage needs the previous stage's output"
+            )
+        else:
+            hidden_states, residual = intermediate.hidden_states, intermediate.residual
+        # i: this stage's own index of the layer (its KV cache, metadata, connector name).
+        for i in range(num_layers):
+            layer = self.layers[self.start_layer + i]
             kv_cache = ctx.kv_caches[i] if ctx.kv_caches else None
             ctx.wait_for_layer_load(i)  # a KV connector may still be loading this layer
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, ctx.metadata_for(i)
             )
             ctx.save_kv_layer(i)  # this step's K/V of layer i is in the cache now
-        assert residual is not None  # at least one layer
+        assert residual is not None  # at least one layer per stage
+        if not self.stage.is_last:
+            return IntermediateTensors(hidden_states, residual)
+        assert isinstance(self.norm, RMSNorm)  # the last stage holds it
         hidden_states, _ = self.norm.forward_with_residual(hidden_states, residual)
         return hidden_states
 
@@ -205,27 +251,66 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM implementing `paged.runner.models.interface.CausalLM`."""
 
-    def __init__(self, model_config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        stage: PipelineStage | None = None,
+        pp_layer_partition: str | None = None,
+        tp_group: Any = None,
+    ) -> None:
         super().__init__()
         self.model_config = model_config
         self.config = LlamaArchConfig.from_hf(model_config.hf_config)
         if self.config.num_hidden_layers < 1:
             raise ValueError("num_hidden_layers: the model config must have at least one layer")
-        self.tp = TPGroup(tp_rank, tp_size)
-        self.model = LlamaModel(self.config, self.tp, model_config)
-        self.lm_head = ParallelLMHead(
-            self.config.vocab_size, self.config.hidden_size, tp=self.tp, dtype=model_config.dtype
+        self.tp = TPGroup(tp_rank, tp_size, tp_group)
+        self.stage = stage if stage is not None else PipelineStage()
+        layers = layer_range(
+            self.config.num_hidden_layers,
+            self.stage.pp_rank,
+            self.stage.pp_size,
+            pp_layer_partition,
         )
-        if self.config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.model = LlamaModel(self.config, self.tp, model_config, self.stage, layers)
+        self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
+        if self.stage.is_last:
+            self.lm_head = ParallelLMHead(
+                self.config.vocab_size,
+                self.config.hidden_size,
+                tp=self.tp,
+                dtype=model_config.dtype,
+            )
+            if self.config.tie_word_embeddings:
+                assert isinstance(self.model.embed_tokens, VocabParallelEmbedding)
+                self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        hidden: torch.Tensor = self.model(input_ids, positions, ctx)
+        hidden = self.model(input_ids, positions, ctx)
+        if not isinstance(hidden, torch.Tensor):
+            raise RuntimeError("forward: a pipeline stage before the last runs forward_stage")
         return hidden
 
+    def forward_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        intermediate: IntermediateTensors | None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """One pipeline stage: hidden [T, H] on the last stage, else the tensors to send on."""
+        result: torch.Tensor | IntermediateTensors = self.model(
+            input_ids, positions, ctx, intermediate
+        )
+        return result
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.lm_head, ParallelLMHead):
+            raise RuntimeError("compute_logits: only the last pipeline stage holds the LM head")
         return self.lm_head.compute_logits(hidden_states)
 
     def kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
@@ -259,11 +344,15 @@ class LlamaForCausalLM(nn.Module):
         caller checks that every parameter was filled.
         """
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        # Modules other pipeline stages hold: their tensors are not this stage's.
+        elsewhere = tuple(
+            f"{name}." for name, m in self.named_modules() if isinstance(m, PPMissingLayer)
+        )
 
         def kept() -> Iterator[tuple[str, CheckpointTensor]]:
             for name, tensor in weights:
                 # Derived from the config; some old checkpoints store it.
-                if "rotary_emb.inv_freq" not in name:
+                if "rotary_emb.inv_freq" not in name and not name.startswith(elsewhere):
                     yield name, tensor
 
         return load_named_weights(self, kept(), skip=skip)

@@ -29,7 +29,7 @@ def build_scheduler_output(state: SchedulerState, plan: StepPlan) -> SchedulerOu
         )
         for r in plan.scheduled_new
     ]
-    cached = _cached_request_data(plan)
+    cached = _cached_request_data(plan, send_step_tokens=state.config.pipeline_parallel_size > 1)
     if state.running:
         common = state.kv.get_num_common_prefix_blocks(state.running[0].request_id)
     else:
@@ -56,7 +56,12 @@ def build_scheduler_output(state: SchedulerState, plan: StepPlan) -> SchedulerOu
     return output
 
 
-def _cached_request_data(plan: StepPlan) -> CachedRequestData:
+def _cached_request_data(plan: StepPlan, *, send_step_tokens: bool = False) -> CachedRequestData:
+    """Deltas of running and resumed requests.
+
+    send_step_tokens (pipeline parallel): each running request's tokens to
+    compute this step, so stages that do not sample learn the sampled ones.
+    """
     running, resumed = plan.scheduled_running, plan.scheduled_resumed
     if not running and not resumed:
         return CachedRequestData()
@@ -64,6 +69,14 @@ def _cached_request_data(plan: StepPlan) -> CachedRequestData:
     req_ids = [r.request_id for r in running]
     resumed_flags = [False] * len(running)
     token_ids: list[list[int]] = [[] for _ in running]
+    if send_step_tokens:
+        token_ids = [
+            r.all_token_ids[
+                r.num_computed_tokens : r.num_computed_tokens
+                + plan.num_scheduled_tokens[r.request_id]
+            ]
+            for r in running
+        ]
     block_ids = [new_block_ids[i] for i in req_ids]
     computed = [r.num_computed_tokens for r in running]
     outputs = [r.num_output_tokens for r in running]

@@ -14,6 +14,9 @@ for the oldest batch when the queue is full or nothing new can be scheduled.
 The scheduler stays on the caller's thread; requests whose tokens are in
 flight are not scheduled again (the scheduler advances their computed
 tokens when it schedules them), so overlapping batches never collide.
+With pipeline parallelism the queue holds PP batches (vLLM's
+`max_concurrent_batches`) and the executor itself takes them without
+blocking (`batch_submit.PipelineSubmitter`), one batch per stage.
 
 `kv_cache_metrics_sample` (vLLM's --kv-cache-metrics-sample) gives the
 scheduler a `KVCacheMetricsCollector`; its eviction events ride in each
@@ -36,7 +39,7 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -58,6 +61,7 @@ from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.structured_output import StructuredOutputProvider
 from paged.server.ec_transfer import ec_load_failure_policy, make_scheduler_ec_connector
 from paged.server.encode_only import is_encode_only
+from paged.server.engine.batch_submit import PipelineSubmitter, ThreadedSubmitter
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
 from paged.server.engine.mask_overlap import GrammarMaskOverlap
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
@@ -92,6 +96,7 @@ def scheduler_config_from(engine_config: EngineConfig) -> SchedulerConfig:
         num_lookahead_tokens=spec.num_lookahead_tokens if spec is not None else 0,
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         encode_only=is_encode_only(engine_config),
+        pipeline_parallel_size=engine_config.parallel_config.pipeline_parallel_size,
     )
 
 
@@ -123,6 +128,8 @@ class EngineCore:
     ) -> None:
         if batch_queue_size < 1:
             raise ValueError(f"batch_queue_size must be >= 1, got {batch_queue_size}")
+        pp_size = engine_config.parallel_config.pipeline_parallel_size
+        batch_queue_size = max(batch_queue_size, pp_size)  # one micro-batch per stage
         if batch_queue_size > 1 and engine_config.speculative_config is not None:
             # Drafts for step N+1 come out of step N's sampling: nothing to overlap.
             raise ValueError(
@@ -159,7 +166,9 @@ class EngineCore:
         try:
             if isinstance(structured_output, StructuredOutputConfig):
                 structured_output = structured_output.build()
-            self.kv_cache_config, kv_bytes = self._initialize_kv_caches(num_gpu_blocks_override)
+            self.kv_cache_config, kv_bytes = self._initialize_kv_caches(
+                num_gpu_blocks_override, pp_size
+            )
             self.scheduler = self._make_scheduler(
                 scheduler_class, structured_output, log_stats, kv_cache_metrics_sample
             )
@@ -189,11 +198,11 @@ class EngineCore:
         )
         # Batches in flight, newest first: (future of the sampled output, its schedule).
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
-        self._worker = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="EngineCoreExec")
-            if batch_queue_size > 1
-            else None
-        )
+        self._submitter: ThreadedSubmitter | PipelineSubmitter | None = None
+        if pp_size > 1:
+            self._submitter = PipelineSubmitter(self.model_executor, self._grammar)
+        elif batch_queue_size > 1:
+            self._submitter = ThreadedSubmitter(self.model_executor, self._grammar)
         self._num_steps = self._num_model_steps = 0
         self._num_added = self._num_aborted = 0
         self._utilities: dict[str, Callable[..., object]] = {
@@ -260,8 +269,10 @@ class EngineCore:
         )
 
     def _initialize_kv_caches(
-        self, num_gpu_blocks_override: int | None
+        self, num_gpu_blocks_override: int | None, pp_size: int = 1
     ) -> tuple[KVCacheConfig, int]:
+        if pp_size > 1:
+            return self._initialize_pipeline_kv_caches(num_gpu_blocks_override)
         specs = self.model_executor.get_kv_cache_specs()
         if not specs:
             raise ValueError("the model reports no KV cache layers (kv_cache_specs is empty)")
@@ -278,6 +289,27 @@ class EngineCore:
             max_model_len=self.engine_config.model_config.max_model_len,
         )
         self.model_executor.initialize_from_config(kv_cache_config)
+        return kv_cache_config, available
+
+    def _initialize_pipeline_kv_caches(
+        self, num_gpu_blocks_override: int | None
+    ) -> tuple[KVCacheConfig, int]:
+        """Each stage holds its layers' cache: blocks = the fewest any stage's budget holds."""
+        from paged.runner.executor import Executor
+        from paged.runner.pipeline.kv import pipeline_kv_cache_config
+
+        executor = self.model_executor
+        if not isinstance(executor, Executor):
+            raise ValueError("pipeline_parallel_size > 1 needs paged.runner's executor")
+        configured = self.engine_config.cache_config.kv_cache_memory_bytes
+        available = configured if configured is not None else executor.determine_available_memory()
+        kv_cache_config = pipeline_kv_cache_config(
+            executor.get_kv_cache_specs_per_stage(),
+            available,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            max_model_len=self.engine_config.model_config.max_model_len,
+        )
+        executor.initialize_from_config(kv_cache_config)
         return kv_cache_config, available
 
     # ---- requests ------------------------------------------------------------
@@ -340,7 +372,7 @@ class EngineCore:
 
     # ---- stepping --------------------------------------------------------------
     def run_step(self) -> dict[int, EngineCoreOutputs]:
-        return self.step_with_batch_queue() if self._worker is not None else self.step()
+        return self.step_with_batch_queue() if self._submitter is not None else self.step()
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute, sample and update once; outputs keyed by client index."""
@@ -368,13 +400,12 @@ class EngineCore:
         Returns {} while it only queued work (the caller loops again), else the
         outputs of the oldest batch.
         """
-        assert self._worker is not None, "step_with_batch_queue needs batch_queue_size > 1"
-        if self.scheduler.has_requests():
-            scheduler_output = self.scheduler.schedule()
-            executed = self._worker.submit(self.model_executor.execute_model, scheduler_output)
-            # The bitmask is computed here while the worker runs the model.
-            grammar = self._grammar(scheduler_output)
-            sampled = self._worker.submit(self._sample_after, executed, grammar)
+        assert self._submitter is not None, "step_with_batch_queue needs batch_queue_size > 1"
+        scheduler_output = self.scheduler.schedule() if self.scheduler.has_requests() else None
+        if scheduler_output is not None and not (
+            self.batch_queue and _carries_nothing(scheduler_output)
+        ):
+            sampled = self._submitter.submit(scheduler_output)
             self.batch_queue.appendleft((sampled, scheduler_output))
             if (
                 scheduler_output.total_num_scheduled_tokens > 0
@@ -389,12 +420,6 @@ class EngineCore:
         self._count_step(scheduler_output)
         self._publish_kv_events()
         return outputs
-
-    def _sample_after(
-        self, executed: Future[ModelRunnerOutput | None], grammar: GrammarOutput | None
-    ) -> ModelRunnerOutput:
-        output = executed.result()  # already done: the worker runs tasks in order
-        return output if output is not None else self.model_executor.sample_tokens(grammar)
 
     def _grammar(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         return self.scheduler.get_grammar_bitmask(scheduler_output)
@@ -444,8 +469,8 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True, cancel_futures=True)
+        if self._submitter is not None:
+            self._submitter.shutdown()
         self.batch_queue.clear()
         self.mask_overlap.shutdown()
         self.event_publisher.shutdown()
@@ -454,6 +479,23 @@ class EngineCore:
             self.kv_connector.shutdown()
         if self.ec_connector is not None:
             self.ec_connector.shutdown()
+
+
+def _carries_nothing(scheduler_output: SchedulerOutput) -> bool:
+    """No tokens and no news for the workers: every request is in flight (batch queue).
+
+    Such a step is not sent (with pipeline parallelism it would be a round trip
+    through every stage); the engine waits for the oldest batch instead.
+    """
+    so = scheduler_output
+    return (
+        so.total_num_scheduled_tokens == 0
+        and not so.finished_req_ids
+        and not so.preempted_req_ids
+        and not so.free_encoder_mm_hashes
+        and so.kv_connector_metadata is None
+        and so.ec_connector_metadata is None
+    )
 
 
 def _default_executor_class(engine_config: EngineConfig) -> ExecutorFactory:
