@@ -153,7 +153,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
-        if self._runner is not None and self._runner.pipeline is not None:
+        if isinstance(self._runner, ModelRunner) and self._runner.pipeline is not None:
             self._runner.pipeline.close()  # the last activations must reach the next stage
         if self._runner is not None and self._runner.kv_connector is not None:
             # Lets a connector finish its background writes (a disk tier must be
