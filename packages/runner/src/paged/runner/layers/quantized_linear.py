@@ -42,7 +42,7 @@ GROUP = 32
 # (7.3 vs 3.1 ms; 124 vs 50 ms at 1,024), where the GEMM is compute-bound.
 # The copy costs 2 bytes a weight (SmolLM2-135M: +257 MiB; the int4 weights
 # take 64 MiB, float32 ones 513 MiB). None: no copy, int4 for every batch.
-LARGE_BATCH_ROWS: int | None = 64
+LARGE_BATCH_ROWS: int | None = 8
 
 
 class Int4GroupsLike(Protocol):
