@@ -4,7 +4,8 @@ For each batch size (default 1 and 32) the same offline generation runs three
 times through `LLM` (in-process engine: schedule, prepare inputs, forward,
 sample, update, detokenize):
 
-    timed     no profiler: every engine step is timed; the median pure-decode
+    timed     no profiler: every engine step is timed (wall clock, and CPU time
+              of the engine thread: see _wrap_step); the median pure-decode
               step (every scheduled request takes one token) is the figure
     cprofile  cProfile over the generation: the top functions by self time and
               the cumulative time of each phase of the step (schedule, update
@@ -20,6 +21,9 @@ size, then nothing else on stdout (logs go to stderr).
 
     OMP_NUM_THREADS=1 .venvs/all/bin/python benchmarks/profile_step.py
     .venvs/all/bin/python benchmarks/profile_step.py --batch-sizes 1 --tokens 32 --dtype float32
+    # before/after on a shared machine: alternate two checkouts' runner code
+    PYTHONPATH=/tmp/before/packages/runner/src .venvs/all/bin/python benchmarks/profile_step.py \
+        --timed-only --label before
 """
 
 from __future__ import annotations
@@ -59,17 +63,22 @@ def _prompts(batch: int, prompt_len: int) -> list[list[int]]:
     return [[100 + (7 * r + 13 * i) % 5000 for i in range(prompt_len)] for r in range(batch)]
 
 
-def _wrap_step(llm: LLM, times: list[tuple[float, bool]]) -> Callable[[], None]:
-    """Time every engine step; record whether it was a pure decode step."""
+def _wrap_step(llm: LLM, times: list[tuple[float, float, bool]]) -> Callable[[], None]:
+    """Time every engine step (wall, this thread's CPU); record whether it was pure decode.
+
+    With one torch thread every kernel runs on the calling thread, so its CPU
+    time is the step's compute without the time spent waiting for a core that
+    other processes hold: on a shared machine it moves far less than wall time.
+    """
     core: Any = llm.engine_client.core  # type: ignore[attr-defined]
     original = core.step
     scheduler = core.scheduler
 
     def timed_step() -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = original()
         last = scheduler_last[0]
-        times.append((time.perf_counter() - t0, last))
+        times.append((time.perf_counter() - t0, time.thread_time() - c0, last))
         return out
 
     scheduler_last = [False]
@@ -122,20 +131,28 @@ def _top_functions(stats: pstats.Stats, n: int) -> list[dict[str, Any]]:
     return out
 
 
-def profile_batch(llm: LLM, batch: int, prompt_len: int, tokens: int, top: int) -> dict[str, Any]:
+def profile_batch(
+    llm: LLM, batch: int, prompt_len: int, tokens: int, top: int, timed_only: bool = False
+) -> dict[str, Any]:
     result: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "tokens": tokens}
     # timed
-    times: list[tuple[float, bool]] = []
+    times: list[tuple[float, float, bool]] = []
     restore = _wrap_step(llm, times)
     try:
         result["wall_s"] = round(_generate(llm, batch, prompt_len, tokens), 4)
     finally:
         restore()
-    decode = [t for t, is_decode in times if is_decode]
+    decode = [t for t, _, is_decode in times if is_decode]
+    decode_cpu = [c for _, c, is_decode in times if is_decode]
     result["steps"] = len(times)
     result["decode_steps"] = len(decode)
     result["decode_step_ms_median"] = round(1000 * statistics.median(decode), 3) if decode else None
     result["decode_tok_s"] = round(batch / statistics.median(decode), 2) if decode else None
+    if decode_cpu:
+        result["decode_step_cpu_ms_median"] = round(1000 * statistics.median(decode_cpu), 3)
+        result["decode_step_cpu_ms_min"] = round(1000 * min(decode_cpu), 3)
+    if timed_only:
+        return result
     # cProfile
     profiler = cProfile.Profile()
     profiler.enable()
@@ -182,12 +199,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--label", default="", help="free text copied into each line")
+    parser.add_argument("--timed-only", action="store_true", help="skip both profilers")
     args = parser.parse_args()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch_sizes))
     _generate(llm, 1, 16, 4)  # warm-up: first-call allocations, lazy inits
     for batch in args.batch_sizes:
         prompt_len = args.prompt_len if batch == 1 else args.batch_prompt_len
-        line = profile_batch(llm, batch, prompt_len, args.tokens, args.top)
+        line = profile_batch(llm, batch, prompt_len, args.tokens, args.top, args.timed_only)
         line["label"] = args.label
         line["threads"] = torch.get_num_threads()
         line["load_avg"] = round(os.getloadavg()[0], 2)
