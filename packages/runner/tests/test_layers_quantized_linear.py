@@ -102,7 +102,7 @@ def test_layer_output_error_is_what_the_format_implies(
     assert isinstance(layer.quant, kernel)
     assert report.source == qtype.name
     assert layer.weight.device.type == "meta"  # the dense copy is gone
-    # 5 rows: the quantised kernel; 80 rows: the bf16 copy int4 layers keep for large batches.
+    # 5 rows: the quantised kernel; 80 rows: the bf16 copy int4 layers keep for >= 16 rows.
     for rows in (5, 80):
         x = torch.randn(rows, 512)
         ref = x @ t.dequantize().t()
@@ -160,3 +160,24 @@ def test_tied_q8_0_embedding_looks_up_exact_rows_and_computes_logits() -> None:
     logits = head.compute_logits(h.bfloat16())
     assert logits.dtype == torch.float32 and logits.shape == (4, 200)
     assert _rel(logits, h @ dense.t()) < 1e-2
+
+
+def test_int4_layer_switches_to_its_bf16_copy_at_large_batch_rows() -> None:
+    from paged.runner.layers.quantized_linear import LARGE_BATCH_ROWS, _Groups
+
+    assert LARGE_BATCH_ROWS is not None
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (48, 64), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(48, 2, generator=gen) * 0.1
+    offset = torch.randn(48, 2, generator=gen) * 0.1
+    kernel = Int4GroupMatmul(_Groups(codes, scale, offset), torch.bfloat16, "Q4_1")
+    assert kernel.dense_t is not None
+    for rows in (LARGE_BATCH_ROWS - 1, LARGE_BATCH_ROWS):
+        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+        int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, kernel.packed, 32, kernel.scales_and_zeros
+        )
+        want = x @ kernel.dense_t if rows >= LARGE_BATCH_ROWS else int4
+        assert torch.equal(kernel.matmul(x), want)
+        # Either way the same weights up to bf16 rounding of scale/zero/weight.
+        torch.testing.assert_close(kernel.matmul(x).float(), int4.float(), rtol=0.02, atol=0.05)

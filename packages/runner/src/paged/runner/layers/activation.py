@@ -6,12 +6,15 @@ import torch
 from torch import nn
 
 from paged.kernels import ops
+from paged.runner.layers import cpu_eager
 
 
 class SiluAndMul(nn.Module):
     """[T, 2I] -> [T, I]: silu(first half) * second half (Llama's SwiGLU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_eager.cpu_fast_path(x) and x.dim() == 2:
+            return cpu_eager.silu_and_mul(x)
         return ops.silu_and_mul(x)
 
 
@@ -19,6 +22,8 @@ class GeluTanhAndMul(nn.Module):
     """[T, 2I] -> [T, I]: gelu_tanh(first half) * second half (Gemma's GeGLU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_eager.cpu_fast_path(x) and x.dim() == 2:
+            return cpu_eager.gelu_tanh_and_mul(x)
         return ops.gelu_tanh_and_mul(x)
 
 

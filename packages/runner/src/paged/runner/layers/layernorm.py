@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from paged.kernels import ops
+from paged.runner.layers import cpu_eager
 from paged.runner.layers.linear import check_shape
 
 
@@ -29,20 +30,35 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(
             torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        # The float32 weight the CPU fast path multiplies by, kept instead of being
+        # converted on every call; keyed by the storage it was made from.
+        self._weight_f32: tuple[int, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_eager.cpu_fast_path(x):
+            return cpu_eager.rms_norm(x, self._float_weight(), self.eps)
         return ops.rms_norm(x, self.weight, self.eps)
 
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_eager.cpu_fast_path(x):
+            return cpu_eager.fused_add_rms_norm(x, residual, self._float_weight(), self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def _float_weight(self) -> torch.Tensor:
+        cached = self._weight_f32
+        if cached is None or cached[0] != self.weight.data_ptr():
+            cached = (self.weight.data_ptr(), self.weight.detach().float())
+            self._weight_f32 = cached
+        return cached[1]
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         if name != "weight":
             raise ValueError(f"RMSNorm has no parameter {name!r}")
         check_shape(name, loaded, tuple(self.weight.shape))
         self.weight.data.copy_(loaded)
+        self._weight_f32 = None  # same storage, new values
 
 
 class GemmaRMSNorm(RMSNorm):

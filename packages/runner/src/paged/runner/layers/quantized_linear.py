@@ -36,13 +36,17 @@ from typing import Protocol
 import torch
 
 GROUP = 32
-# From this many rows on (prefill chunks, large decode batches) a layer uses its
-# bfloat16 copy of the weight: measured on this CPU (one thread, 3072 x 576),
-# the int4 kernel equals a bf16 GEMM at 16 rows and is 2.4x slower from 64 rows
-# (7.3 vs 3.1 ms; 124 vs 50 ms at 1,024), where the GEMM is compute-bound.
+# From this many rows on (prefill chunks, decode batches of 16+ streams) a layer
+# uses its bfloat16 copy of the weight. The int4 kernel's time grows linearly
+# with the rows (a GEMV per row), a bf16 GEMM's much less. Measured on this CPU
+# (one thread, SmolLM2's four projections, CPU ms per layer): idle, bf16 was
+# 1.0x / 1.6x / 2x faster at 8 / 16 / 32 rows; with other processes loading the
+# machine (load average ~12, memory bandwidth shared) the int4 kernel reads 4x
+# fewer bytes and was 2.5x / 1.3x faster at 8 / 16 rows, even at 24, and bf16
+# 1.1-1.3x faster at 32. 16 takes the idle gain where the loaded loss is smaller.
 # The copy costs 2 bytes a weight (SmolLM2-135M: +257 MiB; the int4 weights
 # take 64 MiB, float32 ones 513 MiB). None: no copy, int4 for every batch.
-LARGE_BATCH_ROWS: int | None = 64
+LARGE_BATCH_ROWS: int | None = 16
 
 
 class Int4GroupsLike(Protocol):

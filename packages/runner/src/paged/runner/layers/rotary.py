@@ -85,6 +85,13 @@ class RotaryEmbedding(nn.Module):
                 positions, query, key, self.head_size, self.cos_sin_cache, self.is_neox_style
             )
         cos, sin = self._cos_sin(positions)
+        joint = _adjacent_columns(query, key)
+        if joint is not None:
+            # q and k are neighbouring column ranges of one [T, (Hq+Hkv)*D] tensor
+            # (the split qkv projection): every head rotates the same way, so one
+            # rotation over both halves the ops; results are the same numbers.
+            rotated = self._rotate(joint, cos, sin)
+            return rotated[:, : query.shape[1]], rotated[:, query.shape[1] :]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,3 +127,18 @@ class RotaryEmbedding(nn.Module):
         swapped = torch.cat([heads[..., half:], heads[..., :half]], dim=-1)
         out = heads * cos + swapped * sin
         return out.view(x.shape).to(x.dtype)
+
+
+def _adjacent_columns(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The [T, A + B] view covering a [T, A] and b [T, B] if b's columns follow a's in memory."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.dtype != b.dtype:
+        return None
+    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
+        return None
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    if b.storage_offset() != a.storage_offset() + a.shape[1]:
+        return None
+    if a.shape[0] > 1 and a.stride(0) < a.shape[1] + b.shape[1]:
+        return None  # rows would overlap
+    return a.as_strided((a.shape[0], a.shape[1] + b.shape[1]), a.stride(), a.storage_offset())
