@@ -12,27 +12,19 @@ The factory is an object, not class-level state: the server builds one
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-
 from paged.connectors.ec.base import ECConnectorBase, ECConnectorContext, ECConnectorRole
 from paged.connectors.ec.config import ECTransferConfig
+from paged.connectors.lazy_class import ClassLocation, import_class
 
 
 class ECConnectorLoadError(ValueError):
     """A connector class cannot be found or imported; the message names what failed."""
 
 
-@dataclass(frozen=True)
-class _Registration:
-    module_path: str
-    class_name: str
-
-
-_BUILTINS: dict[str, _Registration] = {
-    "ECExampleConnector": _Registration("paged.connectors.ec.example", "ECExampleConnector"),
-    "MultiECConnector": _Registration("paged.connectors.ec.multi", "MultiECConnector"),
-    "ECZmqConnector": _Registration("paged.connectors.ec.p2p.connector", "ECZmqConnector"),
+_BUILTINS: dict[str, ClassLocation] = {
+    "ECExampleConnector": ClassLocation("paged.connectors.ec.example", "ECExampleConnector"),
+    "MultiECConnector": ClassLocation("paged.connectors.ec.multi", "MultiECConnector"),
+    "ECZmqConnector": ClassLocation("paged.connectors.ec.p2p.connector", "ECZmqConnector"),
 }
 
 
@@ -40,7 +32,7 @@ class ECConnectorFactory:
     """Lazily registered encoder-cache connector classes; see the module docstring."""
 
     def __init__(self) -> None:
-        self._registry: dict[str, _Registration] = {}
+        self._registry: dict[str, ClassLocation] = {}
         self._loaded: dict[tuple[str, str | None], type[ECConnectorBase]] = {}
 
     @classmethod
@@ -55,7 +47,7 @@ class ECConnectorFactory:
         """Record where `name`'s class lives; nothing is imported. `ValueError` if taken."""
         if name in self._registry:
             raise ValueError(f"EC connector {name!r} is already registered")
-        self._registry[name] = _Registration(module_path, class_name)
+        self._registry[name] = ClassLocation(module_path, class_name)
 
     def registered_names(self) -> list[str]:
         return sorted(self._registry)
@@ -78,7 +70,7 @@ class ECConnectorFactory:
         if key in self._loaded:
             return self._loaded[key]
         if config.ec_connector_module_path is not None:
-            reg = _Registration(config.ec_connector_module_path, name)
+            reg = ClassLocation(config.ec_connector_module_path, name)
         else:
             found = self._registry.get(name)
             if found is None:
@@ -88,7 +80,9 @@ class ECConnectorFactory:
                     "no ec_connector_module_path given"
                 )
             reg = found
-        cls = _import_class(name, reg)
+        cls: type[ECConnectorBase] = import_class(
+            "EC connector", name, reg, ECConnectorBase, ECConnectorLoadError
+        )
         self._loaded[key] = cls
         return cls
 
@@ -97,23 +91,3 @@ class ECConnectorFactory:
     ) -> ECConnectorBase:
         """Instantiate the configured connector for one role (one instance per process)."""
         return self.get_connector_class(config)(config, role, context)
-
-
-def _import_class(name: str, reg: _Registration) -> type[ECConnectorBase]:
-    try:
-        module = importlib.import_module(reg.module_path)
-    except ImportError as exc:
-        raise ECConnectorLoadError(
-            f"EC connector {name!r}: cannot import module {reg.module_path!r}: {exc}"
-        ) from exc
-    cls = getattr(module, reg.class_name, None)
-    if cls is None:
-        raise ECConnectorLoadError(
-            f"EC connector {name!r}: module {reg.module_path!r} has no class {reg.class_name!r}"
-        )
-    if not (isinstance(cls, type) and issubclass(cls, ECConnectorBase)):
-        raise ECConnectorLoadError(
-            f"EC connector {name!r}: {reg.module_path}.{reg.class_name} is not an "
-            "ECConnectorBase subclass"
-        )
-    return cls

@@ -12,36 +12,28 @@ The factory is an object, not class-level state: the server builds one
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-
 from paged.connectors.kv.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
 from paged.connectors.kv.config import KVTransferConfig
+from paged.connectors.lazy_class import ClassLocation, import_class
 
 
 class KVConnectorLoadError(ValueError):
     """A connector class cannot be found or imported; the message names what failed."""
 
 
-@dataclass(frozen=True)
-class _Registration:
-    module_path: str
-    class_name: str
-
-
 # vLLM's example connector was renamed ExampleConnector; both names select it.
-_BUILTINS: dict[str, _Registration] = {
-    "SharedStorageConnector": _Registration(
+_BUILTINS: dict[str, ClassLocation] = {
+    "SharedStorageConnector": ClassLocation(
         "paged.connectors.kv.shared_storage", "SharedStorageConnector"
     ),
-    "ExampleConnector": _Registration(
+    "ExampleConnector": ClassLocation(
         "paged.connectors.kv.shared_storage", "SharedStorageConnector"
     ),
-    "MultiConnector": _Registration("paged.connectors.kv.multi", "MultiConnector"),
-    "OffloadingConnector": _Registration(
+    "MultiConnector": ClassLocation("paged.connectors.kv.multi", "MultiConnector"),
+    "OffloadingConnector": ClassLocation(
         "paged.connectors.kv.offloading.connector", "OffloadingConnector"
     ),
-    "PagedZmqConnector": _Registration("paged.connectors.kv.p2p.connector", "PagedZmqConnector"),
+    "PagedZmqConnector": ClassLocation("paged.connectors.kv.p2p.connector", "PagedZmqConnector"),
 }
 
 
@@ -49,7 +41,7 @@ class KVConnectorFactory:
     """Lazily registered connector classes; see the module docstring."""
 
     def __init__(self) -> None:
-        self._registry: dict[str, _Registration] = {}
+        self._registry: dict[str, ClassLocation] = {}
         self._loaded: dict[str, type[KVConnectorBase]] = {}
 
     @classmethod
@@ -64,7 +56,7 @@ class KVConnectorFactory:
         """Record where `name`'s class lives; nothing is imported. `ValueError` if taken."""
         if name in self._registry:
             raise ValueError(f"KV connector {name!r} is already registered")
-        self._registry[name] = _Registration(module_path, class_name)
+        self._registry[name] = ClassLocation(module_path, class_name)
 
     def registered_names(self) -> list[str]:
         return sorted(self._registry)
@@ -88,8 +80,10 @@ class KVConnectorFactory:
                     f"unknown KV connector {name!r}: not registered (known: {known}) and "
                     "no kv_connector_module_path given"
                 )
-            reg = _Registration(config.kv_connector_module_path, name)
-        cls = _import_class(name, reg)
+            reg = ClassLocation(config.kv_connector_module_path, name)
+        cls: type[KVConnectorBase] = import_class(
+            "KV connector", name, reg, KVConnectorBase, KVConnectorLoadError
+        )
         self._loaded[name] = cls
         return cls
 
@@ -99,23 +93,3 @@ class KVConnectorFactory:
         """Instantiate the configured connector for one role (one instance per process)."""
         cls = self.get_connector_class(config)
         return cls(config, role, context)
-
-
-def _import_class(name: str, reg: _Registration) -> type[KVConnectorBase]:
-    try:
-        module = importlib.import_module(reg.module_path)
-    except ImportError as exc:
-        raise KVConnectorLoadError(
-            f"KV connector {name!r}: cannot import module {reg.module_path!r}: {exc}"
-        ) from exc
-    cls = getattr(module, reg.class_name, None)
-    if cls is None:
-        raise KVConnectorLoadError(
-            f"KV connector {name!r}: module {reg.module_path!r} has no class {reg.class_name!r}"
-        )
-    if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase)):
-        raise KVConnectorLoadError(
-            f"KV connector {name!r}: {reg.module_path}.{reg.class_name} is not a "
-            "KVConnectorBase subclass"
-        )
-    return cls
