@@ -102,7 +102,8 @@ def test_layer_output_error_is_what_the_format_implies(
     assert isinstance(layer.quant, kernel)
     assert report.source == qtype.name
     assert layer.weight.device.type == "meta"  # the dense copy is gone
-    # 5 rows: the quantised kernel; 80 rows: the bf16 copy int4 layers keep for >= 16 rows.
+    # 5 rows: the quantised kernel; 80 rows: the bf16 copy int4 layers keep for
+    # >= LARGE_BATCH_ROWS (64) rows.
     for rows in (5, 80):
         x = torch.randn(rows, 512)
         ref = x @ t.dequantize().t()

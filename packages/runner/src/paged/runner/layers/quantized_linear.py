@@ -44,9 +44,14 @@ GROUP = 32
 # machine (load average ~12, memory bandwidth shared) the int4 kernel reads 4x
 # fewer bytes and was 2.5x / 1.3x faster at 8 / 16 rows, even at 24, and bf16
 # 1.1-1.3x faster at 32. 16 takes the idle gain where the loaded loss is smaller.
+# 16 was measured best for speed but is not the default: a prompt's prefill then
+# runs through bf16 GEMMs, whose per-layer bf16 rounding differs from the int4
+# kernel's, and it flipped a near-tie (logprob margin 0.008) in the README
+# quickstart's first answer token ("The capital of France is Paris." became
+# "L'Étoile, ..."); float32 and the 64-row switch both answer Paris.
 # The copy costs 2 bytes a weight (SmolLM2-135M: +257 MiB; the int4 weights
 # take 64 MiB, float32 ones 513 MiB). None: no copy, int4 for every batch.
-LARGE_BATCH_ROWS: int | None = 16
+LARGE_BATCH_ROWS: int | None = 64
 
 
 class Int4GroupsLike(Protocol):
