@@ -51,3 +51,17 @@ def rank_coords(rank: int, parallel_config: ParallelConfig) -> RankCoords:
         raise ValueError(f"rank: must be in [0, {size}), got {rank}")
     pp_rank, tp_rank = divmod(rank, parallel_config.tensor_parallel_size)
     return RankCoords(rank, pp_rank, tp_rank)
+
+
+def node_ranks(parallel_config: ParallelConfig, node_rank: int) -> range:
+    """The global ranks node `node_rank` runs: node-major, world_size / nnodes each.
+
+        nnodes=2, tp=2, pp=2:  node 0 -> ranks 0, 1 (stage 0)   node 1 -> ranks 2, 3 (stage 1)
+
+    So a TP group stays inside one node whenever nnodes divides PP (vLLM's layout).
+    """
+    nnodes = parallel_config.nnodes
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank: must be in [0, {nnodes}), got {node_rank}")
+    per_node = world_size(parallel_config) // nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
