@@ -315,7 +315,7 @@ class RemoteNodes:
                         node,
                         f"sent nothing for {silent:.1f} s (heartbeat timeout: host or "
                         "network lost)",
-                    )  # fmt: skip
+                    )
                 )
 
 
