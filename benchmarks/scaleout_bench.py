@@ -329,6 +329,8 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        # torch threads per worker process (unset: the cores / the node's ranks).
+        "paged_worker_num_threads": os.environ.get("PAGED_WORKER_NUM_THREADS"),
         "loadavg_before": [round(x, 2) for x in os.getloadavg()],
     }
     if args.part in ("executor", "all"):

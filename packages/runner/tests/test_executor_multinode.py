@@ -22,6 +22,7 @@ from paged.runner.config import (
 )
 from paged.runner.executor.abstract import WorkerDiedError, WorkerError
 from paged.runner.executor.messages import CheckHealth, ExecuteModel, Reply
+from paged.runner.executor.multiproc import worker_threads
 from paged.runner.executor.node_agent import run_worker_node
 from paged.runner.executor.node_wire import (
     KIND_CALL,
@@ -119,6 +120,17 @@ def test_link_timeouts_checks_and_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PAGED_NODE_JOIN_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="PAGED_NODE_JOIN_TIMEOUT_S: must be a number"):
         LinkTimeouts.from_env()
+
+
+def test_worker_threads_share_the_nodes_cores_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGED_WORKER_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert [worker_threads(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("PAGED_WORKER_NUM_THREADS", "3")
+    assert worker_threads(2) == 3
+    monkeypatch.setenv("PAGED_WORKER_NUM_THREADS", "0")
+    with pytest.raises(ValueError, match="PAGED_WORKER_NUM_THREADS: must be an integer >= 1"):
+        worker_threads(2)
 
 
 def test_results_keep_rank_order_and_empty_slots_for_trimmed_ranks() -> None:

@@ -290,10 +290,8 @@ def worker_main(
     local_rank = rank if local_rank is None else local_rank
     responses = MessageQueue.attach(response_handle, writer=True)
     calls = MessageQueue.attach(broadcast_handle, writer=False, reader_rank=local_rank)
-    on_this_node = engine_config.parallel_config.ranks_per_node
-    # Share the node's cores between its ranks instead of oversubscribing them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_this_node))
     try:
+        torch.set_num_threads(worker_threads(engine_config.parallel_config.ranks_per_node))
         worker = Worker(
             engine_config, rank=rank, local_rank=local_rank, distributed_init_method=init_method
         )
@@ -308,6 +306,20 @@ def worker_main(
     finally:
         calls.close()
         responses.close()
+
+
+def worker_threads(ranks_on_this_node: int) -> int:
+    """torch threads per worker: PAGED_WORKER_NUM_THREADS, else the node's cores shared out.
+
+    Sharing the cores between the node's ranks avoids oversubscribing them; the
+    variable overrides it where several "nodes" share one host (benchmarks).
+    """
+    raw = os.environ.get("PAGED_WORKER_NUM_THREADS", "")
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"PAGED_WORKER_NUM_THREADS: must be an integer >= 1, got {raw!r}")
+        return int(raw)
+    return max(1, (os.cpu_count() or 1) // ranks_on_this_node)
 
 
 def _serve(
