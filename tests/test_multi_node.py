@@ -6,7 +6,7 @@ listens at 127.0.0.1:P+1); node 1 is `paged serve --headless --nnodes 2
 127.0.0.1:P (gloo, CPU, float32). Greedy tokens must equal one node's (TP=1 /
 PP=1); a killed remote worker or headless process fails the engine's step
 within seconds with `WorkerDiedError`; the headless node exits non-zero when
-node 0 dies (the API server case, through the CLI on both sides).
+node 0's process dies.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from paged.runner.config import EngineConfig, ModelConfig, ParallelConfig
@@ -30,6 +29,13 @@ from tests.conftest import LiveServer, _free_port, _paged_command
 from tests.test_pipeline_parallel import PROMPTS, engine_config, generate, pp1, tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both "nodes" share this machine: one torch thread per worker, not the cores each."""
+    monkeypatch.setenv("PAGED_WORKER_NUM_THREADS", "1")
+
 
 __all__ = ["pp1", "tiny_llama"]  # fixtures shared with test_pipeline_parallel
 
@@ -185,28 +191,53 @@ def test_node0_that_never_gets_its_node_times_out_with_a_clear_error(tiny_llama:
     assert time.monotonic() - start < 30.0
 
 
-def test_headless_node_exits_nonzero_when_node0_is_killed(
-    tiny_word_llama: Path, tmp_path: Path, launch_server: Callable[..., LiveServer]
-) -> None:
-    """Both sides through the CLI: the API server (node 0) serves TP=2, then dies."""
+# Node 0's end of the node link alone, in a process of its own for the test to kill: the
+# object the engine core's executor holds, without the engine (its death is the same TCP close).
+NODE0_LINK = """
+import sys, time, msgspec
+from paged.runner.config import ParallelConfig
+from paged.runner.executor.node_wire import Fingerprint, LinkTimeouts
+from paged.runner.executor.remote_nodes import RemoteNodes
+port = int(sys.argv[1])
+fingerprint = msgspec.msgpack.decode(bytes.fromhex(sys.argv[2]), type=Fingerprint)
+parallel = ParallelConfig(
+    tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port
+)
+link = RemoteNodes(parallel, fingerprint, output_rank=0, timeouts=LinkTimeouts())
+link.wait_joined(time.monotonic() + 240)
+print("joined", flush=True)
+time.sleep(600)
+"""
+
+
+def test_headless_node_exits_nonzero_when_node0_is_killed(tiny_llama: Path, tmp_path: Path) -> None:
+    """`paged serve --headless` (the real CLI) joins node 0, then node 0's process is killed."""
+    import sys
+
+    import msgspec
+
+    from paged.runner.executor.node_wire import Fingerprint
+
     port = _ports()
-    flags = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "-tp", "2"]
-    node = start_headless(tiny_word_llama, tmp_path, port, flags)
+    model = ModelConfig.from_pretrained(str(tiny_llama), max_model_len=64)
+    fingerprint = Fingerprint.of(two_node_config(model, port, tp=2))
+    encoded = msgspec.msgpack.encode(fingerprint).hex()
+    node0 = subprocess.Popen(
+        [sys.executable, "-c", NODE0_LINK, str(port), encoded], stdout=subprocess.PIPE, text=True
+    )
+    node = start_headless(tiny_llama, tmp_path, port, [*NODE_FLAGS, "-tp", "2"])
     try:
-        node0 = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
-                 "--master-port", str(port)]  # fmt: skip
-        server = launch_server(str(tiny_word_llama), *flags, *node0)
-        body = {"model": str(tiny_word_llama), "prompt": "w5 w6 w7", "max_tokens": 4,
-                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-        resp = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["usage"]["completion_tokens"] == 4
-        for pid in server.engine_pids():  # node 0's engine core (the executor's process)
-            os.kill(pid, signal.SIGKILL)
-        server.process.kill()
+        assert node0.stdout is not None
+        assert node0.stdout.readline().strip() == "joined", node.log()
+        node0.kill()
         start = time.monotonic()
         assert node.process.wait(timeout=30) == 1, node.log()
         assert time.monotonic() - start < 10.0
         assert "node 0 closed the connection" in node.log()
     finally:
+        if node0.poll() is None:
+            node0.kill()
+        node0.wait(timeout=30)
+        if node0.stdout is not None:
+            node0.stdout.close()
         stop_headless(node)
