@@ -12,6 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paged.runner.config import (
     CacheConfig,
@@ -326,3 +328,21 @@ def test_run_worker_node_is_only_for_nodes_above_0(
     )
     with pytest.raises(ValueError, match="node_rank: a headless worker node has node_rank >= 1"):
         run_worker_node(node0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tp=st.integers(1, 8), pp=st.integers(1, 8), nnodes=st.integers(1, 8))
+def test_nodes_partition_the_world_in_rank_order(tp: int, pp: int, nnodes: int) -> None:
+    world = tp * pp
+    if world % nnodes:
+        with pytest.raises(ValueError, match="does not divide the world size"):
+            two_nodes(tensor_parallel_size=tp, pipeline_parallel_size=pp, nnodes=nnodes)
+        return
+    config = two_nodes(tensor_parallel_size=tp, pipeline_parallel_size=pp, nnodes=nnodes)
+    ranges = [node_ranks(config, n) for n in range(nnodes)]
+    assert [r for nr in ranges for r in nr] == list(range(world))  # node-major, no gaps
+    assert {len(nr) for nr in ranges} == {config.ranks_per_node}
+    if pp % nnodes == 0:  # whole stages per node: every TP group stays on one node
+        node_of = {r: n for n, nr in enumerate(ranges) for r in nr}
+        for stage in range(pp):
+            assert len({node_of[stage * tp + t] for t in range(tp)}) == 1
