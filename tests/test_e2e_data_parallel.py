@@ -7,9 +7,10 @@ both engines serve (their own `engine="<i>"` metrics count the tokens; 64
 requests split within 40/60 by those counts), then
 the remote engine is killed: its stream fails at once with a clear error,
 /health turns 503, new requests are still served by the local rank, and the
-headless node exits 1. (Local DP ranks are covered with fake engines in
-`packages/server/tests/test_dp_client.py`.) (`benchmarks/scaleout_dp.py`
-compares DP=2 and DP=1 tokens on the default model through `AsyncLLM`.)
+headless node exits 1. (Two local DP ranks on the default model, DP=2 equal
+to DP=1 token for token, aborts and a killed local engine:
+`tests/test_e2e_dp_default_model.py`; with fake engines:
+`packages/server/tests/test_dp_client.py`.)
 """
 
 from __future__ import annotations
