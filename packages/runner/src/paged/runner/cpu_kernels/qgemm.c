@@ -245,7 +245,7 @@ QG_INLINE void q4_tile_avx2(const uint8_t *wt, int64_t groups, const int8_t *q, 
     }
 }
 
-QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, int sub, const int8_t *q,
+QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, const int8_t *q,
                             const float *xs, int64_t k, const int MB, float acc[][TILE]) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t block = Q8_CODES + sub * 128;
@@ -316,7 +316,7 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const int8_t *q, 
     for (int r = 0; r < MB; r++) _mm512_storeu_ps(acc[r], a[r]);
 }
 
-QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, int sub, const int8_t *qu,
+QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, const int8_t *qu,
                             const float *xs, int64_t k, const int MB, float acc[][TILE]) {
     const int64_t block = Q8_CODES + sub * 128;
     const int chunks = 8 / sub;
@@ -350,17 +350,17 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, int sub, const in
 
 #if defined(QG_VNNI)
 #define Q4_TILE(MBV) q4_tile_vnni(wt, groups, q, xs, xsum, k, MBV, acc)
-#define Q8_TILE(MBV) q8_tile_vnni(wt, groups, sub, q, xs, k, MBV, acc)
+#define Q8_TILE(MBV, SUB) q8_tile_vnni(wt, groups, SUB, q, xs, k, MBV, acc)
 #elif defined(QG_AVX2)
 #define Q4_TILE(MBV) q4_tile_avx2(wt, groups, q, xs, xsum, k, MBV, acc)
-#define Q8_TILE(MBV) q8_tile_avx2(wt, groups, sub, q, xs, k, MBV, acc)
+#define Q8_TILE(MBV, SUB) q8_tile_avx2(wt, groups, SUB, q, xs, k, MBV, acc)
 #else
 #define Q4_TILE(MBV) q4_tile_scalar(wt, groups, q, xs, xsum, k, MBV, acc)
-#define Q8_TILE(MBV) q8_tile_scalar(wt, groups, sub, q, xs, k, MBV, acc)
+#define Q8_TILE(MBV, SUB) q8_tile_scalar(wt, groups, SUB, q, xs, k, MBV, acc)
 #endif
 
-/* One call per (tile, MB rows), MB a constant in each case so that the
- * inlined tile kernel keeps its accumulators in registers. */
+/* One call per (tile, MB rows), MB (and SUB) a constant in each case so that
+ * the inlined tile kernel is unrolled and keeps its vectors in registers. */
 static void q4_tile_rows(const uint8_t *wt, int64_t groups, const int8_t *q, const float *xs,
                          const float *xsum, int64_t k, int mb, float acc[][TILE]) {
     switch (mb) {
@@ -373,11 +373,20 @@ static void q4_tile_rows(const uint8_t *wt, int64_t groups, const int8_t *q, con
 
 static void q8_tile_rows(const uint8_t *wt, int64_t groups, int sub, const int8_t *q,
                          const float *xs, int64_t k, int mb, float acc[][TILE]) {
+    if (sub == 2) {
+        switch (mb) {
+            case 4: Q8_TILE(4, 2); break;
+            case 3: Q8_TILE(3, 2); break;
+            case 2: Q8_TILE(2, 2); break;
+            default: Q8_TILE(1, 2); break;
+        }
+        return;
+    }
     switch (mb) {
-        case 4: Q8_TILE(4); break;
-        case 3: Q8_TILE(3); break;
-        case 2: Q8_TILE(2); break;
-        default: Q8_TILE(1); break;
+        case 4: Q8_TILE(4, 1); break;
+        case 3: Q8_TILE(3, 1); break;
+        case 2: Q8_TILE(2, 1); break;
+        default: Q8_TILE(1, 1); break;
     }
 }
 
