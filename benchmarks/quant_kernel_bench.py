@@ -6,6 +6,7 @@ row count M, three kernels compute y = x W^T with bfloat16 activations, the
 way the quantised CPU path runs them:
 
     qgemm      paged.runner.cpu_kernels (int8 activations per 32, VNNI/AVX2/scalar)
+    qgemm_precise  the same with two-level (int8 + int8 residual) activations
     int4pack   torch.ops.aten._weight_int4pack_mm_for_cpu (groups of 32); the Q8_0
                head runs it twice (high and low nibbles), as quantized_linear did
     bf16_mm    x @ W^T with a bfloat16 copy of the weight
@@ -82,6 +83,7 @@ def kernels(out: int, inp: int, fmt: str, isa: str) -> dict[str, Callable[[torch
     dense_t = weight.to(torch.bfloat16).t().contiguous()
     return {
         "qgemm": lambda x: q.matmul(x),
+        "qgemm_precise": lambda x: q.matmul(x, precise=True),
         "int4pack": torch_int4,
         "bf16_mm": lambda x: x @ dense_t,
     }
@@ -131,6 +133,7 @@ def main() -> None:
                 "ms_median": {k: round(v, 4) for k, v in med.items()},
                 "int4pack_over_qgemm": round(med["int4pack"] / med["qgemm"], 2),
                 "bf16_over_qgemm": round(med["bf16_mm"] / med["qgemm"], 2),
+                "bf16_over_qgemm_precise": round(med["bf16_mm"] / med["qgemm_precise"], 2),
                 "threads": torch.get_num_threads(), "isa": args.isa,
                 "load_avg_before": round(load_before, 2),
                 "load_avg_after": round(os.getloadavg()[0], 2),

@@ -33,9 +33,14 @@ ISA_ENV = "PAGED_QGEMM_ISA"
 CACHE_ENV = "PAGED_KERNEL_CACHE"
 ISAS = ("native", "avx2", "scalar")
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
-_ABI = 1  # paged_qgemm_abi() of the source this module drives
+_ABI = 3  # paged_qgemm_abi() of the source this module drives
 _FORCE = {"native": [], "avx2": ["-DPAGED_QGEMM_FORCE_AVX2"], "scalar": ["-DPAGED_QGEMM_FORCE_SCALAR"]}
-_BASE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-D_POSIX_C_SOURCE=200112L"]
+# -ffp-contract=off: no fused multiply-adds where the source has none, so that the
+# activations' quantisation (and its residual) is the same float32 maths on every path.
+_BASE_FLAGS = [
+    "-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off",
+    "-D_POSIX_C_SOURCE=200112L",
+]
 
 _LOADED: dict[tuple[str, str], QGemmLibrary | None] = {}
 
@@ -48,12 +53,13 @@ class QGemmLibrary:
     isa: str
     path: Path
 
-    def q4(self, *args: int) -> int:
-        """paged_qgemm_q4(w, n, k, x, m, x_stride, x_bf16, y, y_stride, y_bf16)."""
+    def q4(self, *args: float) -> int:
+        """paged_qgemm_q4(w, n, k, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16)."""
         return int(self.lib.paged_qgemm_q4(*args))
 
-    def q8(self, *args: int) -> int:
-        """paged_qgemm_q8(w, n, k, sub, x, m, x_stride, x_bf16, y, y_stride, y_bf16)."""
+    def q8(self, *args: float) -> int:
+        """paged_qgemm_q8(w, n, k, sub, levels, ratio, x, m, x_stride, x_bf16, y, y_stride,
+        y_bf16)."""
         return int(self.lib.paged_qgemm_q8(*args))
 
 
@@ -144,6 +150,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_qgemm_isa.restype = c_int
     lib.paged_qgemm_abi.restype = c_int
     lib.paged_qgemm_q4.restype = c_int
-    lib.paged_qgemm_q4.argtypes = [ptr, i64, i64, ptr, i64, i64, c_int, ptr, i64, c_int]
+    f32 = ctypes.c_float
+    lib.paged_qgemm_q4.argtypes = [
+        ptr, i64, i64, c_int, f32, ptr, i64, i64, c_int, ptr, i64, c_int
+    ]
     lib.paged_qgemm_q8.restype = c_int
-    lib.paged_qgemm_q8.argtypes = [ptr, i64, i64, c_int, ptr, i64, i64, c_int, ptr, i64, c_int]
+    lib.paged_qgemm_q8.argtypes = [
+        ptr, i64, i64, c_int, c_int, f32, ptr, i64, i64, c_int, ptr, i64, c_int
+    ]

@@ -6,7 +6,8 @@
  * The idea is llama.cpp's, written here from scratch: every activation row is
  * quantised to int8 per group of 32 (scale xs = amax / 127, q = rne(x / xs)),
  * the per-group dot products are exact integer sums, and the groups' products
- * are accumulated in float32:
+ * are accumulated in float32 (optionally a second int8 pass over the residual
+ * x - xs q gives ~14-bit activations at twice the arithmetic: `levels` 2):
  *     4-bit:  sum_k w x = sum_g  d[g] xs[g] (sum q_w q_x)  +  m[g] xs[g] (sum q_x)
  *     8-bit:  sum_k w x = sum_s  d[s] xs[g] (sum q_w q_x)        (s: 32 or 16 weights)
  *
@@ -72,7 +73,7 @@ int paged_qgemm_isa(void) {
 #endif
 }
 
-int paged_qgemm_abi(void) { return 1; }
+int paged_qgemm_abi(void) { return 3; }
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -115,34 +116,68 @@ static void *scratch(size_t bytes) {
 
 /* x rows [m, k] (float32 or bfloat16, row stride x_stride elements) -> int8 q,
  * per-group scale xs = amax / 127 and xsum = xs * sum(q) [m, k / 32].
- * flip: store q ^ 0x80 (= q + 128 as a u8), the unsigned operand of the 8-bit VNNI path.
- * Kept scalar and identical on every path so that all paths see the same q. */
+ * levels 2: each row becomes two q rows, 2r (as above) and 2r + 1, the residual
+ * x - xs q quantised the same way (about 14 bits of x in all); the drivers add
+ * the two rows' results. flip: store q ^ 0x80 (= q + 128 as a u8), the unsigned
+ * operand of the 8-bit VNNI path. Scalar and identical on every path, so that
+ * all paths see the same q. */
+static void quantize_group(const float *v, int flip, int8_t *qo, float *xs, float *xsum) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; i++) {
+        float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < GROUP; i++) {
+        int32_t q = (int32_t)nearbyintf(v[i] * id);
+        sum += q;
+        qo[i] = (int8_t)(flip ? (q ^ 0x80) : q);
+    }
+    *xs = d;
+    *xsum = d * (float)sum;
+}
+
 static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t x_stride,
-                          int flip, int8_t *q, float *xs, float *xsum) {
+                          int levels, float ratio, int flip, int8_t *q, float *xs,
+                          float *xsum) {
     const int64_t groups = k / GROUP;
     float buf[GROUP];
     for (int64_t r = 0; r < m; r++) {
         for (int64_t g = 0; g < groups; g++) {
             const int64_t base = r * x_stride + g * GROUP;
-            float amax = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
-                float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i])
-                                 : ((const float *)x)[base + i];
-                buf[i] = v;
-                float a = fabsf(v);
-                amax = a > amax ? a : amax;
+            for (int i = 0; i < GROUP; i++)
+                buf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i])
+                                : ((const float *)x)[base + i];
+            const int64_t row = r * levels;
+            int8_t *qo = q + row * k + g * GROUP;
+            quantize_group(buf, flip, qo, xs + row * groups + g, xsum + row * groups + g);
+            if (levels == 2) {
+                const float d = xs[row * groups + g];
+                float amax = 0.0f, total = 0.0f;
+                for (int i = 0; i < GROUP; i++) {
+                    const float a = fabsf(buf[i]);
+                    amax = a > amax ? a : amax;
+                    total += a;
+                }
+                /* Only groups whose largest value dwarfs the rest (amax > ratio * mean |x|)
+                 * lose precision in one level; the others get an empty residual row,
+                 * which the tile kernels skip (xs == 0). */
+                if (!(amax > ratio * (total / GROUP))) {
+                    memset(qo + k, flip ? 0x80 : 0, GROUP);
+                    xs[(row + 1) * groups + g] = 0.0f;
+                    xsum[(row + 1) * groups + g] = 0.0f;
+                    continue;
+                }
+                for (int i = 0; i < GROUP; i++) {
+                    const int32_t q1 = flip ? (int32_t)(int8_t)(qo[i] ^ 0x80) : qo[i];
+                    const float coarse = d * (float)q1;
+                    buf[i] = buf[i] - coarse;
+                }
+                quantize_group(buf, flip, qo + k, xs + (row + 1) * groups + g,
+                               xsum + (row + 1) * groups + g);
             }
-            const float d = amax / 127.0f;
-            const float id = d != 0.0f ? 1.0f / d : 0.0f;
-            int32_t sum = 0;
-            int8_t *qo = q + r * k + g * GROUP;
-            for (int i = 0; i < GROUP; i++) {
-                int32_t v = (int32_t)nearbyintf(buf[i] * id);
-                sum += v;
-                qo[i] = (int8_t)(flip ? (v ^ 0x80) : v);
-            }
-            xs[r * groups + g] = d;
-            xsum[r * groups + g] = d * (float)sum;
         }
     }
 }
@@ -170,6 +205,7 @@ __attribute__((unused)) static void q4_tile_scalar(const uint8_t *wt, int64_t gr
         const float *d = (const float *)(blk + 256), *mn = (const float *)(blk + 320);
         for (int r = 0; r < mb; r++) {
             const int8_t *xr = q + r * k + g * GROUP;
+            if (xs[r * groups + g] == 0.0f) continue; /* an all-zero group or empty residual */
             for (int l = 0; l < TILE; l++) {
                 int32_t dot = 0;
                 for (int c = 0; c < 4; c++)
@@ -198,6 +234,7 @@ __attribute__((unused)) static void q8_tile_scalar(const uint8_t *wt, int64_t gr
             const float *d = (const float *)(blk + Q8_CODES + sub * 64 + s * 64);
             for (int r = 0; r < mb; r++) {
                 const int8_t *xr = q + r * k + g * GROUP;
+                if (xs[r * groups + g] == 0.0f) continue;
                 for (int l = 0; l < TILE; l++) {
                     int32_t dot = 0;
                     for (int c = s * chunks; c < (s + 1) * chunks; c++)
@@ -230,6 +267,7 @@ QG_INLINE void q4_tile_avx2(const uint8_t *wt, int64_t groups, const int8_t *q, 
             const __m256 d = _mm256_loadu_ps((const float *)(blk + 256) + h * 8);
             const __m256 mn = _mm256_loadu_ps((const float *)(blk + 320) + h * 8);
             for (int r = 0; r < MB; r++) {
+                if (xs[r * groups + g] == 0.0f) continue; /* zero group, empty residual */
                 const int8_t *xr = q + r * k + g * GROUP;
                 __m256i s = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xr)));
                 for (int c = 1; c < 8; c++)
@@ -264,6 +302,7 @@ QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, co
                 const __m256 d =
                     _mm256_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64) + h * 8);
                 for (int r = 0; r < MB; r++) {
+                    if (xs[r * groups + g] == 0.0f) continue;
                     const int8_t *xr = q + r * k + g * GROUP;
                     __m256i i = _mm256_setzero_si256();
                     for (int c = s * chunks; c < (s + 1) * chunks; c++) {
@@ -300,6 +339,7 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const int8_t *q, 
         const __m512 d = _mm512_loadu_ps((const float *)(blk + 256));
         const __m512 mn = _mm512_loadu_ps((const float *)(blk + 320));
         for (int r = 0; r < MB; r++) {
+            if (xs[r * groups + g] == 0.0f) continue; /* zero group, empty residual */
             const int8_t *xr = q + r * k + g * GROUP;
             /* two chains: vpdpbusd's latency, not its throughput, bounds one row */
             __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
@@ -330,6 +370,7 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
             const __m512i corr = _mm512_loadu_si512((const void *)(blk + Q8_CODES + s * 64));
             const __m512 d = _mm512_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64));
             for (int r = 0; r < MB; r++) {
+                if (xs[r * groups + g] == 0.0f) continue;
                 const int8_t *xr = qu + r * k + g * GROUP;
                 __m512i i0 = corr, i1 = _mm512_setzero_si512();
                 for (int c = s * chunks; c < (s + 1) * chunks; c += 2) {
@@ -390,56 +431,67 @@ static void q8_tile_rows(const uint8_t *wt, int64_t groups, int sub, const int8_
     }
 }
 
-/* fmt 4: 4-bit blocks; fmt 8: 8-bit blocks with `sub` scales per 32 (1 or 2).
+/* fmt 4: 4-bit blocks; fmt 8: 8-bit blocks with `sub` scales per 32 (1 or 2);
+ * levels 1 (int8 activations) or 2 (int8 + int8 residual for the groups with
+ * amax > ratio * mean |x|; ratio 0: every group; see quantize_rows).
  * Returns 0, or -1 (bad shape/argument), -2 (out of memory). */
-static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, const void *x,
-                 int64_t m, int64_t x_stride, int x_bf16, void *y, int64_t y_stride, int y_bf16) {
+static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int levels,
+                 float ratio, const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,
+                 int64_t y_stride, int y_bf16) {
     if (n <= 0 || k <= 0 || k % GROUP != 0 || m < 0 || x_stride < k || y_stride < n) return -1;
-    if (fmt == 8 && sub != 1 && sub != 2) return -1;
+    if ((fmt == 8 && sub != 1 && sub != 2) || (levels != 1 && levels != 2)) return -1;
     if (m == 0) return 0;
     const int64_t groups = k / GROUP;
     const int64_t tiles = (n + TILE - 1) / TILE;
     const int64_t tile_bytes = groups * (fmt == 4 ? Q4_BLOCK : Q8_CODES + sub * 128);
-    const int64_t rows = m < M_CHUNK ? m : M_CHUNK;
-    int8_t *qbuf = (int8_t *)scratch((size_t)(rows * k + 2 * rows * groups * 4 + 64));
+    const int64_t chunk = M_CHUNK / levels;                 /* input rows per pass */
+    const int64_t qrows = (m < chunk ? m : chunk) * levels; /* int8 rows per pass */
+    int8_t *qbuf = (int8_t *)scratch((size_t)(qrows * k + 2 * qrows * groups * 4 + 64));
     if (qbuf == NULL) return -2;
-    float *xs = (float *)(qbuf + ((rows * k + 63) / 64) * 64);
-    float *xsum = xs + rows * groups;
+    float *xs = (float *)(qbuf + ((qrows * k + 63) / 64) * 64);
+    float *xsum = xs + qrows * groups;
 #if defined(QG_VNNI)
     const int flip = fmt == 8;
 #else
     const int flip = 0;
 #endif
     float acc[MB_MAX][TILE];
-    for (int64_t m0 = 0; m0 < m; m0 += M_CHUNK) {
-        const int64_t mc = m - m0 < M_CHUNK ? m - m0 : M_CHUNK;
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t mc = m - m0 < chunk ? m - m0 : chunk;
+        const int64_t qc = mc * levels;
         const void *xc = x_bf16 ? (const void *)((const uint16_t *)x + m0 * x_stride)
                                 : (const void *)((const float *)x + m0 * x_stride);
-        quantize_rows(xc, x_bf16, mc, k, x_stride, flip, qbuf, xs, xsum);
+        quantize_rows(xc, x_bf16, mc, k, x_stride, levels, ratio, flip, qbuf, xs, xsum);
         for (int64_t t = 0; t < tiles; t++) {
             const uint8_t *wt = w + t * tile_bytes;
             const int64_t n0 = t * TILE, count = n - n0 < TILE ? n - n0 : TILE;
-            for (int64_t r0 = 0; r0 < mc; r0 += MB_MAX) {
-                const int mb = (int)(mc - r0 < MB_MAX ? mc - r0 : MB_MAX);
+            /* MB_MAX is even, and qc is even when levels == 2: a block never splits a pair */
+            for (int64_t r0 = 0; r0 < qc; r0 += MB_MAX) {
+                const int mb = (int)(qc - r0 < MB_MAX ? qc - r0 : MB_MAX);
                 const int8_t *q = qbuf + r0 * k;
                 if (fmt == 4)
                     q4_tile_rows(wt, groups, q, xs + r0 * groups, xsum + r0 * groups, k, mb, acc);
                 else
                     q8_tile_rows(wt, groups, sub, q, xs + r0 * groups, k, mb, acc);
-                for (int r = 0; r < mb; r++)
-                    store_row(acc[r], y, y_bf16, y_stride, m0 + r0 + r, n0, count);
+                for (int r = 0; r < mb; r += levels) {
+                    if (levels == 2)
+                        for (int l = 0; l < TILE; l++) acc[r][l] += acc[r + 1][l];
+                    store_row(acc[r], y, y_bf16, y_stride, m0 + (r0 + r) / levels, n0, count);
+                }
             }
         }
     }
     return 0;
 }
 
-int paged_qgemm_q4(const uint8_t *w, int64_t n, int64_t k, const void *x, int64_t m,
-                   int64_t x_stride, int x_bf16, void *y, int64_t y_stride, int y_bf16) {
-    return qgemm(4, w, n, k, 1, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
+int paged_qgemm_q4(const uint8_t *w, int64_t n, int64_t k, int levels, float ratio,
+                   const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,
+                   int64_t y_stride, int y_bf16) {
+    return qgemm(4, w, n, k, 1, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
 }
 
-int paged_qgemm_q8(const uint8_t *w, int64_t n, int64_t k, int sub, const void *x, int64_t m,
-                   int64_t x_stride, int x_bf16, void *y, int64_t y_stride, int y_bf16) {
-    return qgemm(8, w, n, k, sub, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
+int paged_qgemm_q8(const uint8_t *w, int64_t n, int64_t k, int sub, int levels, float ratio,
+                   const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,
+                   int64_t y_stride, int y_bf16) {
+    return qgemm(8, w, n, k, sub, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
 }

@@ -44,8 +44,17 @@ class QGemm:
     def nbytes(self) -> int:
         return self.packed.numel()
 
-    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [M, in] (float32/bfloat16, unit column stride) -> [M, out] in out_dtype (x's)."""
+    def matmul(
+        self, x: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+        outlier_ratio: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """x [M, in] (float32/bfloat16, unit column stride) -> [M, out] in out_dtype (x's).
+
+        outlier_ratio: None, int8 activations per 32 inputs; a number r, a second
+        int8 level (the residual x - xs q, quantised the same way: ~14 bits in
+        all) for each group whose largest |x| exceeds r times its mean |x|
+        (0: every group, twice the arithmetic; the weight bytes read stay).
+        """
         out_dtype = x.dtype if out_dtype is None else out_dtype
         if x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"x must be [M, {self.in_features}], got {tuple(x.shape)}")
@@ -60,15 +69,16 @@ class QGemm:
         x_bf16, y_bf16 = int(x.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16)
         x_stride = x.stride(0) if m > 1 else self.in_features
         n, k = self.out_features, self.in_features
+        levels, ratio = (1, 0.0) if outlier_ratio is None else (2, float(outlier_ratio))
         if self.fmt == 4:
             rc = self.lib.q4(
-                self.packed.data_ptr(), n, k, x.data_ptr(), m, x_stride, x_bf16,
+                self.packed.data_ptr(), n, k, levels, ratio, x.data_ptr(), m, x_stride, x_bf16,
                 y.data_ptr(), n, y_bf16,
             )  # fmt: skip
         else:
             rc = self.lib.q8(
-                self.packed.data_ptr(), n, k, self.sub, x.data_ptr(), m, x_stride, x_bf16,
-                y.data_ptr(), n, y_bf16,
+                self.packed.data_ptr(), n, k, self.sub, levels, ratio, x.data_ptr(), m, x_stride,
+                x_bf16, y.data_ptr(), n, y_bf16,
             )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"qgemm failed with code {rc} (x {tuple(x.shape)}, W {n} x {k})")

@@ -64,6 +64,17 @@ GROUP = 32
 # measured faster than the bf16 GEMM at every row count from 1 to 64 and
 # level with it at 128 (benchmarks/quant_kernel_bench.py, runner README).
 LARGE_BATCH_ROWS: int | None = 64
+# The C kernel quantises activations to int8 per group of 32, and adds a second
+# int8 level (the residual) to each group whose largest |x| exceeds this many
+# times its mean |x|: one outlier channel (SmolLM2's hidden states have several)
+# otherwise leaves the group's other 31 values a few steps of an int8 grid.
+# Measured on the default model (32 generated tokens): 17 / 5 / 8 / 17% of the
+# groups of qkv / o / gate_up / down inputs exceed 8 (46 / 29 / 30 / 76% exceed 4),
+# so the second level costs ~10% more arithmetic at 8. With one level the README
+# quickstart's first answer token flipped (fp32: "The" ahead of "L" by 0.08 nats;
+# one int8 level: "L" by 0.29); ratios 4 and 8 both restore the float32 margin
+# (0.08-0.09). None: one level everywhere (llama.cpp's Q8 activations).
+OUTLIER_RATIO: float | None = 8.0
 
 
 class Int4GroupsLike(Protocol):
@@ -152,13 +163,15 @@ class QGemmMatmul:
     """A 4-bit or 8-bit group weight run by paged's C kernel (cpu_kernels/qgemm.c).
 
     The weight is exact (codes and float32 scales as the checkpoint gives them);
-    the kernel quantises each activation row to int8 per 32 inputs, sums the
-    groups' integer dot products in float32 and writes the activation dtype.
+    the kernel quantises each activation row to int8 per 32 inputs (two levels
+    for outlier groups: OUTLIER_RATIO), sums the groups' integer dot products
+    in float32 and writes the activation dtype.
     One kernel for every batch size: no bf16 copy of the weight.
     """
 
     def __init__(self, gemm: QGemm, exact: torch.Tensor, source: str, kind: str) -> None:
         self.gemm = gemm
+        self.outlier_ratio = OUTLIER_RATIO
         self.out_features, self.in_features = gemm.out_features, gemm.in_features
         self.report = QuantReport(
             source, f"qgemm {kind} ({gemm.lib.isa}, int8 activations per 32)",
@@ -166,7 +179,7 @@ class QGemmMatmul:
         )  # fmt: skip
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm.matmul(x)
+        return self.gemm.matmul(x, outlier_ratio=self.outlier_ratio)
 
     def dequantized(self) -> torch.Tensor:
         return self.gemm.dequantized()
@@ -192,7 +205,7 @@ class QGemmTable(QGemmMatmul):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T in float32."""
-        return self.gemm.matmul(x, torch.float32)
+        return self.gemm.matmul(x, torch.float32, outlier_ratio=self.outlier_ratio)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids`, exactly as the checkpoint stores them, in the activation dtype."""
