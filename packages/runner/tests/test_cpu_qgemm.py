@@ -1,4 +1,4 @@
-"""paged's C GEMM for group-quantised weights (cpu_kernels): against a torch reference, across ISA paths, build and fallback."""
+"""paged's C GEMM for quantised weights: torch reference, ISA paths agree, build, fallback."""
 
 from __future__ import annotations
 
@@ -58,7 +58,11 @@ def _int8(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _check(
-    gemm: QGemm, weight: torch.Tensor, m: int, x_dtype: torch.dtype, y_dtype: torch.dtype,
+    gemm: QGemm,
+    weight: torch.Tensor,
+    m: int,
+    x_dtype: torch.dtype,
+    y_dtype: torch.dtype,
     ratio: float | None = None,
 ) -> None:
     gen = torch.Generator().manual_seed(m)
@@ -69,7 +73,7 @@ def _check(
     assert y.dtype == y_dtype and y.shape == (m, gemm.out_features)
     ref = _quantised_activations(x, ratio).double() @ weight.double().t()
     # float32 accumulation of K / 32 group products, then the output dtype's rounding.
-    tol = 2e-6 if y_dtype == torch.float32 else 2 ** -8
+    tol = 2e-6 if y_dtype == torch.float32 else 2**-8
     scale = ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-6)
     err = ((y.double() - ref).abs() / scale).max().item()
     assert err < tol, (m, x_dtype, y_dtype, err)
@@ -218,7 +222,9 @@ class _FakeInt4:
         return None
 
     @staticmethod
-    def install(rows: object, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
+    def install(
+        rows: object, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+    ) -> None:
         rows.copy_(_FakeInt4(codes, scale, offset))  # type: ignore[attr-defined]
 
 

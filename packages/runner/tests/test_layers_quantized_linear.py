@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from paged.runner.cpu_kernels.build import ISA_ENV
 from paged.runner.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from paged.runner.layers.parallel import TPGroup
-from paged.runner.cpu_kernels.build import ISA_ENV
 from paged.runner.layers.quantized_linear import (
     DenseMatmul,
     Int4GroupMatmul,
@@ -69,7 +69,7 @@ def test_int8_groups_reproduce_q6_k_exactly() -> None:
     g = t.int8_groups()
     assert g is not None and t.int4_groups() is None
     assert g.scale.shape == (8, 512 // 16)
-    assert -32 <= int(g.codes.min()) and int(g.codes.max()) <= 31
+    assert int(g.codes.min()) >= -32 and int(g.codes.max()) <= 31
     w = g.codes.float() * g.scale.repeat_interleave(16, 1)
     torch.testing.assert_close(w, t.dequantize(), rtol=0, atol=0)
 

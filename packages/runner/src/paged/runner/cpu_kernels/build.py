@@ -34,11 +34,20 @@ CACHE_ENV = "PAGED_KERNEL_CACHE"
 ISAS = ("native", "avx2", "scalar")
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 _ABI = 3  # paged_qgemm_abi() of the source this module drives
-_FORCE = {"native": [], "avx2": ["-DPAGED_QGEMM_FORCE_AVX2"], "scalar": ["-DPAGED_QGEMM_FORCE_SCALAR"]}
+_FORCE = {
+    "native": [],
+    "avx2": ["-DPAGED_QGEMM_FORCE_AVX2"],
+    "scalar": ["-DPAGED_QGEMM_FORCE_SCALAR"],
+}
 # -ffp-contract=off: no fused multiply-adds where the source has none, so that the
 # activations' quantisation (and its residual) is the same float32 maths on every path.
 _BASE_FLAGS = [
-    "-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off",
+    "-O3",
+    "-march=native",
+    "-shared",
+    "-fPIC",
+    "-std=c11",
+    "-ffp-contract=off",
     "-D_POSIX_C_SOURCE=200112L",
 ]
 
@@ -151,10 +160,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_qgemm_abi.restype = c_int
     lib.paged_qgemm_q4.restype = c_int
     f32 = ctypes.c_float
-    lib.paged_qgemm_q4.argtypes = [
-        ptr, i64, i64, c_int, f32, ptr, i64, i64, c_int, ptr, i64, c_int
-    ]
+    lib.paged_qgemm_q4.argtypes = [ptr, i64, i64, c_int, f32, ptr, i64, i64, c_int, ptr, i64, c_int]
     lib.paged_qgemm_q8.restype = c_int
     lib.paged_qgemm_q8.argtypes = [
-        ptr, i64, i64, c_int, c_int, f32, ptr, i64, i64, c_int, ptr, i64, c_int
+        ptr,
+        i64,
+        i64,
+        c_int,
+        c_int,
+        f32,
+        ptr,
+        i64,
+        i64,
+        c_int,
+        ptr,
+        i64,
+        c_int,
     ]

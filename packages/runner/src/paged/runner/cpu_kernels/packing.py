@@ -36,8 +36,10 @@ def _chunked(codes: torch.Tensor) -> torch.Tensor:
 def _per_tile(values: torch.Tensor, groups: int, sub: int) -> torch.Tensor:
     """[N, G * sub] -> [T, G, sub * 16] (tile, group, sub-group-major rows)."""
     n = values.shape[0]
-    return values.reshape(n // TILE, TILE, groups, sub).permute(0, 2, 3, 1).reshape(
-        n // TILE, groups, sub * TILE
+    return (
+        values.reshape(n // TILE, TILE, groups, sub)
+        .permute(0, 2, 3, 1)
+        .reshape(n // TILE, groups, sub * TILE)
     )
 
 

@@ -231,7 +231,7 @@ def int4_kernel(groups: Int4GroupsLike, dtype: torch.dtype, source: str) -> Quan
 def int8_table_kernel(
     codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, source: str
 ) -> EmbeddingMatmul | None:
-    """The C kernel for an 8-bit group weight (32 or 16 per scale), else torch's for 32, else None."""
+    """The C kernel for an 8-bit group weight (32 or 16 per scale), else torch's (32), else None."""
     lib = qgemm_available(dtype)
     if lib is not None:
         return QGemmTable(lib, codes, scale, dtype, source)

@@ -165,7 +165,9 @@ def _q6_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
     d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
     low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    high = (
+        qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    ) & 3
     q = low.reshape(n, 2, 4, 32) | (high.reshape(n, 2, 4, 32) << 4)
     codes = (q.reshape(n, 256).astype(np.int16) - 32).astype(np.int8)
     return np.ascontiguousarray(codes), np.ascontiguousarray(d * sc)
