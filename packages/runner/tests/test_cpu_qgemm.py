@@ -234,3 +234,24 @@ def test_isa_env_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         load_qgemm()
     monkeypatch.setenv(build.ISA_ENV, "off")
     assert load_qgemm() is None
+
+
+@needs_cc
+def test_two_processes_compiling_at_once_both_load(tmp_path: Path) -> None:
+    """Each build writes a private temporary and renames it into place: no torn file."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from paged.runner.cpu_kernels import load_qgemm; "
+        "lib = load_qgemm('avx2'); assert lib is not None; print(lib.path)"
+    )
+    env = {**os.environ, build.CACHE_ENV: str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    paths = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(paths) == 1 and [f.name for f in tmp_path.iterdir()] == [Path(paths.pop()).name]

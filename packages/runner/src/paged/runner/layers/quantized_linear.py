@@ -172,9 +172,12 @@ class QGemmMatmul:
     def __init__(self, gemm: QGemm, exact: torch.Tensor, source: str, kind: str) -> None:
         self.gemm = gemm
         self.outlier_ratio = OUTLIER_RATIO
+        levels = (
+            "one level" if OUTLIER_RATIO is None else f"2 levels where amax > {OUTLIER_RATIO:g} mean"
+        )
         self.out_features, self.in_features = gemm.out_features, gemm.in_features
         self.report = QuantReport(
-            source, f"qgemm {kind} ({gemm.lib.isa}, int8 activations per 32)",
+            source, f"qgemm {kind} ({gemm.lib.isa}; int8 activations per 32, {levels})",
             _rel_error(gemm.dequantized(), exact), gemm.nbytes,
         )  # fmt: skip
 
