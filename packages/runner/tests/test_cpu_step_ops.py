@@ -84,9 +84,9 @@ def test_gated_activations_within_one_rounding_of_the_reference(kind: int) -> No
     got = ops.gated_act(x, kind)
     assert got.shape == (6, 1536) and got.dtype == BF16
     assert _within_one_bf16_step(got, want)
-    # libm's expf / tanhf against torch's vectorised ones: measured 0 (silu) and 0.4%
-    # (gelu) of the outputs one bf16 step apart.
-    assert (got != want).float().mean() < 1e-2
+    # The C exp (Cephes polynomial) against torch's: silu measured bit-identical on
+    # 196k values; gelu (as x * sigmoid(2y), not torch's tanh) 7% one bf16 step apart.
+    assert (got != want).float().mean() < (1e-3 if kind == ops.SILU else 0.1)
 
 
 def test_rotary_is_the_reference_bit_for_bit_on_strided_qkv_views() -> None:
@@ -219,6 +219,8 @@ def test_everything_falls_back_to_torch_when_the_library_is_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(build.ENABLE_ENV, "off")
+    build.forget()
+    monkeypatch.setattr(build, "_default", [])  # read again, and restored afterwards
     assert not ops.available()
     norm = RMSNorm(32, 1e-6, dtype=BF16)
     norm.load_weight("weight", _randn(32, seed=11), None)

@@ -32,11 +32,13 @@ _ABI = 1  # paged_step_ops_abi() of the source this module drives
 # -ffp-contract=off: no a*b - c*d -> fma, so the rotary's float32 arithmetic is
 # the reference's operation for operation (bit-identical results, tested).
 _FLAGS = [
-    "-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11",
+    "-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fno-math-errno",
+    "-shared", "-fPIC", "-std=c11",
     "-Werror=implicit-function-declaration", "-Wl,--no-undefined",
 ]  # fmt: skip
 
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_default: list[ctypes.CDLL | None] = []  # load_step_ops()'s answer once decided
 
 
 def cache_dir() -> Path:
@@ -60,11 +62,25 @@ def enabled() -> bool:
 def load_step_ops(compiler: str | None = None) -> ctypes.CDLL | None:
     """The loaded library (compiled if needed), or None if disabled or unavailable.
 
-    The result is kept per compiler: later calls cost a dict lookup.
+    The environment is read on the first call only (the step calls this
+    ~10 times a layer; `forget()` makes the next call read it again). The
+    result is kept per compiler: later calls cost a dict lookup.
     """
-    if not enabled():
-        return None
-    cc = compiler or os.environ.get("CC") or "cc"
+    if compiler is None:
+        if _default:
+            return _default[0]
+        lib = _load(os.environ.get("CC") or "cc") if enabled() else None
+        _default.append(lib)
+        return lib
+    return _load(compiler) if enabled() else None
+
+
+def forget() -> None:
+    """Read $PAGED_CPU_STEP_OPS / $CC again at the next `load_step_ops()` (tests)."""
+    _default.clear()
+
+
+def _load(cc: str) -> ctypes.CDLL | None:
     if cc not in _loaded:
         _loaded[cc] = _build_and_load(cc)
     return _loaded[cc]

@@ -10,14 +10,15 @@
  * to nearest even, NaN stays NaN: what torch's .to(torch.bfloat16) does.
  * Compiled with -ffp-contract=off so that a*b - c*d is never fused into an
  * fma: the rotary then computes exactly paged.kernels.reference's products
- * and sums.
+ * and sums. -fopenmp-simd (no OpenMP runtime) lets the loops marked
+ * `omp simd` reassociate (the attention's dot products and softmax sum) and
+ * vectorise the inline exp; the norm's sum keeps torch's exact order.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
 
 int paged_step_ops_abi(void) { return 1; }
 
@@ -31,9 +32,33 @@ static inline float bf16_to_f32(uint16_t b) {
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t quiet_nan = (u >> 16) | 0x40u;
+    /* a select, not a branch: loops over it vectorise */
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
+}
+
+/* e^x for float32, Cephes' expf (range reduction by ln 2 in two parts, degree-6
+ * polynomial; within 2 ulp of expf over the range used) written in plain float ops so
+ * that `omp simd` loops vectorise it: glibc's vector expf is only declared under
+ * -ffast-math. Inputs are clamped to [-87.3, 88.3]: e^x stays a normal float. */
+static inline float exp_f32(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    /* round to nearest by adding 1.5 * 2^23 (|x log2 e| < 128): no floorf call */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
 }
 
 /* sum(x[i]^2) summed in exactly the order of torch's CPU float sum over a contiguous
@@ -156,14 +181,21 @@ int paged_gated_act(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t 
     for (int64_t r = 0; r < t; r++) {
         const uint16_t *gate = x + r * x_stride, *up = gate + i;
         uint16_t *o = out + r * i;
-        for (int64_t j = 0; j < i; j++) {
-            float g = bf16_to_f32(gate[j]), a;
-            if (kind == 0) {
-                a = g / (1.0f + expf(-g));
-            } else {
-                a = 0.5f * g * (1.0f + tanhf(k0 * (g + k1 * g * g * g)));
+        /* omp simd: exp_f32 inline, vectorised. */
+        if (kind == 0) {
+#pragma omp simd
+            for (int64_t j = 0; j < i; j++) {
+                float g = bf16_to_f32(gate[j]);
+                o[j] = f32_to_bf16(g / (1.0f + exp_f32(-g)) * bf16_to_f32(up[j]));
             }
-            o[j] = f32_to_bf16(a * bf16_to_f32(up[j]));
+        } else {
+#pragma omp simd
+            for (int64_t j = 0; j < i; j++) {
+                float g = bf16_to_f32(gate[j]);
+                /* 0.5 (1 + tanh(y)) = 1 / (1 + e^(-2y)): no cancellation for large -y */
+                float a = g / (1.0f + exp_f32(-2.0f * k0 * (g + k1 * g * g * g)));
+                o[j] = f32_to_bf16(a * bf16_to_f32(up[j]));
+            }
         }
     }
     return 0;
@@ -202,13 +234,9 @@ int paged_rotary_neox(const uint16_t *q, int64_t q_stride, int64_t nq, const uin
 }
 
 static inline float dot_f32_bf16(const float *q, const uint16_t *k, int64_t d) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= d; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += q[i + l] * bf16_to_f32(k[i + l]);
     float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += acc[l];
-    for (; i < d; i++) s += q[i] * bf16_to_f32(k[i]);
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < d; i++) s += q[i] * bf16_to_f32(k[i]);
     return s;
 }
 
@@ -270,8 +298,9 @@ int paged_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
             for (int64_t g = 0; g < group; g++) {
                 float *sg = scores + g * n, m = -INFINITY, total = 0.0f;
                 for (int64_t j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;
+#pragma omp simd reduction(+ : total)
                 for (int64_t j = 0; j < n; j++) {
-                    sg[j] = expf(sg[j] - m);
+                    sg[j] = exp_f32(sg[j] - m);
                     total += sg[j];
                 }
                 float inv = n > 0 ? 1.0f / total : 0.0f;
