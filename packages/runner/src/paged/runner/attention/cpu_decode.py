@@ -16,21 +16,13 @@ metadata object per KV cache group and get a second plan).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from paged.runner.attention.metadata import AttentionMetadata
 from paged.runner.cpu_step import ops
 
-
-@dataclass(frozen=True, slots=True)
-class DecodePlan:
-    """One step's inputs to `ops.decode_attention`, in the dtypes and layouts it needs."""
-
-    slot_mapping: torch.Tensor  # [R] int64
-    block_table: torch.Tensor  # [R, M] int32, rows contiguous
-    seq_lens: torch.Tensor  # [R] int32
+# The step's slot mapping, block table and sequence lengths, checked for the C call.
+DecodePlan = ops.DecodeStep
 
 
 # The plans of the latest metadata objects, newest last; a step holds one per
@@ -72,7 +64,7 @@ def _make_plan(meta: AttentionMetadata, num_tokens: int) -> DecodePlan | None:
         block_table = block_table.contiguous()
     if bool((seq_lens < 1).any()):
         return None  # an empty sequence: the torch path's zero rows
-    return DecodePlan(slot_mapping, block_table, seq_lens)
+    return ops.decode_step(slot_mapping, block_table, seq_lens)
 
 
 def native_decode_ok(kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
@@ -96,7 +88,6 @@ def decode_attention(
     soft_cap: float | None,
 ) -> torch.Tensor:
     """query [R, Hq*D], key/value [R, Hkv*D] -> [R, Hq*D]; this step's K/V land in kv_cache."""
-    return ops.decode_attention(
-        query, key, value, kv_cache[0], kv_cache[1],
-        plan.slot_mapping, plan.block_table, plan.seq_lens, scale, sliding_window, soft_cap,
-    )  # fmt: skip
+    return ops.decode_attention_step(
+        plan, query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window, soft_cap
+    )
