@@ -43,7 +43,8 @@ def _capture_layer_args(llm: LLM, layer_index: int, prompt_len: int) -> tuple[An
 
     handle = layer.register_forward_pre_hook(hook)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": list(range(100, 100 + prompt_len))}], params, use_tqdm=False)
+    prompts: list[Any] = [{"prompt_token_ids": list(range(100, 100 + prompt_len))}]
+    llm.generate(prompts, params, use_tqdm=False)
     handle.remove()
     return layer, captured["args"]
 
