@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged.runner.attention import cpu_decode
 from paged.runner.attention.backends import AttentionBackend
 from paged.runner.attention.metadata import AttentionMetadata
 
@@ -46,6 +47,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.layer_name = layer_name
+        # The torch backend may take a CPU decode step in one C call (attention/cpu_decode.py).
+        self._cpu_decode = backend.name == "torch"
 
     def forward(
         self,
@@ -56,9 +59,16 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
         num_tokens = query.shape[0]
+        if self._cpu_decode and attn_metadata is not None and kv_cache is not None:
+            plan = cpu_decode.decode_plan(attn_metadata, num_tokens)
+            if plan is not None and cpu_decode.native_decode_ok(kv_cache, query):
+                return cpu_decode.decode_attention(
+                    plan, query, key, value, kv_cache, self.scale,
+                    self.sliding_window, self.logits_soft_cap,
+                )  # fmt: skip
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.contiguous().view(num_tokens, self.num_kv_heads, self.head_size)
         if attn_metadata is None or kv_cache is None:
             return self._forward_no_cache(q, k, v).reshape(num_tokens, -1)
         n = attn_metadata.num_actual_tokens

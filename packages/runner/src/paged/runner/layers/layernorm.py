@@ -35,9 +35,33 @@ class RMSNorm(nn.Module):
         self._weight_f32: tuple[int, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """normed x in the model dtype (x may be the float32 residual stream on CPU)."""
         if cpu_eager.cpu_fast_path(x):
-            return cpu_eager.rms_norm(x, self._float_weight(), self.eps)
+            return cpu_eager.rms_norm(x, self._float_weight(), self.eps, self.weight.dtype)
         return ops.rms_norm(x, self.weight, self.eps)
+
+    def start_residual(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed x, the residual stream): at the first layer of a pre-norm decoder.
+
+        On CPU the stream is a float32 copy of x that `add_residual_norm_`
+        then updates in place; elsewhere it is x itself, in the model dtype.
+        """
+        if cpu_eager.cpu_fast_path(x):
+            return cpu_eager.start_residual(x, self._float_weight(), self.eps)
+        return ops.rms_norm(x, self.weight, self.eps), x
+
+    def add_residual_norm_(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """normed(x + residual), the stream advanced: in place on CPU, else rebound.
+
+        Returns (normed, stream); on CPU the stream returned is `residual`
+        itself after `residual += x`, so pass only a stream that
+        `start_residual` made (nobody else holds it).
+        """
+        if cpu_eager.cpu_fast_path(x):
+            return cpu_eager.add_rms_norm_(x, residual, self._float_weight(), self.eps), residual
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor

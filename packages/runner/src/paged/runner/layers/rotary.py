@@ -9,6 +9,7 @@ from torch import nn
 
 from paged.kernels import ops, reference
 from paged.kernels.rope import RopeScaling
+from paged.runner.cpu_step import ops as native
 
 
 def rope_scaling_from_hf(rope_parameters: dict[str, Any] | None) -> RopeScaling | None:
@@ -84,6 +85,11 @@ class RotaryEmbedding(nn.Module):
             return ops.rotary_embedding(
                 positions, query, key, self.head_size, self.cos_sin_cache, self.is_neox_style
             )
+        if query.dtype is torch.bfloat16 and key.dtype is torch.bfloat16 and native.available():
+            # One C call (cpu_step/step_ops.c), the reference's float32 arithmetic exactly.
+            if positions.dtype is not torch.int64 or not positions.is_contiguous():
+                positions = positions.to(torch.int64).contiguous()
+            return native.rotary_neox(positions, query, key, self.head_size, self.cos_sin_cache)
         cos, sin = self._cos_sin(positions)
         joint = _adjacent_columns(query, key)
         if joint is not None:

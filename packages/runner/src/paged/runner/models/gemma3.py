@@ -31,6 +31,7 @@ from paged.runner.attention.backends import select_attention_backend
 from paged.runner.attention.layer import Attention
 from paged.runner.attention.metadata import AttentionMetadata, ForwardContext
 from paged.runner.config import ModelConfig
+from paged.runner.layers import cpu_eager
 from paged.runner.layers.activation import get_gated_activation
 from paged.runner.layers.layernorm import GemmaRMSNorm
 from paged.runner.layers.linear import (
@@ -171,7 +172,7 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.q_size)
         k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
-        out: torch.Tensor = self.o_proj(self.attn(q, k, v.contiguous(), kv_cache, attn_metadata))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
         return out
 
 
@@ -265,6 +266,9 @@ class Gemma3TextModel(nn.Module):
                 f"ctx.kv_caches has {len(ctx.kv_caches)} tensors for {len(self.layers)} layers"
             )
         hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        # The residual stream is float32 on CPU (layers/cpu_eager.py); the norms
+        # return the model dtype, so every sub-layer still runs in it.
+        hidden = cpu_eager.residual_stream(hidden)
         for i, layer in enumerate(self.layers):
             kv_cache = ctx.kv_caches[i] if ctx.kv_caches else None
             ctx.wait_for_layer_load(i)

@@ -109,7 +109,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
-        attn_out = self.attn(q, k, v.contiguous(), kv_cache, attn_metadata)
+        attn_out = self.attn(q, k, v, kv_cache, attn_metadata)
         out: torch.Tensor = self.o_proj(attn_out)
         return out
 
@@ -155,15 +155,15 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is float32 on CPU and updated in place (layers/cpu_eager.py).
         if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states, residual = self.input_layernorm.start_residual(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm.forward_with_residual(
+            hidden_states, residual = self.input_layernorm.add_residual_norm_(
                 hidden_states, residual
             )
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm.forward_with_residual(
+        hidden_states, residual = self.post_attention_layernorm.add_residual_norm_(
             hidden_states, residual
         )
         return self.mlp(hidden_states), residual
@@ -242,9 +242,10 @@ class LlamaModel(nn.Module):
             ctx.save_kv_layer(i)  # this step's K/V of layer i is in the cache now
         assert residual is not None  # at least one layer per stage
         if not self.stage.is_last:
-            return IntermediateTensors(hidden_states, residual)
+            # The next stage receives the model dtype (its buffers are sized for it).
+            return IntermediateTensors(hidden_states, residual.to(hidden_states.dtype))
         assert isinstance(self.norm, RMSNorm)  # the last stage holds it
-        hidden_states, _ = self.norm.forward_with_residual(hidden_states, residual)
+        hidden_states, _ = self.norm.add_residual_norm_(hidden_states, residual)
         return hidden_states
 
 

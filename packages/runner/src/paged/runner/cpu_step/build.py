@@ -1,0 +1,152 @@
+"""Compile step_ops.c on first use (`cc -O3 -march=native`) and load it with ctypes.
+
+The shared object is cached under $PAGED_KERNEL_CACHE, else
+$XDG_CACHE_HOME/paged/kernels, else ~/.cache/paged/kernels, named by a hash of
+the source, the compiler (path and `--version`) and the flags, so a later start
+loads it without compiling. It is built under a temporary name and renamed into
+place (atomic on POSIX): two processes building at once both end with a whole
+file. No Python or torch headers are needed; a build takes about a second.
+
+$PAGED_CPU_STEP_OPS=off never builds (the torch ops run instead); $CC picks the
+compiler (default `cc`). Any failure (no compiler, a failed compile, a load
+error, an ABI mismatch) logs one warning and returns None: callers fall back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ENABLE_ENV = "PAGED_CPU_STEP_OPS"
+CACHE_ENV = "PAGED_KERNEL_CACHE"
+_ABI = 1  # paged_step_ops_abi() of the source this module drives
+# -ffp-contract=off: no a*b - c*d -> fma, so the rotary's float32 arithmetic is
+# the reference's operation for operation (bit-identical results, tested).
+_FLAGS = [
+    "-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fno-math-errno",
+    "-shared", "-fPIC", "-std=c11",
+    "-Werror=implicit-function-declaration", "-Wl,--no-undefined",
+]  # fmt: skip
+
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_default: list[ctypes.CDLL | None] = []  # load_step_ops()'s answer once decided
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept (created on demand)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "paged" / "kernels"
+
+
+def enabled() -> bool:
+    """False when $PAGED_CPU_STEP_OPS is "off"/"0"/"false" (ValueError for other values)."""
+    value = os.environ.get(ENABLE_ENV, "on").strip().lower()
+    if value in ("", "on", "1", "true"):
+        return True
+    if value in ("off", "0", "false"):
+        return False
+    raise ValueError(f"{ENABLE_ENV} must be on or off, got {value!r}")
+
+
+def load_step_ops(compiler: str | None = None) -> ctypes.CDLL | None:
+    """The loaded library (compiled if needed), or None if disabled or unavailable.
+
+    The environment is read on the first call only (the step calls this
+    ~10 times a layer; `forget()` makes the next call read it again). The
+    result is kept per compiler: later calls cost a dict lookup.
+    """
+    if compiler is None:
+        if _default:
+            return _default[0]
+        lib = _load(os.environ.get("CC") or "cc") if enabled() else None
+        _default.append(lib)
+        return lib
+    return _load(compiler) if enabled() else None
+
+
+def forget() -> None:
+    """Read $PAGED_CPU_STEP_OPS / $CC again at the next `load_step_ops()` (tests)."""
+    _default.clear()
+
+
+def _load(cc: str) -> ctypes.CDLL | None:
+    if cc not in _loaded:
+        _loaded[cc] = _build_and_load(cc)
+    return _loaded[cc]
+
+
+def _build_and_load(cc: str) -> ctypes.CDLL | None:
+    try:
+        path = _compiled(cc)
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+        if lib.paged_step_ops_abi() != _ABI:
+            raise OSError(f"{path} has ABI {lib.paged_step_ops_abi()}, expected {_ABI}")
+    except (OSError, subprocess.SubprocessError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        logger.warning("CPU step ops unavailable (%s); using torch ops", first)
+        return None
+    return lib
+
+
+def _compiled(cc: str) -> Path:
+    """The cached shared object for (source, compiler, flags), compiling it if absent."""
+    compiler = shutil.which(cc)
+    if compiler is None:
+        raise OSError(f"no C compiler {cc!r} on PATH")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    source = resources.files("paged.runner.cpu_step").joinpath("step_ops.c").read_text()
+    digest = hashlib.sha256("\0".join([source, compiler, version, *_FLAGS]).encode()).hexdigest()
+    target = cache_dir() / f"step_ops-{digest[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        src = Path(tmp) / "step_ops.c"
+        src.write_text(source)
+        out = Path(tmp) / target.name
+        done = subprocess.run(
+            [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise OSError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[:300]}")
+        os.replace(out, target)
+    logger.info("CPU step ops: compiled %s", target)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, c_int, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.paged_step_ops_abi.restype = c_int
+    signatures: dict[str, list[type]] = {
+        "paged_set_sum_width": [c_int],
+        "paged_sum_squares": [ptr, i64, i64, ptr],
+        "paged_rms_norm": [ptr, c_int, i64, ptr, f32, ptr, i64, i64],
+        "paged_add_rms_norm": [ptr, i64, ptr, ptr, f32, ptr, i64, i64],
+        "paged_gated_act": [ptr, i64, ptr, i64, i64, c_int],
+        "paged_rotary_neox": [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64],
+        "paged_decode_attention": [
+            ptr, i64, ptr, i64, ptr, i64,  # q, k, v and their row strides
+            ptr, ptr, ptr, i64,  # slot_mapping, key_cache, value_cache, num_slots
+            ptr, i64, i64, i64, ptr,  # block_table, its stride and width, block_size, seq_lens
+            i64, i64, i64, i64, f32, i64, f32, ptr,  # R, hq, hkv, d, scale, window, cap, out
+        ],
+    }  # fmt: skip
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = c_int
+        fn.argtypes = argtypes
