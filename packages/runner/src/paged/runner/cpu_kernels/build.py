@@ -1,11 +1,7 @@
 """Compile qgemm.c with the system C compiler on first use and load it with ctypes.
 
-The shared object goes to a cache directory keyed by a hash of the source,
-the compiler (its path and `--version`) and the flags:
-    $PAGED_KERNEL_CACHE, else $XDG_CACHE_HOME/paged/kernels, else ~/.cache/paged/kernels
-It is compiled to a temporary name and renamed into place (atomic on POSIX),
-so two processes compiling at once both end with a complete file. No torch
-or Python headers are needed: a compile takes well under a second.
+Compiling and caching is `paged.runner.c_compile` (cache under
+$PAGED_KERNEL_CACHE, else $XDG_CACHE_HOME/paged/kernels; atomic rename).
 
 $PAGED_QGEMM_ISA picks the code path: "native" (default: the best the
 compiling CPU has, `-march=native`), "avx2", "scalar" (force the lower paths,
@@ -17,20 +13,23 @@ compile, a load error) logs one line and returns None; the caller falls back.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
+
+from paged.runner.c_compile import CACHE_ENV as CACHE_ENV  # re-exported: tests set it
+from paged.runner.c_compile import cache_dir as cache_dir
+from paged.runner.c_compile import (
+    compiled_library,
+    first_line,
+    package_source,
+)
 
 logger = logging.getLogger(__name__)
 
 ISA_ENV = "PAGED_QGEMM_ISA"
-CACHE_ENV = "PAGED_KERNEL_CACHE"
 ISAS = ("native", "avx2", "scalar")
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 _ABI = 3  # paged_qgemm_abi() of the source this module drives
@@ -72,17 +71,9 @@ class QGemmLibrary:
         return int(self.lib.paged_qgemm_q8(*args))
 
 
-def cache_dir() -> Path:
-    """Where compiled kernels are kept (created on demand)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "paged" / "kernels"
-
-
 def source_text() -> str:
     """qgemm.c, shipped as package data of paged-runner."""
-    return resources.files("paged.runner.cpu_kernels").joinpath("qgemm.c").read_text()
+    return package_source("paged.runner.cpu_kernels", "qgemm.c")
 
 
 def requested_isa() -> str:
@@ -118,40 +109,20 @@ def _build_and_load(isa: str, cc: str) -> QGemmLibrary | None:
         if lib.paged_qgemm_abi() != _ABI:
             raise OSError(f"{path} has ABI {lib.paged_qgemm_abi()}, expected {_ABI}")
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        logger.warning("qgemm C kernel unavailable (%s); using torch's int4/int8 kernels", first)
+        logger.warning(
+            "qgemm C kernel unavailable (%s); using torch's int4/int8 kernels", first_line(exc)
+        )
         return None
     return QGemmLibrary(lib, _ISA_NAMES.get(lib.paged_qgemm_isa(), "unknown"), path)
 
 
 def _compiled(isa: str, cc: str) -> Path:
-    """The cached shared object for (source, compiler, flags), compiling it if absent."""
-    compiler = shutil.which(cc)
-    if compiler is None:
-        raise OSError(f"no C compiler {cc!r} on PATH")
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-    ).stdout
-    source = source_text()
-    flags = [*_BASE_FLAGS, *_FORCE[isa]]
-    digest = hashlib.sha256("\0".join([source, compiler, version, *flags]).encode()).hexdigest()
-    target = cache_dir() / f"qgemm-{isa}-{digest[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        src = Path(tmp) / "qgemm.c"
-        src.write_text(source)
-        out = Path(tmp) / target.name
-        done = subprocess.run(
-            [compiler, *flags, str(src), "-o", str(out), "-lm"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise OSError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[:300]}")
-        os.replace(out, target)  # atomic: a concurrent build's rename just wins or loses
-    logger.info("qgemm: compiled %s (%s path)", target, isa)
-    return target
+    """The cached shared object for this source, compiler and ISA's flags."""
+    path = compiled_library(
+        cc, source_text(), "qgemm.c", f"qgemm-{isa}", [*_BASE_FLAGS, *_FORCE[isa]]
+    )
+    logger.debug("qgemm: %s (%s path)", path, isa)
+    return path
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -1,11 +1,8 @@
 """Compile step_ops.c on first use (`cc -O3 -march=native`) and load it with ctypes.
 
-The shared object is cached under $PAGED_KERNEL_CACHE, else
-$XDG_CACHE_HOME/paged/kernels, else ~/.cache/paged/kernels, named by a hash of
-the source, the compiler (path and `--version`) and the flags, so a later start
-loads it without compiling. It is built under a temporary name and renamed into
-place (atomic on POSIX): two processes building at once both end with a whole
-file. No Python or torch headers are needed; a build takes about a second.
+Compiling and caching is `paged.runner.c_compile` (cache under
+$PAGED_KERNEL_CACHE, else $XDG_CACHE_HOME/paged/kernels; atomic rename), so a
+later start loads it without compiling.
 
 $PAGED_CPU_STEP_OPS=off never builds (the torch ops run instead); $CC picks the
 compiler (default `cc`). Any failure (no compiler, a failed compile, a load
@@ -15,19 +12,17 @@ error, an ABI mismatch) logs one warning and returns None: callers fall back.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
-from importlib import resources
 from pathlib import Path
+
+from paged.runner.c_compile import CACHE_ENV, compiled_library, first_line, package_source
 
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "PAGED_CPU_STEP_OPS"
-CACHE_ENV = "PAGED_KERNEL_CACHE"
+__all__ = ["CACHE_ENV", "ENABLE_ENV", "enabled", "forget", "load_step_ops"]
 _ABI = 1  # paged_step_ops_abi() of the source this module drives
 # -ffp-contract=off: no a*b - c*d -> fma, so the rotary's float32 arithmetic is
 # the reference's operation for operation (bit-identical results, tested).
@@ -39,14 +34,6 @@ _FLAGS = [
 
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _default: list[ctypes.CDLL | None] = []  # load_step_ops()'s answer once decided
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels are kept (created on demand)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "paged" / "kernels"
 
 
 def enabled() -> bool:
@@ -94,39 +81,15 @@ def _build_and_load(cc: str) -> ctypes.CDLL | None:
         if lib.paged_step_ops_abi() != _ABI:
             raise OSError(f"{path} has ABI {lib.paged_step_ops_abi()}, expected {_ABI}")
     except (OSError, subprocess.SubprocessError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        logger.warning("CPU step ops unavailable (%s); using torch ops", first)
+        logger.warning("CPU step ops unavailable (%s); using torch ops", first_line(exc))
         return None
     return lib
 
 
 def _compiled(cc: str) -> Path:
-    """The cached shared object for (source, compiler, flags), compiling it if absent."""
-    compiler = shutil.which(cc)
-    if compiler is None:
-        raise OSError(f"no C compiler {cc!r} on PATH")
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-    ).stdout
-    source = resources.files("paged.runner.cpu_step").joinpath("step_ops.c").read_text()
-    digest = hashlib.sha256("\0".join([source, compiler, version, *_FLAGS]).encode()).hexdigest()
-    target = cache_dir() / f"step_ops-{digest[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        src = Path(tmp) / "step_ops.c"
-        src.write_text(source)
-        out = Path(tmp) / target.name
-        done = subprocess.run(
-            [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise OSError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[:300]}")
-        os.replace(out, target)
-    logger.info("CPU step ops: compiled %s", target)
-    return target
+    """The cached shared object for this source, compiler and flags."""
+    source = package_source("paged.runner.cpu_step", "step_ops.c")
+    return compiled_library(cc, source, "step_ops.c", "step_ops", _FLAGS)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
