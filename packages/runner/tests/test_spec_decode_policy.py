@@ -21,11 +21,57 @@ from paged.runner.spec_decode.policy import (
 CPU = RowCostModel.for_device("cpu")
 
 
+CPU_QUANTIZED = RowCostModel.for_path("cpu", quantized=True)
+
+
 def test_cpu_cost_curve_has_a_step_then_a_plateau_then_grows_linearly() -> None:
     assert CPU.cost(1) == 1.0
-    assert CPU.cost(2) == pytest.approx(1.9)
+    assert CPU.cost(2) == pytest.approx(1.68)
     assert CPU.cost(8) == pytest.approx(1.9)
-    assert CPU.cost(64) == pytest.approx(1.9 + 56 * 0.07)
+    assert CPU.cost(64) == pytest.approx(5.65)
+    # Past the last point the last segment's slope continues.
+    assert CPU.cost(96) == pytest.approx(5.65 + 32 * (5.65 - 3.83) / 32)
+
+
+def test_curve_interpolates_between_points() -> None:
+    curve = RowCostModel(((1, 1.0), (4, 2.0), (8, 4.0)))
+    assert curve.cost(0) == 1.0
+    assert curve.cost(2) == pytest.approx(1 + 1 / 3)
+    assert curve.cost(6) == pytest.approx(3.0)
+    assert curve.cost(10) == pytest.approx(5.0)
+    assert RowCostModel(((1, 1.0),)).cost(64) == 1.0
+
+
+def test_quantized_cpu_curve_is_its_own_and_makes_wide_steps_pay_less() -> None:
+    assert CPU_QUANTIZED != CPU
+    assert CPU_QUANTIZED.cost(64) > CPU.cost(64)
+    # One stream at 0.8: 4 drafts (3.4 tokens for 5 rows, cost 1.6) beat 7 (4.2 for 2.1).
+    assert plan_drafts(1, [0.8], [7], CPU_QUANTIZED) == [4]
+    assert expected_speedup(1, [4], [0.8], CPU_QUANTIZED) > expected_speedup(
+        1, [7], [0.8], CPU_QUANTIZED
+    )
+    # 8 streams: every row costs about as much as a token, so only near-certain drafts go.
+    assert sum(plan_drafts(8, [0.6] * 8, [7] * 8, CPU_QUANTIZED)) < sum(
+        plan_drafts(8, [0.6] * 8, [7] * 8, CPU)
+    )
+
+
+def test_row_costs_config_key_replaces_the_curve() -> None:
+    cfg = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 4, "row_costs": [[1, 1], [8, 1.5]]}'
+    )
+    assert cfg.row_costs == ((1, 1.0), (8, 1.5))
+    for bad, match in (
+        ("[[2, 1.0]]", "must start with"),
+        ("[[1, 1.0], [1, 2.0]]", "rows must increase"),
+        ("[[1, 1.0], [4, 0.5]]", "cost must not fall"),
+        ("[[1, 1.0], [4]]", "each entry"),
+        ('"fast"', "must be a list of"),
+    ):
+        with pytest.raises(ValueError, match=f"speculative_config.row_costs: {match}"):
+            parse_speculative_config(
+                f'{{"method": "ngram", "num_speculative_tokens": 4, "row_costs": {bad}}}'
+            )
 
 
 def test_single_stream_drafts_only_when_the_step_is_paid_for() -> None:
@@ -63,8 +109,8 @@ def test_plan_rejects_bad_arguments() -> None:
         plan_drafts(1, [0.5], [1, 2], CPU)
     with pytest.raises(ValueError, match="base_rows"):
         plan_drafts(0, [], [], CPU)
-    with pytest.raises(ValueError, match="step_cost"):
-        RowCostModel(step_cost=0.5, plateau_rows=4, row_cost=0.1)
+    with pytest.raises(ValueError, match="row_costs"):
+        RowCostModel(((1, 0.5), (4, 1.0)))
 
 
 @settings(max_examples=200, deadline=None)

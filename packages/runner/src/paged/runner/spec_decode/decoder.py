@@ -60,6 +60,7 @@ class SpecDecoder:
         builder: AttentionMetadataBuilder,
         max_model_len: int,
         max_num_reqs: int,
+        quantized: bool = False,
     ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
@@ -67,8 +68,13 @@ class SpecDecoder:
         self.adaptive = AdaptiveDrafting(
             config.acceptance_rate_threshold, config.acceptance_backoff_steps
         )
-        # The cost-aware policy (policy.py): per-request history, the device's row-cost curve.
-        self.cost_model = RowCostModel.for_device(device.type)
+        # The cost-aware policy (policy.py): per-request history, the row-cost curve
+        # of the compute path (quantised CPU weights cost far more per row) or the config's.
+        self.cost_model = (
+            RowCostModel(config.row_costs)
+            if config.row_costs is not None
+            else RowCostModel.for_path(device.type, quantized)
+        )
         self.histories: dict[str, AcceptanceHistory] = {}
         self.ngram: NgramProposer | None = None
         self.draft: DraftModelProposer | None = None

@@ -14,8 +14,8 @@ accepted with probability `a**i`: that is its value. Values fall along a
 request's drafts, so taking drafts in decreasing value and keeping the best
 prefix of that order is optimal for a given total D; every prefix is tried,
 not only until the first loss, because the cost curve has a step (going from
-one row to two costs ~0.9 of a forward on CPU) that only a few drafts
-together pay for.
+one row to two costs 0.3-0.9 of a forward on CPU, by path) that only a few
+drafts together pay for.
 
 `a` per request (`estimate_acceptance`) blends a prior from the n-gram match
 length (a longer match predicts a longer copy) with the request's own
@@ -23,20 +23,16 @@ history (accepted positions over tried positions, decayed), so a request
 with a long history of full acceptance gets more drafts and one whose drafts
 keep failing gets none.
 
-The row-cost curve (`RowCostModel`) is a documented constant per device,
-not measured online: step timings on a shared 2-core CPU are noisy (other
-processes), and a start-up probe would add seconds to every engine start
-for a curve that depends on the model only through its size class. The CPU
-figures come from the default model (SmolLM2-135M, fp32, 1 thread): a
-forward over 2-8 rows costs ~1.9x a one-row forward (one row is a GEMV, more
-go through the GEMM panels; measured on the model: 172 ms vs 315-340 ms),
-and past 8 rows each row adds ~0.07 of a one-row forward. That slope is an
-estimate, not a direct measurement: it is what makes the measured 1.29x of
-copy at 8 streams x 8 positions (64 rows, 6.9 tokens per verification)
-consistent with the 1.9x plateau, and it matches the slope of the model's
-matmuls timed alone at 16-64 rows. CUDA has not been measured here: its
-curve is a guess that keeps speculation cheap (flat up to 64 rows), stated
-as such.
+The row-cost curve (`RowCostModel`) is a table of measured points per
+compute path, not an online measurement: step timings on a shared 2-core CPU
+are noisy (other processes), and a start-up probe would add seconds to every
+engine start. The curve differs by path far more than by machine, so the
+table is keyed by what the runner runs: `benchmarks/verify_cost.py` times a
+verification step over M rows (1 request, M - 1 drafts, the logits of every
+row, the rejection sampler and the proposer) against a one-row decode step
+and prints the points. `speculative_config.row_costs` replaces the table
+(e.g. after a kernel change or on another machine); see `RowCostModel.for_path`
+for each default's origin.
 
 vLLM's `disable_by_batch_size` is an explicit override: with that many
 requests decoding in the step, nobody drafts.
@@ -44,6 +40,7 @@ requests decoding in the step, nobody drafts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,39 +52,100 @@ _PRIOR_WEIGHT = 2.0
 _HISTORY_DECAY = 0.8
 
 
+# Measured with benchmarks/verify_cost.py (rows -> cost in one-row steps, two
+# runs of 3 and 5 rounds at load average 0.7-1.4, the mean of the two, rounded).
+# CPU, quantised GGUF (int4 weights, bf16 activations, 1 thread), SmolLM2-135M:
+# the int4 kernel is a GEMV per row and the tied Q8_0 LM head two int4 passes,
+# so the cost grows nearly linearly past 4 rows (28-34 ms for one row).
+_CPU_QUANTIZED_POINTS: tuple[tuple[int, float], ...] = (
+    (1, 1.0),
+    (2, 1.27),
+    (4, 1.4),
+    (8, 2.09),
+    (16, 3.7),
+    (32, 6.57),
+    (64, 9.97),
+)
+# CPU, float32 (dequantised), SmolLM2-135M, 1 thread, one run of 5 rounds at load
+# 1.4-3.5: one row is a GEMV over the plain weights (80 ms CPU), 2+ rows go
+# through the GEMM panels (a step up, then a slow climb once compute-bound).
+_CPU_FLOAT_POINTS: tuple[tuple[int, float], ...] = (
+    (1, 1.0),
+    (2, 1.68),
+    (8, 1.9),
+    (16, 2.64),
+    (32, 3.83),
+    (64, 5.65),
+)
+# Not measured: a GPU forward is memory-bound far beyond a batch of drafts.
+_CUDA_POINTS: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.05), (64, 1.05), (128, 1.69))
+
+
 @dataclass(frozen=True, slots=True)
 class RowCostModel:
-    """Cost of a forward over `rows` query rows, in one-row forwards.
+    """Cost of a step over `rows` query rows, in one-row steps: a piecewise-linear curve.
 
-    cost(1) = 1; for rows > 1: step_cost + row_cost * max(0, rows - plateau_rows)
-    (a jump from one row to several, a plateau while the weights' reads
-    dominate, then a cost per row once the matmuls are compute-bound).
+    `points` are (rows, cost) pairs with strictly increasing rows, starting at
+    (1, 1.0); costs between two points are interpolated linearly, past the
+    last point the last segment's slope continues (a single point: flat).
     """
 
-    step_cost: float
-    plateau_rows: int
-    row_cost: float
+    points: tuple[tuple[int, float], ...]
 
     def __post_init__(self) -> None:
-        if self.step_cost < 1.0:
-            raise ValueError(f"step_cost: must be >= 1, got {self.step_cost}")
-        if self.plateau_rows < 1:
-            raise ValueError(f"plateau_rows: must be >= 1, got {self.plateau_rows}")
-        if self.row_cost < 0:
-            raise ValueError(f"row_cost: must be >= 0, got {self.row_cost}")
+        pts = self.points
+        if not pts or pts[0] != (1, 1.0):
+            raise ValueError(f"row_costs: must start with [1, 1.0], got {list(pts)[:1]}")
+        for (r0, c0), (r1, c1) in itertools.pairwise(pts):
+            if r1 <= r0:
+                raise ValueError(f"row_costs: rows must increase, got {r0} then {r1}")
+            if c1 < c0:
+                raise ValueError(
+                    f"row_costs: cost must not fall with rows ({r0}: {c0}, {r1}: {c1})"
+                )
+
+    @staticmethod
+    def from_pairs(pairs: object) -> RowCostModel:
+        """`[[rows, cost], ...]` (the `row_costs` config key) -> a validated curve."""
+        if not isinstance(pairs, (list, tuple)):
+            raise ValueError(f"row_costs: must be a list of [rows, cost] pairs, got {pairs!r}")
+        points: list[tuple[int, float]] = []
+        for pair in pairs:
+            if (
+                not isinstance(pair, (list, tuple))
+                or len(pair) != 2
+                or isinstance(pair[0], bool)
+                or not isinstance(pair[0], int)
+                or isinstance(pair[1], bool)
+                or not isinstance(pair[1], (int, float))
+            ):
+                raise ValueError(f"row_costs: each entry must be [rows, cost], got {pair!r}")
+            points.append((pair[0], float(pair[1])))
+        return RowCostModel(tuple(points))
 
     def cost(self, rows: int) -> float:
+        pts = self.points
         if rows <= 1:
             return 1.0
-        return self.step_cost + self.row_cost * max(0, rows - self.plateau_rows)
+        if len(pts) == 1:
+            return 1.0
+        for (r0, c0), (r1, c1) in itertools.pairwise(pts):
+            if rows <= r1:
+                return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+        (r0, c0), (r1, c1) = pts[-2], pts[-1]
+        return c1 + (c1 - c0) * (rows - r1) / (r1 - r0)
+
+    @staticmethod
+    def for_path(device_type: str, quantized: bool) -> RowCostModel:
+        """The measured default curve of a compute path (see the module docstring)."""
+        if device_type == "cpu":
+            return RowCostModel(_CPU_QUANTIZED_POINTS if quantized else _CPU_FLOAT_POINTS)
+        return RowCostModel(_CUDA_POINTS)
 
     @staticmethod
     def for_device(device_type: str) -> RowCostModel:
-        if device_type == "cpu":
-            # See the module docstring for where each figure comes from.
-            return RowCostModel(step_cost=1.9, plateau_rows=8, row_cost=0.07)
-        # Not measured: a GPU forward is memory-bound far beyond a batch of drafts.
-        return RowCostModel(step_cost=1.05, plateau_rows=64, row_cost=0.01)
+        """The unquantised path's curve of a device (float32 on CPU)."""
+        return RowCostModel.for_path(device_type, quantized=False)
 
 
 @dataclass(slots=True)
