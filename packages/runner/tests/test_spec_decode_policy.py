@@ -191,3 +191,53 @@ def test_config_keys_parse_and_validate() -> None:
         parse_speculative_config(
             '{"method": "ngram", "num_speculative_tokens": 4, "draft_policy": "fast"}'
         )
+
+
+def _reference_plan(
+    base_rows: int, acceptance: list[float], caps: list[int], cost: RowCostModel
+) -> list[int]:
+    """The policy in plain Python: sorted candidates, every prefix priced one by one."""
+    candidates: list[tuple[float, int]] = []
+    for r, (a, cap) in enumerate(zip(acceptance, caps, strict=True)):
+        value = 1.0
+        for _ in range(max(cap, 0)):
+            value *= a
+            if value <= 0.0:
+                break
+            candidates.append((value, r))
+    candidates.sort(key=lambda c: -c[0])
+    best, best_count, gained = base_rows / cost.cost(base_rows), 0, 0.0
+    for count, (value, _) in enumerate(candidates, start=1):
+        gained += value
+        throughput = (base_rows + gained) / cost.cost(base_rows + count)
+        if throughput > best * (1 + 1e-9):
+            best, best_count = throughput, count
+    plan = [0] * len(acceptance)
+    for _, r in candidates[:best_count]:
+        plan[r] += 1
+    return plan
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.0, 0.99), st.integers(0, 8)), min_size=1, max_size=12),
+    st.integers(0, 8),
+    st.sampled_from(["cpu-float", "cpu-quantized", "cuda"]),
+)
+def test_vectorised_plan_matches_the_python_reference(
+    requests: list[tuple[float, int]], extra_rows: int, path: str
+) -> None:
+    curve = {"cpu-float": CPU, "cpu-quantized": CPU_QUANTIZED}.get(
+        path, RowCostModel.for_device("cuda")
+    )
+    acceptance = [a for a, _ in requests]
+    caps = [c for _, c in requests]
+    base = len(requests) + extra_rows
+    mine = plan_drafts(base, acceptance, caps, curve)
+    ref = _reference_plan(base, acceptance, caps, curve)
+    # Equal, up to near-ties (1e-9) that the two may break differently.
+    assert expected_speedup(base, mine, acceptance, curve) == pytest.approx(
+        expected_speedup(base, ref, acceptance, curve), rel=1e-9
+    )
+    rows = np.arange(0, 200)
+    assert np.allclose(curve.costs(rows), [curve.cost(int(r)) for r in rows])

@@ -45,6 +45,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 # Prior acceptance for a match of n tokens: 1 - 1 / (n + 2) (n=3: 0.8, n=5:
 # 0.857). Weight of the prior, in tried positions, against the history.
 _PRIOR_WEIGHT = 2.0
@@ -135,6 +138,17 @@ class RowCostModel:
         (r0, c0), (r1, c1) = pts[-2], pts[-1]
         return c1 + (c1 - c0) * (rows - r1) / (r1 - r0)
 
+    def costs(self, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+        """`cost` of every entry of `rows` (same curve, one numpy call)."""
+        xs = np.array([r for r, _ in self.points], dtype=np.float64)
+        ys = np.array([c for _, c in self.points], dtype=np.float64)
+        out = np.interp(rows.astype(np.float64), xs, ys)
+        if len(xs) > 1:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            beyond = rows > xs[-1]
+            out[beyond] = ys[-1] + slope * (rows[beyond] - xs[-1])
+        return np.where(rows <= 1, 1.0, out)
+
     @staticmethod
     def for_path(device_type: str, quantized: bool) -> RowCostModel:
         """The measured default curve of a compute path (see the module docstring)."""
@@ -209,27 +223,27 @@ def plan_drafts(
     plan = [0] * len(acceptance)
     if disable_by_batch_size is not None and len(acceptance) >= disable_by_batch_size:
         return plan
-    # Every candidate draft with its value, best first.
-    candidates: list[tuple[float, int]] = []
-    for r, (a, cap) in enumerate(zip(acceptance, max_drafts, strict=True)):
-        value = 1.0
-        for _ in range(max(cap, 0)):
-            value *= a
-            if value <= 0.0:
-                break
-            candidates.append((value, r))
-    candidates.sort(key=lambda c: -c[0])
-    best_throughput = base_rows / cost.cost(base_rows)
-    best_count = 0
-    gained = 0.0
-    for count, (value, _) in enumerate(candidates, start=1):
-        gained += value
-        throughput = (base_rows + gained) / cost.cost(base_rows + count)
-        if throughput > best_throughput * (1 + 1e-9):
-            best_throughput, best_count = throughput, count
-    for _, r in candidates[:best_count]:
-        plan[r] += 1
-    return plan
+    caps = np.maximum(np.asarray(max_drafts, dtype=np.int64), 0)
+    width = int(caps.max()) if len(caps) else 0
+    if width == 0:
+        return plan
+    # Every candidate draft with its value a**i ([R, width], row-major: request, then
+    # draft), best first; the sort is stable, so equal values keep that order.
+    i = np.arange(1, width + 1)
+    values = np.asarray(acceptance, dtype=np.float64)[:, None] ** i[None, :]
+    valid = (i[None, :] <= caps[:, None]) & (values > 0.0)
+    owner = np.nonzero(valid)[0]
+    order = np.argsort(-values[valid], kind="stable")
+    if len(order) == 0:
+        return plan
+    gained = np.cumsum(values[valid][order])
+    counts = np.arange(1, len(order) + 1)
+    throughput = (base_rows + gained) / cost.costs(base_rows + counts)
+    best = int(np.argmax(throughput))
+    if throughput[best] <= base_rows / cost.cost(base_rows) * (1 + 1e-9):
+        return plan
+    chosen = np.bincount(owner[order[: best + 1]], minlength=len(plan))
+    return [int(k) for k in chosen]
 
 
 def expected_speedup(
