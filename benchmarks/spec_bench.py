@@ -19,7 +19,13 @@ first rounds' figures).
 
 Decode tok/s excludes the prefill: the tokens after each request's first,
 over the time from the batch's first token to its last (the frontend's
-per-request token timestamps; all prompts prefill in one step). Medians over
+per-request token timestamps; all prompts prefill in one step). Beside it,
+decode tokens per CPU second: the in-process engine runs on this thread and
+torch on one thread, so this thread's CPU time of a generation, less that of
+a prefill-only run of the same batch (max_tokens=1, just before), is the
+decode's compute without the time spent waiting for a core that other
+processes hold (on a shared machine wall time swings 3-8x with their load;
+CPU time far less, though memory bandwidth is still shared). Medians over
 `--runs` rounds with min/max, their ratio, the acceptance rate (accepted /
 drafted tokens) and the mean accepted length per verification step (1 +
 accepted / drafts, the tokens one target forward yields), whether both
@@ -44,6 +50,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -136,17 +143,20 @@ class SpecCounter:
 
 def decode_rate(
     llm: LLM, batch: list[TextPrompt], tokens: int
-) -> tuple[float, list[list[int]], list[str]]:
-    """Decode tok/s of one batch: tokens after each request's first, over first -> last token."""
+) -> tuple[float, float, list[list[int]], list[str]]:
+    """Decode tok/s of one batch (wall: tokens after each request's first, first -> last
+    token) and this thread's CPU seconds for the whole generation (prefill included)."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    cpu0 = time.thread_time()
     outs = llm.generate(list(batch), params, use_tqdm=False)
+    cpu = time.thread_time() - cpu0
     first = min(
         o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time
     )
     last = max(o.metrics.last_token_time for o in outs if o.metrics and o.metrics.last_token_time)
     ids = [list(o.outputs[0].token_ids) for o in outs]
     texts = [o.outputs[0].text for o in outs]
-    return sum(len(x) - 1 for x in ids) / max(last - first, 1e-9), ids, texts
+    return sum(len(x) - 1 for x in ids) / max(last - first, 1e-9), cpu, ids, texts
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -167,20 +177,29 @@ def run_case(
     """Alternated plain / n-gram rounds of one batch; medians, ratio, acceptance, same tokens."""
     load_before = os.getloadavg()
     rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+    cpu_rates: dict[str, list[float]] = {"plain": [], "ngram": []}
     same = True
     agree: list[float] = []
     counter.drafts = counter.drafted = counter.accepted = 0
     texts: list[str] = []
     num_tokens = 0
     for _ in range(runs):
-        rate_plain, ids_plain, texts = decode_rate(plain, batch, tokens)
-        rate_spec, ids_spec, _ = decode_rate(spec, batch, tokens)
-        rates["plain"].append(rate_plain)
-        rates["ngram"].append(rate_spec)
-        same = same and ids_plain == ids_spec
-        agree.append(agreement(ids_plain, ids_spec))
-        num_tokens = sum(len(x) for x in ids_plain)
+        ids: dict[str, list[list[int]]] = {}
+        for name, llm in (("plain", plain), ("ngram", spec)):
+            # CPU time of the prefill alone (one token), taken off the full run's.
+            _, prefill_cpu, _, _ = decode_rate(llm, batch, 1)
+            # (max_tokens=1 leaves no room for drafts: the spec counters do not move.)
+            rate, cpu, ids[name], out_texts = decode_rate(llm, batch, tokens)
+            decoded = sum(len(x) - 1 for x in ids[name])
+            rates[name].append(rate)
+            cpu_rates[name].append(decoded / max(cpu - prefill_cpu, 1e-9))
+            if name == "plain":
+                texts = out_texts
+        same = same and ids["plain"] == ids["ngram"]
+        agree.append(agreement(ids["plain"], ids["ngram"]))
+        num_tokens = sum(len(x) for x in ids["plain"])
     med = {name: statistics.median(r) for name, r in rates.items()}
+    med_cpu = {name: statistics.median(r) for name, r in cpu_rates.items()}
     result = {
         **{
             f"{name}_decode_tok_s": {
@@ -191,6 +210,15 @@ def run_case(
             for name, r in rates.items()
         },
         "ngram_over_plain": round(med["ngram"] / med["plain"], 3),
+        **{
+            f"{name}_decode_tok_per_cpu_s": {
+                "median": round(med_cpu[name], 2),
+                "min": round(min(r), 2),
+                "max": round(max(r), 2),
+            }
+            for name, r in cpu_rates.items()
+        },
+        "ngram_over_plain_cpu": round(med_cpu["ngram"] / med_cpu["plain"], 3),
         "acceptance_rate": round(counter.accepted / max(counter.drafted, 1), 3),
         "mean_accepted_length": round(1 + counter.accepted / max(counter.drafts, 1), 3),
         "num_drafts": counter.drafts,
@@ -222,8 +250,10 @@ def task_cases(
             per_prompt[name], texts = run_case(plain, spec, counter, [prompt], tokens, args.runs)
             show(f"{task}/{name}", texts)
         ratios = [c["ngram_over_plain"] for c in per_prompt.values()]
+        cpu_ratios = [c["ngram_over_plain_cpu"] for c in per_prompt.values()]
         cases[f"{task}_1_stream"] = {
             "median_ngram_over_plain": round(statistics.median(ratios), 3),
+            "median_ngram_over_plain_cpu": round(statistics.median(cpu_ratios), 3),
             "median_acceptance_rate": round(
                 statistics.median(c["acceptance_rate"] for c in per_prompt.values()), 3
             ),
