@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged.runner.attention.backends import select_attention_backend
 from paged.runner.spec_decode.config import parse_speculative_config
+from paged.runner.spec_decode.decoder import SpecDecoder
 from paged.runner.spec_decode.ngram import NgramProposer
 from paged.runner.spec_decode.policy import (
     AcceptanceHistory,
@@ -241,3 +244,16 @@ def test_vectorised_plan_matches_the_python_reference(
     )
     rows = np.arange(0, 200)
     assert np.allclose(curve.costs(rows), [curve.cost(int(r)) for r in rows])
+
+
+def test_spec_decoder_takes_the_curve_of_its_path_or_the_configured_one() -> None:
+    device = torch.device("cpu")
+    builder = select_attention_backend(device, "auto").get_builder()
+    plain = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert SpecDecoder(plain, device, builder, 64, 4, quantized=True).cost_model == CPU_QUANTIZED
+    assert SpecDecoder(plain, device, builder, 64, 4, quantized=False).cost_model == CPU
+    configured = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 4, "row_costs": [[1, 1.0], [64, 1.2]]}'
+    )
+    decoder = SpecDecoder(configured, device, builder, 64, 4, quantized=True)
+    assert decoder.cost_model == RowCostModel(((1, 1.0), (64, 1.2)))
