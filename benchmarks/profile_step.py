@@ -201,7 +201,9 @@ def main() -> None:
     parser.add_argument("--label", default="", help="free text copied into each line")
     parser.add_argument("--timed-only", action="store_true", help="skip both profilers")
     args = parser.parse_args()
+    t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch_sizes))
+    load_s = time.perf_counter() - t0  # model load + kernel packing (+ a first compile)
     _generate(llm, 1, 16, 4)  # warm-up: first-call allocations, lazy inits
     for batch in args.batch_sizes:
         prompt_len = args.prompt_len if batch == 1 else args.batch_prompt_len
@@ -209,6 +211,7 @@ def main() -> None:
         line["label"] = args.label
         line["threads"] = torch.get_num_threads()
         line["load_avg"] = round(os.getloadavg()[0], 2)
+        line["engine_start_s"] = round(load_s, 2)
         print(json.dumps(line), flush=True)
 
 

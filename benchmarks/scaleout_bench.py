@@ -13,18 +13,24 @@
   step_ms at the same batch: the cost of the executor's IPC alone.
 
 Every executor runs one worker (TP=1 by default, `--tp 2` adds gloo
-all-reduces on the worker side). All executors are started first and then
-measured in turns (`--rounds`, each `--steps` timed steps after 5 warm-up
-steps), so that load swings on a shared machine hit them alike; the ratios are
-taken per round and their median reported. Load average and thread counts are
-recorded beside the figures. `ray`
-starts a local cluster (num_cpus = world size, no dashboard) unless
-RAY_ADDRESS is set.
+all-reduces on the worker side). `mp_2nodes` is the mp executor over two
+"nodes" (`--nnodes 2`): node 1 is a `paged serve --headless --node-rank 1`
+process on this machine holding half the ranks, driven over the TCP node link
+on loopback (needs an even `--tp`; compare it with `mp` at the same `--tp`:
+`step_over_mp` is the cost of the TCP hop and the agent's relay).
+
+All executors are started first and then measured in turns (`--rounds`,
+each `--steps` timed steps after 5 warm-up steps), so that load swings on a
+shared machine hit them alike; the ratios are taken per round and their
+median reported. Load average and thread counts are recorded beside the
+figures. `ray` starts a local cluster (num_cpus = world size, no dashboard)
+unless RAY_ADDRESS is set.
 
 `--part dp` runs `benchmarks/scaleout_dp.py`'s `run_dp()` (data parallelism,
 part D of issue 19) when that module exists, and says so when it does not.
 
     uv run --no-sync python benchmarks/scaleout_bench.py --part executor --steps 30
+    uv run --no-sync python benchmarks/scaleout_bench.py --backends uni,mp,mp_2nodes --tp 2
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import argparse
 import importlib.util
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,16 +89,48 @@ def make_checkpoint(path: Path) -> Path:
     return path
 
 
-def engine_config(path: Path, backend: str, tp: int, batch: int) -> EngineConfig:
+def engine_config(
+    path: Path, backend: str, tp: int, batch: int, master_port: int | None = None
+) -> EngineConfig:
+    """`master_port` set: the mp executor over 2 nodes, node 0's side (mp_2nodes)."""
+    two_nodes = master_port is not None
     return EngineConfig(
         model_config=ModelConfig.from_pretrained(str(path), max_model_len=512),
         cache_config=CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=64 << 20),
         parallel_config=ParallelConfig(
             tensor_parallel_size=tp,
             distributed_executor_backend=backend,  # type: ignore[arg-type]
+            nnodes=2 if two_nodes else 1,
+            master_addr="127.0.0.1" if two_nodes else None,
+            master_port=master_port if master_port is not None else 29501,
         ),
         scheduler_limits=SchedulerLimits(max_num_seqs=batch, max_num_batched_tokens=2048),
     )
+
+
+def _free_port_pair() -> int:
+    """A port P with P+1 free as well (torch.distributed at P, the node link at P+1)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+
+
+def start_node1(path: Path, tp: int, batch: int, port: int) -> subprocess.Popen[bytes]:
+    """Node 1 of mp_2nodes: `paged serve --headless --node-rank 1` with engine_config's flags."""
+    cmd = [sys.executable, "-m", "paged.server.cli", "--log-level", "warning", "serve",
+           str(path), "--device", "cpu", "--max-model-len", "512", "--block-size", str(BLOCK),
+           "--kv-cache-memory", "64MiB", "--max-num-seqs", str(batch),
+           "--max-num-batched-tokens", "2048", "-tp", str(tp), "--nnodes", "2",
+           "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "--headless"]  # fmt: skip
+    return subprocess.Popen(cmd)
 
 
 def blocks_per_request(steps: int, warmup: int) -> int:
@@ -178,11 +218,20 @@ def run_executor_part(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     blocks_per_req = blocks_per_request(args.steps, warmup)
     executors: dict[str, Executor] = {}
     results: dict[str, Any] = {}
+    node1: subprocess.Popen[bytes] | None = None
     try:
         for backend in backends:
             tp = 1 if backend == "uni" else args.tp
             began = time.perf_counter()
-            executors[backend] = Executor.create(engine_config(path, backend, tp, max(batches)))
+            if backend == "mp_2nodes":
+                if tp % 2:
+                    raise SystemExit("mp_2nodes needs an even --tp (each node holds tp / 2)")
+                port = _free_port_pair()
+                node1 = start_node1(path, tp, max(batches), port)
+                config = engine_config(path, "mp", tp, max(batches), master_port=port)
+            else:
+                config = engine_config(path, backend, tp, max(batches))
+            executors[backend] = Executor.create(config)
             results[backend] = {"tp": tp, "startup_s": round(time.perf_counter() - began, 1)}
             init_kv(executors[backend], max(batches), blocks_per_req)
         noop: dict[str, list[float]] = {b: [] for b in backends}
@@ -207,6 +256,8 @@ def run_executor_part(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     finally:
         for ex in executors.values():
             ex.shutdown()
+        if node1 is not None:
+            results["node1_exit_code"] = node1.wait(timeout=60)
     results["loadavg_1m_per_round"] = loads
     for backend in backends:
         results[backend]["noop_rpc_us"] = round(statistics.median(noop[backend]) * 1e6, 1)
@@ -264,7 +315,9 @@ def run_dp_part(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["executor", "dp", "all"], default="executor")
-    ap.add_argument("--backends", default="uni,mp,ray", help="comma list of uni, mp, ray")
+    ap.add_argument(
+        "--backends", default="uni,mp,ray", help="comma list of uni, mp, ray, mp_2nodes"
+    )
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per round")
     ap.add_argument("--rounds", type=int, default=3, help="turns over the executors")
@@ -276,6 +329,8 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        # torch threads per worker process (unset: the cores / the node's ranks).
+        "paged_worker_num_threads": os.environ.get("PAGED_WORKER_NUM_THREADS"),
         "loadavg_before": [round(x, 2) for x in os.getloadavg()],
     }
     if args.part in ("executor", "all"):

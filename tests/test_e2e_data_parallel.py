@@ -7,13 +7,15 @@ both engines serve (their own `engine="<i>"` metrics count the tokens; 64
 requests split within 40/60 by those counts), then
 the remote engine is killed: its stream fails at once with a clear error,
 /health turns 503, new requests are still served by the local rank, and the
-headless node exits 1. (Local DP ranks are covered with fake engines in
-`packages/server/tests/test_dp_client.py`.) (`benchmarks/scaleout_dp.py`
-compares DP=2 and DP=1 tokens on the default model through `AsyncLLM`.)
+headless node exits 1. (Two local DP ranks on the default model, DP=2 equal
+to DP=1 token for token, aborts and a killed local engine:
+`tests/test_e2e_dp_default_model.py`; with fake engines:
+`packages/server/tests/test_dp_client.py`.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -30,6 +32,9 @@ import pytest
 
 from paged.scheduler import SamplingParams
 from paged.server import LLM
+from paged.server.data_parallel import DataParallelOptions, open_async_llm
+from paged.server.engine.dp_client import DPLBAsyncClient
+from paged.server.engine_args import EngineArgs
 from tests.conftest import LiveServer, _free_port, _paged_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -171,3 +176,37 @@ def test_server_dp2_with_a_headless_rank(
     for prompt in PROMPTS[:3]:  # the survivor serves every new request
         assert _complete(server.base_url, prompt, model) == reference_texts[PROMPTS.index(prompt)]
     assert node.process.wait(timeout=30) == 1  # the headless node saw its engine die
+
+
+@pytest.mark.skipif(
+    os.environ.get("PAGED_TEST_DP_TP") != "1",
+    reason="6 processes (~100 s on 2 loaded cores); PAGED_TEST_DP_TP=1 runs it",
+)
+def test_dp2_of_tp2_engines_equals_dp1(tiny_word_llama: Path, reference_texts: list[str]) -> None:
+    """Each DP rank is itself TP=2 (multiprocess executor): two engines, four workers."""
+    args = EngineArgs(model=str(tiny_word_llama), tensor_parallel_size=2,
+                      distributed_executor_backend="mp", **ENGINE_OPTIONS)  # fmt: skip
+
+    async def run() -> tuple[list[str], list[int]]:
+        llm = open_async_llm(args, DataParallelOptions(size=2))
+        try:
+            client = llm.engine_client
+            assert isinstance(client, DPLBAsyncClient)
+
+            async def one(i: int, prompt: str) -> str:
+                final = None
+                async for out in llm.generate(prompt, _greedy(), f"r{i}"):
+                    final = out
+                assert final is not None
+                return final.outputs[0].text
+
+            texts = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+            added = [(await client.call_utility_on(i, "get_stats")).num_requests_added
+                     for i in (0, 1)]  # fmt: skip
+            return list(texts), added
+        finally:
+            llm.shutdown()
+
+    texts, added = asyncio.run(run())
+    assert texts == reference_texts
+    assert sum(added) == len(PROMPTS) and min(added) > 0, added

@@ -1,9 +1,11 @@
-"""The default model (SmolLM2-135M: 9 q heads, 3 KV heads) at TP=2 on the Ray executor.
+"""The default model (SmolLM2-135M: 9 q heads, 3 KV heads) at TP=2 and PP=2 on the Ray executor.
 
 vLLM refuses TP=2 for this model; paged splits the heads unevenly
 (packages/runner/src/paged/runner/layers/head_partition.py). In fp32 (GGUF
 dequantised, the HF-exact path) the greedy tokens through the whole offline
-engine must equal TP=1's; then a killed Ray actor must fail the in-flight
+engine must equal TP=1's, and so must PP=2's (two stages of 15 layers, one
+Ray actor each; the multiprocess executor's PP=2 on this model is in
+tests/test_pipeline_parallel.py); then a killed Ray actor must fail the in-flight
 generate within seconds with WorkerDiedError, and shutdown must leave nothing.
 """
 
@@ -48,16 +50,46 @@ def ray_cluster() -> Iterator[None]:
         ray.shutdown()
 
 
-def test_default_model_tp2_ray_equals_tp1_then_actor_death_fails_fast(ray_cluster: None) -> None:
+@pytest.fixture(scope="module")
+def tp1_tokens() -> list[list[int]]:
+    """TP=1 x PP=1 greedy tokens: the reference for both layouts below."""
     single = LLM(None, **OPTIONS)
     try:
-        want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        return [
+            list(o.outputs[0].token_ids) for o in single.generate(PROMPTS, GREEDY, use_tqdm=False)
+        ]
     finally:
         single.shutdown()
+
+
+def _free_cpus_back() -> float:
+    deadline = time.monotonic() + 20.0
+    while ray.available_resources().get("CPU", 0.0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return float(ray.available_resources().get("CPU", 0.0))
+
+
+def test_default_model_pp2_ray_equals_tp1(ray_cluster: None, tp1_tokens: list[list[int]]) -> None:
+    """15 + 15 of the 30 layers on two Ray actors, activations over gloo between them."""
+    llm = LLM(None, pipeline_parallel_size=2, distributed_executor_backend="ray", **OPTIONS)
+    try:
+        executor: Any = llm.engine_client.core.model_executor  # type: ignore[attr-defined]
+        assert type(executor).__name__ == "RayDistributedExecutor" and len(executor.pids) == 2
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == tp1_tokens
+    finally:
+        llm.shutdown()
+    assert _free_cpus_back() == 2  # the bundles are back
+
+
+def test_default_model_tp2_ray_equals_tp1_then_actor_death_fails_fast(
+    ray_cluster: None, tp1_tokens: list[list[int]]
+) -> None:
+    want = tp1_tokens
     llm = LLM(None, tensor_parallel_size=2, distributed_executor_backend="ray", **OPTIONS)
     executor: Any = llm.engine_client.core.model_executor  # type: ignore[attr-defined]
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         assert got == want
         # An in-flight generate when rank 1's actor is killed.
         raised: list[BaseException] = []
@@ -83,7 +115,4 @@ def test_default_model_tp2_ray_equals_tp1_then_actor_death_fails_fast(ray_cluste
         assert "worker 1 (Ray actor" in str(raised[0])
     finally:
         llm.shutdown()
-    deadline = time.monotonic() + 20.0
-    while ray.available_resources().get("CPU", 0.0) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0.0) == 2  # the bundles are back
+    assert _free_cpus_back() == 2  # the bundles are back

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from paged.runner.config import ParallelConfig
 from paged.runner.executor.rank_layout import RankCoords, rank_coords, world_size
-
-
-@dataclass(frozen=True)
-class WithPipeline(ParallelConfig):
-    """Stands in for ParallelConfig once it has pipeline_parallel_size (issue 19 part P)."""
-
-    pipeline_parallel_size: int = 1
+from paged.runner.pipeline.stage import PipelineStage
 
 
 def test_tp_only() -> None:
@@ -26,7 +18,7 @@ def test_tp_only() -> None:
 
 
 def test_tp_times_pp() -> None:
-    cfg = WithPipeline(tensor_parallel_size=2, pipeline_parallel_size=2)
+    cfg = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
     assert world_size(cfg) == 4
     assert [(c.pp_rank, c.tp_rank) for c in (rank_coords(r, cfg) for r in range(4))] == [
         (0, 0),
@@ -35,4 +27,16 @@ def test_tp_times_pp() -> None:
         (1, 1),
     ]
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        world_size(WithPipeline(pipeline_parallel_size=0))
+        ParallelConfig(pipeline_parallel_size=0)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 3), (3, 1), (2, 3), (4, 2)])
+def test_executor_and_worker_agree_on_every_rank(tp: int, pp: int) -> None:
+    """What the executor starts a rank as is what that rank's worker thinks it is."""
+    cfg = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    for rank in range(world_size(cfg)):
+        coords = rank_coords(rank, cfg)
+        stage = PipelineStage.of_rank(rank, tp, pp)
+        assert (coords.rank, coords.pp_rank, coords.tp_rank) == (rank, rank // tp, rank % tp)
+        assert (stage.pp_rank, stage.tp_rank, stage.rank) == (coords.pp_rank, coords.tp_rank, rank)
+        assert rank in stage.tp_ranks and len(stage.tp_ranks) == tp

@@ -108,6 +108,42 @@ async def test_dead_engine_fails_its_requests_the_other_serves(
         llm.shutdown()
 
 
+async def test_aborts_reach_their_engine_and_count_under_it(
+    tokenizer: Any, engine_cls: Any
+) -> None:
+    """A frontend abort (client disconnect, `AsyncLLM.abort`) goes to the engine that
+    holds the request and is counted under that engine's label, n > 1 children too."""
+    engines = [engine_cls(step_delay=0.01), engine_cls(step_delay=0.01)]
+    stats = PrometheusStatLogger(MODEL, naming=VLLM_NAMING, num_engines=2)
+    client = DPLBAsyncClient(cast(Any, engines))
+    llm = AsyncLLM(client, tokenizer, max_model_len=128, stat_loggers=[stats])
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+    try:
+        gens = [llm.generate("hello", long, f"r{i}") for i in range(2)]
+        for gen in gens:
+            await anext(gen)
+        assert [client.engine_of("r0"), client.engine_of("r1")] == [0, 1]  # the lighter one
+        await llm.abort("r1")
+        assert engines[1].aborted == ["r1"] and engines[0].aborted == []
+        await gens[0].aclose()  # a client disconnect
+        assert engines[0].aborted == ["r0"] and engines[1].aborted == ["r1"]
+        reg = stats.registry
+        assert _value(reg, "request_success_total", engine="0", finished_reason="abort") == 1
+        assert _value(reg, "request_success_total", engine="1", finished_reason="abort") == 1
+        # n=2: the children are balanced one by one, so one lands on each engine;
+        # aborting the parent sends each engine its own child and counts it there.
+        pair = llm.generate("hello", SamplingParams(n=2, max_tokens=100, ignore_eos=True), "p")
+        await anext(pair)
+        children = [[r.request_id for r in e.added[1:]] for e in engines]
+        assert [len(c) for c in children] == [1, 1], children
+        await llm.abort("p")
+        assert engines[0].aborted[1:] == children[0] and engines[1].aborted[1:] == children[1]
+        assert _value(reg, "request_success_total", engine="0", finished_reason="abort") == 2
+        assert _value(reg, "request_success_total", engine="1", finished_reason="abort") == 2
+    finally:
+        llm.shutdown()
+
+
 def test_record_engine_checks_the_index() -> None:
     stats = PrometheusStatLogger(MODEL, num_engines=2)
     with pytest.raises(ValueError, match="engine_index"):

@@ -417,6 +417,7 @@ ExecutorBackend = Literal["uni", "mp", "ray"]
 RayPlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 _RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DEFAULT_MASTER_PORT = 29501  # vLLM's ParallelConfig.master_port
 
 
 @dataclass(frozen=True)
@@ -440,6 +441,12 @@ class ParallelConfig:
     pp_layer_partition: str | None = field(
         default_factory=lambda: os.environ.get("VLLM_PP_LAYER_PARTITION")
     )
+    # vLLM's --nnodes/--node-rank/--master-addr/--master-port: the "mp" backend's
+    # ranks spread node-major over `nnodes` machines (executor/remote_nodes.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # node 0's address; required when nnodes > 1
+    master_port: int = DEFAULT_MASTER_PORT
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -459,11 +466,45 @@ class ParallelConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} x "
                 f"pipeline_parallel_size={self.pipeline_parallel_size}; use 'mp' or 'ray'"
             )
+        self._check_nodes()
         if self.ray_placement_strategy not in _RAY_STRATEGIES:
             raise ValueError(
                 f"ray_placement_strategy: {self.ray_placement_strategy!r} is unknown; "
                 f"use one of {', '.join(_RAY_STRATEGIES)}"
             )
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes: must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: must be in [0, {self.nnodes}), got {self.node_rank}")
+        if not 0 < self.master_port < 65535:  # the node link listens on master_port + 1
+            raise ValueError(f"master_port: must be in 1..65534, got {self.master_port}")
+        if self.nnodes == 1:
+            return
+        if self.world_size % self.nnodes != 0:
+            raise ValueError(
+                f"nnodes: {self.nnodes} does not divide the world size {self.world_size} "
+                f"(tensor_parallel_size={self.tensor_parallel_size} x "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}); every node runs "
+                "world_size / nnodes ranks"
+            )
+        if self.executor_backend != "mp":
+            raise ValueError(
+                f"nnodes: {self.nnodes} nodes need distributed_executor_backend 'mp' (got "
+                f"{self.executor_backend!r}); the 'ray' backend places ranks over the Ray "
+                "cluster by itself"
+            )
+        if not self.master_addr:
+            raise ValueError(
+                "master_addr: required with nnodes > 1 (node 0's address, reachable from "
+                "every node); pass --master-addr"
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Worker processes on each node (world size / nnodes; ranks are node-major)."""
+        return self.world_size // self.nnodes
 
     @property
     def world_size(self) -> int:

@@ -25,6 +25,7 @@ from paged.server.client_protocols import (
     AsyncEngineClient,
     AsyncUtilityClient,
     DegradableClient,
+    RoutingClient,
 )
 from paged.server.collector import RequestOutputCollector
 from paged.server.engine.errors import EngineDeadError
@@ -214,10 +215,13 @@ class AsyncLLM:
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort user requests (by the id given to `generate`); unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        stats = IterationStats()
-        engine_ids = self.output_processor.abort_requests(ids, stats)
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(None, stats)
+        engine_ids: list[str] = []
+        # Counted under the engine that held each request (data parallelism),
+        # asked before the engine client forgets who held it.
+        for index, held in self._group_by_engine(self.output_processor.engine_ids_of(ids)):
+            stats = IterationStats()
+            engine_ids += self.output_processor.abort_requests(held, stats)
+            self._record_stats(index, None, stats)
         if engine_ids and self._dead is None:
             # A dead engine holds nothing any more; the handler reports the death.
             with contextlib.suppress(EngineDeadError):
@@ -252,14 +256,8 @@ class AsyncLLM:
                     )
                     if processed.reqs_to_abort:
                         await self.engine_client.abort_requests_async(processed.reqs_to_abort)
-                for stat_logger in self.stat_loggers:
-                    if isinstance(stat_logger, PerEngineStatLogger):
-                        # Data parallelism: each batch comes from one engine.
-                        stat_logger.record_engine(
-                            outputs.engine_index, outputs.scheduler_stats, stats
-                        )
-                    else:
-                        stat_logger.record(outputs.scheduler_stats, stats)
+                # Data parallelism: each batch comes from one engine.
+                self._record_stats(outputs.engine_index, outputs.scheduler_stats, stats)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:
@@ -267,6 +265,27 @@ class AsyncLLM:
         except Exception as e:  # a bug here must not leave requests hanging
             logger.exception("the output handler failed")
             self._fail(EngineDeadError(f"the engine output handler failed: {e!r}"))
+
+    def _record_stats(
+        self,
+        engine_index: int,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats,
+    ) -> None:
+        for stat_logger in self.stat_loggers:
+            if isinstance(stat_logger, PerEngineStatLogger):
+                stat_logger.record_engine(engine_index, scheduler_stats, iteration_stats)
+            else:
+                stat_logger.record(scheduler_stats, iteration_stats)
+
+    def _group_by_engine(self, engine_ids: list[str]) -> list[tuple[int, list[str]]]:
+        """`engine_ids` by the engine that holds them, in first-seen order (0 if unknown)."""
+        client = self.engine_client
+        groups: dict[int, list[str]] = {}
+        for rid in engine_ids:
+            index = client.engine_of(rid) if isinstance(client, RoutingClient) else None
+            groups.setdefault(index or 0, []).append(rid)
+        return list(groups.items())
 
     def _fail(self, error: EngineDeadError) -> None:
         logger.error("engine is dead: %s", error)

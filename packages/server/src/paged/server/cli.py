@@ -21,6 +21,7 @@ from paged.server.data_parallel import add_data_parallel_args, data_parallel_opt
 from paged.server.ec_cli import add_ec_shorthand_args, ec_transfer_config_from
 from paged.server.engine_args import EngineArgs, parse_bytes
 from paged.server.metrics_names import METRICS_PREFIXES
+from paged.server.multi_node import add_multi_node_args, check_node_role
 from paged.server.openai.cors import add_cors_args, cors_config_from
 from paged.server.tool_parsers.flags import add_tool_calling_args, check_tool_calling_args
 
@@ -243,6 +244,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="Ray placement-group strategy for the 'ray' backend's one bundle per rank "
         "(default PACK: fill the engine's node first)",
     )
+    add_multi_node_args(p)
     _add_multimodal_args(parser)
     e = parser.add_argument_group("Encoder-cache transfer")
     e.add_argument(
@@ -349,6 +351,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         ray_placement_strategy=ns.ray_placement_strategy,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        master_addr=ns.master_addr,
+        master_port=ns.master_port,
         max_logprobs=ns.max_logprobs,
         seed=ns.seed,
         enforce_eager=ns.enforce_eager,
@@ -532,6 +538,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from paged.server.serve import run_headless, run_server
 
             data_parallel = data_parallel_options_from(ns)
+            if check_node_role(ns.nnodes, ns.node_rank, ns.headless, data_parallel.size):
+                from paged.server.multi_node import run_headless_workers
+
+                return run_headless_workers(args)
             if data_parallel.headless:
                 return run_headless(args, data_parallel)
             run_server(

@@ -46,6 +46,17 @@ class DegradableClient(Protocol):
 
 
 @runtime_checkable
+class RoutingClient(Protocol):
+    """A client over several engines that knows which one holds a request (data parallel).
+
+    `engine_of` answers the engine index, or None once the request finished or
+    was never routed; `AsyncLLM` files its frontend aborts under that engine.
+    """
+
+    def engine_of(self, request_id: str) -> int | None: ...
+
+
+@runtime_checkable
 class AsyncUtilityClient(Protocol):
     """An async client that can also run engine utilities (`reset_prefix_cache`, ...)."""
 

@@ -134,10 +134,8 @@ def data_parallel_options_from(ns: argparse.Namespace) -> DataParallelOptions:
 
 
 def engines_world_size(config: EngineConfig) -> int:
-    """Devices one engine occupies: TP x PP (PP read only where this build has it)."""
-    parallel = config.parallel_config
-    pipeline = getattr(parallel, "pipeline_parallel_size", 1)
-    return int(parallel.tensor_parallel_size) * int(pipeline)
+    """Devices one engine occupies: TP x PP."""
+    return config.parallel_config.world_size
 
 
 def build_engine_client(

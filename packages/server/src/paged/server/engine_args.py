@@ -51,6 +51,11 @@ class EngineArgs:
     distributed_executor_backend: ExecutorBackend | None = None
     # The "ray" backend's placement-group strategy (PACK | SPREAD | STRICT_*).
     ray_placement_strategy: RayPlacementStrategy = "PACK"
+    # vLLM's --nnodes/--node-rank/--master-addr/--master-port (the "mp" backend over nodes).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29501
     max_logprobs: int = 20
     seed: int = 0
     enforce_eager: bool = False
@@ -204,6 +209,10 @@ class EngineArgs:
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
                 ray_placement_strategy=self.ray_placement_strategy,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
             ),
             scheduler_limits=SchedulerLimits(
                 max_num_seqs=self.max_num_seqs,

@@ -10,6 +10,7 @@ that hit one is reported in `reqs_to_abort` for the caller to abort.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,15 @@ class OutputProcessor:
         self.request_states[request.request_id] = state
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
+
+    def engine_ids_of(self, request_ids: Sequence[str]) -> list[str]:
+        """The engine ids still unfinished behind `request_ids` (engine or parent ids)."""
+        found: list[str] = []
+        for rid in request_ids:
+            parent = self.parent_requests.get(rid)
+            ids = parent.child_ids() if parent is not None else [rid]
+            found.extend(child for child in ids if child in self.request_states)
+        return found
 
     def abort_requests(
         self, request_ids: list[str], iteration_stats: IterationStats | None = None

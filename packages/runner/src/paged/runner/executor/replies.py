@@ -21,16 +21,45 @@ from concurrent.futures import Future
 from typing import Any
 
 from paged.runner.executor.abstract import WorkerError
-from paged.runner.executor.messages import WorkerCall, decode_reply, decode_result
+from paged.runner.executor.messages import Reply, WorkerCall, decode_reply, decode_result
 from paged.runner.shm_broadcast import MessageQueue
 
 _POLL_S = 0.2
 
 
+def results_in_rank_order(call: WorkerCall, replies: Sequence[Reply], world_size: int) -> list[Any]:
+    """Every rank's decoded result, by rank; None for a rank that sent none.
+
+    Remote nodes send only the output rank's result of a step (the others'
+    would be discarded), so those slots stay None. Any error reply raises
+    `WorkerError` naming its rank.
+    """
+    results: list[Any] = [None] * world_size
+    errors: list[str] = []
+    for reply in sorted(replies, key=lambda r: r.rank):
+        if reply.error is not None:
+            errors.append(f"worker {reply.rank}: {reply.error}")
+        else:
+            results[reply.rank] = decode_result(call, reply.result)
+    if errors:
+        raise WorkerError("\n".join(errors))
+    return results
+
+
 class ReplyReader:
-    def __init__(self, responses: Sequence[MessageQueue], check_alive: Callable[[], None]) -> None:
-        """responses: one queue per rank; check_alive raises WorkerDiedError for a dead worker."""
+    def __init__(
+        self,
+        responses: Sequence[MessageQueue],
+        check_alive: Callable[[], None],
+        *,
+        world_size: int | None = None,
+        remote_collect: Callable[[], list[Reply]] | None = None,
+    ) -> None:
+        """responses: one queue per local rank; check_alive raises WorkerDiedError for a dead
+        worker; remote_collect: the other nodes' replies to the next call (multi-node)."""
         self._responses = list(responses)
+        self._world_size = len(self._responses) if world_size is None else world_size
+        self._remote_collect = remote_collect
         self._check_alive = check_alive
         self._expected: queue.SimpleQueue[tuple[WorkerCall, Future[list[Any]]] | None] = (
             queue.SimpleQueue()
@@ -77,17 +106,10 @@ class ReplyReader:
                 left[1].set_exception(RuntimeError("the executor is shut down"))
 
     def _collect(self, call: WorkerCall) -> list[Any]:
-        results: list[Any] = []
-        errors: list[str] = []
-        for queue_ in self._responses:
-            reply = decode_reply(self._read(queue_))
-            if reply.error is not None:
-                errors.append(f"worker {reply.rank}: {reply.error}")
-            else:
-                results.append(decode_result(call, reply.result))
-        if errors:
-            raise WorkerError("\n".join(errors))
-        return results
+        replies = [decode_reply(self._read(queue_)) for queue_ in self._responses]
+        if self._remote_collect is not None:
+            replies.extend(self._remote_collect())
+        return results_in_rank_order(call, replies, self._world_size)
 
     def _read(self, queue_: MessageQueue) -> bytes:
         while True:

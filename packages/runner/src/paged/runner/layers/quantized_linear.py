@@ -4,11 +4,15 @@
                                                        from quantised blocks or plain tensors
     finalize    staging -> one kernel:
                   every row 4-bit with 32-weight groups (GGUF Q4_0/Q4_1/Q4_K)
+                      -> QGemmMatmul       paged's C kernel (cpu_kernels/qgemm.c) when it
+                         compiled: codes, scales and offsets exact (float32), activations
+                         quantised to int8 per 32 inside the kernel; otherwise
                       -> Int4GroupMatmul   torch.ops.aten._weight_int4pack_mm_for_cpu, exact
                          codes; scale and zero rounded to the activation dtype (bf16)
-                  every row symmetric 8-bit with 32-weight groups (GGUF Q8_0)
-                      -> Int8GroupMatmul   the same int4 kernel twice (high and low
-                         nibbles), exact codes, float32 sum
+                  every row symmetric 8-bit with 32- or 16-weight groups (Q8_0, Q6_K)
+                      -> QGemmTable        the C kernel's 8-bit path, exact; otherwise
+                      -> Int8GroupMatmul   (32-weight groups) the int4 kernel twice (high
+                         and low nibbles), exact codes, float32 sum
                   other quantised rows (Q5_*, Q6_K, ...), or a mix of formats
                       -> Int8ChannelMatmul torch._weight_int8pack_mm, re-quantised to int8
                          with one scale per output channel; the error is measured and logged
@@ -30,10 +34,15 @@ the staging through the `QuantizedCheckpointTensor` Protocol (the GGUF loader's
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from paged.runner.cpu_kernels import QGemm, load_qgemm
+
+logger = logging.getLogger(__name__)
 
 GROUP = 32
 # From this many rows on (prefill chunks, decode batches of 16+ streams) a layer
@@ -51,7 +60,21 @@ GROUP = 32
 # "L'Étoile, ..."); float32 and the 64-row switch both answer Paris.
 # The copy costs 2 bytes a weight (SmolLM2-135M: +257 MiB; the int4 weights
 # take 64 MiB, float32 ones 513 MiB). None: no copy, int4 for every batch.
+# Only the torch fallback (Int4GroupMatmul) uses it: paged's C kernel was
+# measured faster than the bf16 GEMM at every row count from 1 to 64 and
+# level with it at 128 (benchmarks/quant_kernel_bench.py, runner README).
 LARGE_BATCH_ROWS: int | None = 64
+# The C kernel quantises activations to int8 per group of 32, and adds a second
+# int8 level (the residual) to each group whose largest |x| exceeds this many
+# times its mean |x|: one outlier channel (SmolLM2's hidden states have several)
+# otherwise leaves the group's other 31 values a few steps of an int8 grid.
+# Measured on the default model (32 generated tokens): 17 / 5 / 8 / 17% of the
+# groups of qkv / o / gate_up / down inputs exceed 8 (46 / 29 / 30 / 76% exceed 4),
+# so the second level costs ~10% more arithmetic at 8. With one level the README
+# quickstart's first answer token flipped (fp32: "The" ahead of "L" by 0.08 nats;
+# one int8 level: "L" by 0.29); ratios 4 and 8 both restore the float32 margin
+# (0.08-0.09). None: one level everywhere (llama.cpp's Q8 activations).
+OUTLIER_RATIO: float | None = 8.0
 
 
 class Int4GroupsLike(Protocol):
@@ -68,13 +91,13 @@ class Int4GroupsLike(Protocol):
 
 
 class Int8GroupsLike(Protocol):
-    """w = codes * scale per group of 32 columns."""
+    """w = codes * scale per group of 32 columns (Q8_0) or of 16 (Q6_K: scale [R, C/16])."""
 
     @property
     def codes(self) -> torch.Tensor: ...  # int8 [R, C]
 
     @property
-    def scale(self) -> torch.Tensor: ...  # float32 [R, C/32]
+    def scale(self) -> torch.Tensor: ...  # float32 [R, C/32] or [R, C/16]
 
 
 class QuantizedCheckpointTensor(Protocol):
@@ -96,7 +119,7 @@ class QuantizedCheckpointTensor(Protocol):
         """Exact 4-bit codes with one scale/offset per 32 columns, or None if not such a format."""
 
     def int8_groups(self) -> Int8GroupsLike | None:
-        """Exact symmetric 8-bit codes with one scale per 32 columns, or None."""
+        """Exact symmetric 8-bit codes with one scale per 32 (or 16) columns, or None."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +150,97 @@ class EmbeddingMatmul(QuantizedMatmul, Protocol):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> x W^T [N, out] float32."""
+
+
+def qgemm_available(dtype: torch.dtype) -> object | None:
+    """paged's C kernel library if it loaded and takes `dtype` activations, else None."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None
+    return load_qgemm()
+
+
+class QGemmMatmul:
+    """A 4-bit or 8-bit group weight run by paged's C kernel (cpu_kernels/qgemm.c).
+
+    The weight is exact (codes and float32 scales as the checkpoint gives them);
+    the kernel quantises each activation row to int8 per 32 inputs (two levels
+    for outlier groups: OUTLIER_RATIO), sums the groups' integer dot products
+    in float32 and writes the activation dtype.
+    One kernel for every batch size: no bf16 copy of the weight.
+    """
+
+    def __init__(self, gemm: QGemm, exact: torch.Tensor, source: str, kind: str) -> None:
+        self.gemm = gemm
+        self.outlier_ratio = OUTLIER_RATIO
+        levels = (
+            "one level" if OUTLIER_RATIO is None else f"2 levels where amax > {OUTLIER_RATIO:g} mean"
+        )
+        self.out_features, self.in_features = gemm.out_features, gemm.in_features
+        self.report = QuantReport(
+            source, f"qgemm {kind} ({gemm.lib.isa}; int8 activations per 32, {levels})",
+            _rel_error(gemm.dequantized(), exact), gemm.nbytes,
+        )  # fmt: skip
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm.matmul(x, outlier_ratio=self.outlier_ratio)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.gemm.dequantized()
+
+
+class QGemmTable(QGemmMatmul):
+    """An 8-bit group table (Q8_0 embedding / tied LM head) on the C kernel.
+
+    The codes are kept as well, [R, C] int8: an embedding looks its rows up
+    exactly; logits come out of the kernel in float32 (never rounded to bf16).
+    """
+
+    def __init__(
+        self, lib: object, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+        source: str,
+    ) -> None:  # fmt: skip
+        self.codes = codes  # int8 [R, C]
+        self.scale = scale  # float32 [R, C/group]
+        self.group = codes.shape[1] // scale.shape[1]
+        self.dtype = dtype
+        gemm = QGemm.int8(lib, codes, scale)  # type: ignore[arg-type]
+        super().__init__(gemm, _int8_exact(codes, scale), source, f"int8 groups of {self.group}")
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T in float32."""
+        return self.gemm.matmul(x, torch.float32, outlier_ratio=self.outlier_ratio)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids`, exactly as the checkpoint stores them, in the activation dtype."""
+        rows = self.codes[ids].float() * self.scale[ids].repeat_interleave(self.group, -1)
+        return rows.to(self.dtype)
+
+
+def _int8_exact(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale.repeat_interleave(codes.shape[1] // scale.shape[1], 1)
+
+
+def int4_kernel(groups: Int4GroupsLike, dtype: torch.dtype, source: str) -> QuantizedMatmul:
+    """The C kernel for a 4-bit group weight when it loaded, else torch's int4 kernel."""
+    lib = qgemm_available(dtype)
+    if lib is None:
+        return Int4GroupMatmul(groups, dtype, source)
+    gemm = QGemm.int4(lib, groups.codes, groups.scale, groups.offset)  # type: ignore[arg-type]
+    exact = groups.codes.float() * groups.scale.repeat_interleave(GROUP, 1)
+    exact += groups.offset.repeat_interleave(GROUP, 1)
+    return QGemmMatmul(gemm, exact, source, "int4 groups of 32")
+
+
+def int8_table_kernel(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, source: str
+) -> EmbeddingMatmul | None:
+    """The C kernel for an 8-bit group weight (32 or 16 per scale), else torch's (32), else None."""
+    lib = qgemm_available(dtype)
+    if lib is not None:
+        return QGemmTable(lib, codes, scale, dtype, source)
+    if scale.shape[1] * GROUP == codes.shape[1]:
+        return Int8GroupMatmul(codes, scale, dtype, source)
+    return None  # 16-weight groups without the C kernel: re-quantised per channel
 
 
 class Int4GroupMatmul:
@@ -285,6 +399,24 @@ class DenseMatmul:
         return self.weight_t.t()[ids]
 
 
+class RowSplitMatmul:
+    """Output rows in runs, one exact kernel per run (a packed layer mixing formats)."""
+
+    def __init__(self, parts: list[QuantizedMatmul], source: str) -> None:
+        self.parts = parts
+        kernels = " + ".join(p.report.kernel for p in parts)
+        self.report = QuantReport(
+            source, f"rows split: {kernels}", max(p.report.rel_error for p in parts),
+            sum(p.report.nbytes for p in parts),
+        )  # fmt: skip
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x) for p in self.parts], dim=1)
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
+
+
 def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     norm = float(torch.linalg.vector_norm(exact))
     return float(torch.linalg.vector_norm(approx - exact)) / norm if norm > 0 else 0.0
@@ -336,11 +468,14 @@ class QuantStaging:
             self.offset = torch.zeros(rows, cols // GROUP)
         return self.codes, self.scale, self.offset
 
-    def _int8_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _int8_buffers(self, scales_per_row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Codes and scales (one per 32 or per 16 columns); None if staged rows use the other."""
         if self.codes8 is None or self.scale8 is None:
             rows, cols = self.shape
             self.codes8 = torch.zeros(rows, cols, dtype=torch.int8)
-            self.scale8 = torch.zeros(rows, cols // GROUP)
+            self.scale8 = torch.zeros(rows, scales_per_row)
+        if self.scale8.shape[1] != scales_per_row:
+            return None
         return self.codes8, self.scale8
 
     def _dense_buffer(self) -> torch.Tensor:
@@ -361,20 +496,50 @@ class QuantStaging:
         if allow_int4 and all_int4 and self.shape[1] % GROUP == 0 and self.codes is not None:
             assert self.scale is not None and self.offset is not None
             groups = _Groups(self.codes, self.scale, self.offset)
-            return Int4GroupMatmul(groups, dtype, source)
+            return int4_kernel(groups, dtype, source)
         if bool((self.row_kind == _INT8).all()) and self.codes8 is not None:
             assert self.scale8 is not None
-            return Int8GroupMatmul(self.codes8, self.scale8, dtype, source)
+            table = int8_table_kernel(self.codes8, self.scale8, dtype, source)
+            if table is not None:
+                return table
+        split = self._row_split(dtype, source) if allow_int4 else None
+        if split is not None:
+            return split
         weight = self.dequantized()
         quantised_source = any(not s.startswith(("F", "BF")) for s in self.sources)
         if quantised_source:
             return Int8ChannelMatmul(weight, dtype, source)
         return DenseMatmul(weight, dtype, source)
 
+    def _row_split(self, dtype: torch.dtype, source: str) -> RowSplitMatmul | None:
+        """Runs of 4-bit and 8-bit rows (Q4_K_M's qkv: Q4_K q/k, Q6_K v), each exact on the
+        C kernel; None when a row is dense or the C kernel did not load."""
+        kinds = self.row_kind.tolist()
+        if _DENSE in kinds or _UNSET in kinds or qgemm_available(dtype) is None:
+            return None
+        parts: list[QuantizedMatmul] = []
+        start = 0
+        for end in range(1, len(kinds) + 1):
+            if end < len(kinds) and kinds[end] == kinds[start]:
+                continue
+            rows = slice(start, end)
+            if kinds[start] == _INT4:
+                assert self.codes is not None and self.scale is not None
+                assert self.offset is not None
+                groups = _Groups(self.codes[rows], self.scale[rows], self.offset[rows])
+                parts.append(int4_kernel(groups, dtype, source))
+            else:
+                assert self.codes8 is not None and self.scale8 is not None
+                table = int8_table_kernel(self.codes8[rows], self.scale8[rows], dtype, source)
+                assert table is not None  # the C kernel loaded
+                parts.append(table)
+            start = end
+        return RowSplitMatmul(parts, source)
+
     def finalize_embedding(self, dtype: torch.dtype) -> EmbeddingMatmul:
         """finalize() for a table whose rows are looked up too: int8 per row or dense."""
         kernel = self.finalize(dtype, allow_int4=False)
-        assert isinstance(kernel, (Int8GroupMatmul, Int8ChannelMatmul, DenseMatmul))
+        assert isinstance(kernel, (QGemmTable, Int8GroupMatmul, Int8ChannelMatmul, DenseMatmul))
         return kernel
 
     def dequantized(self) -> torch.Tensor:
@@ -388,7 +553,7 @@ class QuantStaging:
         if self.codes8 is not None:
             assert self.scale8 is not None
             rows = self.row_kind == _INT8
-            out[rows] = self.codes8[rows].float() * self.scale8[rows].repeat_interleave(GROUP, 1)
+            out[rows] = _int8_exact(self.codes8[rows], self.scale8[rows])
         return out
 
 
@@ -423,8 +588,11 @@ class StagingRows:
         st.sources.add(src.type_name)
         groups = src.int4_groups() if st.shape[1] % GROUP == 0 else None
         groups8 = src.int8_groups() if groups is None and st.shape[1] % GROUP == 0 else None
-        if groups8 is not None:
-            codes8, scale8 = st._int8_buffers()
+        # A row range whose 8-bit grouping differs from the rows staged before it is
+        # dequantised (the layer then takes the re-quantising kernel).
+        buffers8 = st._int8_buffers(groups8.scale.shape[1]) if groups8 is not None else None
+        if groups8 is not None and buffers8 is not None:
+            codes8, scale8 = buffers8
             codes8[rows].copy_(groups8.codes)
             scale8[rows].copy_(groups8.scale)
             st.row_kind[rows] = _INT8

@@ -7,6 +7,7 @@
       .int4_groups()      Q4_0 / Q4_1 / Q4_K: (codes 0..15 [R, C], scale, offset [R, C/32])
                           with w = codes * scale + offset, exactly the file's values
       .int8_groups()      Q8_0: (codes -127..127 [R, C], scale [R, C/32]), w = codes * scale
+                          Q6_K: (codes -32..31 [R, C], scale [R, C/16]) per 16-weight sub-block
       .dequantize()       any type: float32 [R, C] (the gguf package's reference decoding)
 
 Block layouts (ggml-common.h), 32 weights per Q4 block, 256 per K-quant super-block:
@@ -15,6 +16,8 @@ Block layouts (ggml-common.h), 32 weights per Q4 block, 256 per K-quant super-bl
     Q8_0  d:f16, qs:int8[32]        w = d * q
     Q4_K  d:f16, dmin:f16, scales[12] (8 x 6-bit scale, 8 x 6-bit min), qs[128]
           sub-block j of 32:      w = d * sc_j * q - dmin * m_j
+    Q6_K  ql[128], qh[64], scales:int8[16], d:f16
+          sub-block j of 16:      w = (d * sc_j) * (q - 32), q = 4 low bits | 2 high bits << 4
 In Q4_0/Q4_1 byte i holds weight i (low nibble) and weight i + 16 (high nibble);
 in Q4_K each 32-byte chunk holds sub-block 2c (low nibbles) and 2c + 1 (high).
 """
@@ -33,10 +36,10 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 @dataclass(frozen=True)
 class Int8Groups:
-    """w[r, c] = codes[r, c] * scale[r, c // 32] (float32 maths)."""
+    """w[r, c] = codes[r, c] * scale[r, c // g] (float32 maths), g = C / scale.shape[1]."""
 
     codes: torch.Tensor  # int8 [R, C]
-    scale: torch.Tensor  # float32 [R, C/32]
+    scale: torch.Tensor  # float32 [R, C/32] (Q8_0) or [R, C/16] (Q6_K)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,13 @@ class GGUFQuantizedTensor:
         return torch.from_numpy(array)
 
     def int8_groups(self) -> Int8Groups | None:
-        """Codes and scales of Q8_0 (symmetric 8-bit, 32-weight blocks); None for others."""
+        """Codes and scales of Q8_0 (32-weight blocks) or Q6_K (16-weight sub-blocks), else None."""
+        if self.type_name == "Q6_K":
+            codes6, scale6 = _q6_k_groups(self.data.reshape(-1, self.type_size))
+            return Int8Groups(
+                codes=torch.from_numpy(codes6.reshape(self.shape[0], self.cols)),
+                scale=torch.from_numpy(scale6.reshape(self.shape[0], self.cols // 16)),
+            )
         if self.type_name != "Q8_0":
             return None
         rows, groups_per_row = self.shape[0], self.cols // INT4_GROUP
@@ -147,3 +156,18 @@ def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 CheckpointTensor = torch.Tensor | GGUFQuantizedTensor
+
+
+def _q6_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [n, 210] -> codes int8 [n, 256] in -32..31, scale [n, 16] float32."""
+    n = blocks.shape[0]
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (
+        qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    ) & 3
+    q = low.reshape(n, 2, 4, 32) | (high.reshape(n, 2, 4, 32) << 4)
+    codes = (q.reshape(n, 256).astype(np.int16) - 32).astype(np.int8)
+    return np.ascontiguousarray(codes), np.ascontiguousarray(d * sc)

@@ -1,0 +1,12 @@
+"""C kernels for CPU inference, compiled on first use (see build.py).
+
+qgemm.c      y = x W^T for group-quantised W (4-bit d·q + m, 8-bit d·q)
+build.py     compile with the system C compiler into a cache, load with ctypes
+packing.py   checkpoint codes/scales -> the kernel's tile layout, and back
+qgemm.py     QGemm: one packed weight and its matmul
+"""
+
+from paged.runner.cpu_kernels.build import QGemmLibrary, load_qgemm
+from paged.runner.cpu_kernels.qgemm import QGemm
+
+__all__ = ["QGemm", "QGemmLibrary", "load_qgemm"]

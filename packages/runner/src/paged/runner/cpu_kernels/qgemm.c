@@ -1,0 +1,497 @@
+/* y[M, N] = x[M, K] @ W^T for group-quantised W, on CPU (paged-runner, cpu_kernels).
+ *
+ * Compiled on first use by cpu_kernels/build.py with the system C compiler
+ * (-O3 -march=native); no Python or torch headers, called through ctypes.
+ *
+ * The idea is llama.cpp's, written here from scratch: every activation row is
+ * quantised to int8 per group of 32 (scale xs = amax / 127, q = rne(x / xs)),
+ * the per-group dot products are exact integer sums, and the groups' products
+ * are accumulated in float32 (optionally a second int8 pass over the residual
+ * x - xs q gives ~14-bit activations at twice the arithmetic: `levels` 2):
+ *     4-bit:  sum_k w x = sum_g  d[g] xs[g] (sum q_w q_x)  +  m[g] xs[g] (sum q_x)
+ *     8-bit:  sum_k w x = sum_s  d[s] xs[g] (sum q_w q_x)        (s: 32 or 16 weights)
+ *
+ * Packed weight layout (built by cpu_kernels/packing.py), in tiles of TILE = 16
+ * output rows (N padded with zero rows), groups of 32 inputs inside a tile:
+ *   4-bit block [16 rows x 32 inputs], Q4_BLOCK bytes:
+ *       256 B codes: byte (c * 64 + l * 4 + b), c in 0..3, l in 0..15, b in 0..3,
+ *                    low nibble = q[row l][4c + b], high nibble = q[row l][4(c + 4) + b]
+ *        64 B d[16] float32, 64 B m[16] float32           w = d q + m, q in 0..15
+ *   8-bit block, 512 + S * 128 bytes (S = 1: one scale per 32, S = 2: per 16):
+ *       512 B codes: byte (c * 64 + l * 4 + b) = q[row l][4c + b], c in 0..7, int8
+ *       S x 64 B corr[16] int32 = -128 * (sum of the sub-group's codes)
+ *       S x 64 B d[16] float32                           w = d q
+ * so one 64-byte load holds 4 consecutive inputs of 16 rows: the shape of
+ * VNNI's vpdpbusd (16 int32 lanes, each a 4-long u8 x s8 dot), with the
+ * activation's 4 bytes broadcast to every lane. One weight tile is loaded (and
+ * unpacked) once per MB activation rows and stays in L1 for the other rows.
+ *
+ * Paths, chosen when compiling (build.py can force the lower ones):
+ *   AVX512-VNNI (+BW, VL): vpdpbusd. 4-bit codes are the unsigned operand; for
+ *       8-bit codes the activation is made unsigned (q + 128) and corr removes
+ *       the 128 * sum(q_w) it adds.
+ *   AVX2 (+FMA): maddubs; 4-bit: codes x activations, 8 chunks summed in int16
+ *       (at most 8 * 2 * 15 * 127 = 30480); 8-bit: the abs/sign trick
+ *       maddubs(|w|, sign(x, w)) and one madd per chunk.
+ *   scalar C: the same sums in plain loops.
+ * All paths give the same integer sums; only the float32 accumulation order
+ * differs (tests/test_cpu_qgemm.py compares them).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(PAGED_QGEMM_FORCE_SCALAR) && !defined(PAGED_QGEMM_FORCE_AVX2) && \
+    defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define QG_VNNI 1
+#include <immintrin.h>
+#elif !defined(PAGED_QGEMM_FORCE_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#define QG_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define TILE 16
+#define GROUP 32
+#define Q4_BLOCK (256 + 64 + 64)
+#define Q8_CODES 512
+#define MB_MAX 4      /* activation rows per pass over a weight tile */
+#define M_CHUNK 256   /* activation rows whose int8 copy stays in L2 */
+
+#define QG_INLINE static inline __attribute__((always_inline))
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
+
+int paged_qgemm_isa(void) {
+#if defined(QG_VNNI)
+    return ISA_AVX512_VNNI;
+#elif defined(QG_AVX2)
+    return ISA_AVX2;
+#else
+    return ISA_SCALAR;
+#endif
+}
+
+int paged_qgemm_abi(void) { return 3; }
+
+/* ---------------------------------------------------------------- helpers */
+
+QG_INLINE int32_t ld32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+QG_INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's float32 -> bfloat16 cast (NaN kept a NaN). */
+QG_INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* A per-thread scratch buffer for the int8 activations (grown, never shrunk). */
+static __thread void *scratch_ptr = NULL;
+static __thread size_t scratch_cap = 0;
+
+static void *scratch(size_t bytes) {
+    if (bytes > scratch_cap) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, bytes) != 0) return NULL;
+        free(scratch_ptr);
+        scratch_ptr = p;
+        scratch_cap = bytes;
+    }
+    return scratch_ptr;
+}
+
+/* x rows [m, k] (float32 or bfloat16, row stride x_stride elements) -> int8 q,
+ * per-group scale xs = amax / 127 and xsum = xs * sum(q) [m, k / 32].
+ * levels 2: each row becomes two q rows, 2r (as above) and 2r + 1, the residual
+ * x - xs q quantised the same way (about 14 bits of x in all); the drivers add
+ * the two rows' results. flip: store q ^ 0x80 (= q + 128 as a u8), the unsigned
+ * operand of the 8-bit VNNI path. Scalar and identical on every path, so that
+ * all paths see the same q. */
+static void quantize_group(const float *v, int flip, int8_t *qo, float *xs, float *xsum) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; i++) {
+        float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < GROUP; i++) {
+        int32_t q = (int32_t)nearbyintf(v[i] * id);
+        sum += q;
+        qo[i] = (int8_t)(flip ? (q ^ 0x80) : q);
+    }
+    *xs = d;
+    *xsum = d * (float)sum;
+}
+
+static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t x_stride,
+                          int levels, float ratio, int flip, int8_t *q, float *xs,
+                          float *xsum) {
+    const int64_t groups = k / GROUP;
+    float buf[GROUP];
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t base = r * x_stride + g * GROUP;
+            for (int i = 0; i < GROUP; i++)
+                buf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i])
+                                : ((const float *)x)[base + i];
+            const int64_t row = r * levels;
+            int8_t *qo = q + row * k + g * GROUP;
+            quantize_group(buf, flip, qo, xs + row * groups + g, xsum + row * groups + g);
+            if (levels == 2) {
+                const float d = xs[row * groups + g];
+                float amax = 0.0f, total = 0.0f;
+                for (int i = 0; i < GROUP; i++) {
+                    const float a = fabsf(buf[i]);
+                    amax = a > amax ? a : amax;
+                    total += a;
+                }
+                /* Only groups whose largest value dwarfs the rest (amax > ratio * mean |x|)
+                 * lose precision in one level; the others get an empty residual row,
+                 * which the tile kernels skip (xs == 0). */
+                if (!(amax > ratio * (total / GROUP))) {
+                    memset(qo + k, flip ? 0x80 : 0, GROUP);
+                    xs[(row + 1) * groups + g] = 0.0f;
+                    xsum[(row + 1) * groups + g] = 0.0f;
+                    continue;
+                }
+                for (int i = 0; i < GROUP; i++) {
+                    const int32_t q1 = flip ? (int32_t)(int8_t)(qo[i] ^ 0x80) : qo[i];
+                    const float coarse = d * (float)q1;
+                    buf[i] = buf[i] - coarse;
+                }
+                quantize_group(buf, flip, qo + k, xs + (row + 1) * groups + g,
+                               xsum + (row + 1) * groups + g);
+            }
+        }
+    }
+}
+
+/* Write one tile's results acc[0..15] of row `row` (only the first `count` lanes). */
+static void store_row(const float *acc, void *y, int y_bf16, int64_t y_stride, int64_t row,
+                      int64_t n0, int64_t count) {
+    if (y_bf16) {
+        uint16_t *out = (uint16_t *)y + row * y_stride + n0;
+        for (int64_t l = 0; l < count; l++) out[l] = f32_to_bf16(acc[l]);
+    } else {
+        float *out = (float *)y + row * y_stride + n0;
+        memcpy(out, acc, (size_t)count * sizeof(float));
+    }
+}
+
+/* ------------------------------------------------------------ scalar path */
+
+__attribute__((unused)) static void q4_tile_scalar(const uint8_t *wt, int64_t groups, const int8_t *q, const float *xs,
+                           const float *xsum, int64_t k, int mb, float acc[][TILE]) {
+    for (int r = 0; r < mb; r++)
+        for (int l = 0; l < TILE; l++) acc[r][l] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = wt + g * Q4_BLOCK;
+        const float *d = (const float *)(blk + 256), *mn = (const float *)(blk + 320);
+        for (int r = 0; r < mb; r++) {
+            const int8_t *xr = q + r * k + g * GROUP;
+            if (xs[r * groups + g] == 0.0f) continue; /* an all-zero group or empty residual */
+            for (int l = 0; l < TILE; l++) {
+                int32_t dot = 0;
+                for (int c = 0; c < 4; c++)
+                    for (int b = 0; b < 4; b++) {
+                        uint8_t byte = blk[c * 64 + l * 4 + b];
+                        dot += (int32_t)(byte & 15) * xr[4 * c + b];
+                        dot += (int32_t)(byte >> 4) * xr[4 * (c + 4) + b];
+                    }
+                acc[r][l] += (float)dot * (d[l] * xs[r * groups + g]);
+                acc[r][l] += mn[l] * xsum[r * groups + g];
+            }
+        }
+    }
+}
+
+__attribute__((unused)) static void q8_tile_scalar(const uint8_t *wt, int64_t groups, int sub, const int8_t *q,
+                           const float *xs, int64_t k, int mb, float acc[][TILE]) {
+    const int64_t block = Q8_CODES + sub * 128;
+    const int chunks = 8 / sub;
+    for (int r = 0; r < mb; r++)
+        for (int l = 0; l < TILE; l++) acc[r][l] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = wt + g * block;
+        const int8_t *codes = (const int8_t *)blk;
+        for (int s = 0; s < sub; s++) {
+            const float *d = (const float *)(blk + Q8_CODES + sub * 64 + s * 64);
+            for (int r = 0; r < mb; r++) {
+                const int8_t *xr = q + r * k + g * GROUP;
+                if (xs[r * groups + g] == 0.0f) continue;
+                for (int l = 0; l < TILE; l++) {
+                    int32_t dot = 0;
+                    for (int c = s * chunks; c < (s + 1) * chunks; c++)
+                        for (int b = 0; b < 4; b++)
+                            dot += (int32_t)codes[c * 64 + l * 4 + b] * xr[4 * c + b];
+                    acc[r][l] += (float)dot * (d[l] * xs[r * groups + g]);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------- AVX2 path */
+#if defined(QG_AVX2)
+
+QG_INLINE void q4_tile_avx2(const uint8_t *wt, int64_t groups, const int8_t *q, const float *xs,
+                            const float *xsum, int64_t k, const int MB, float acc[][TILE]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {  /* rows 0-7, then 8-15 of the tile */
+        __m256 a[MB_MAX];
+        for (int r = 0; r < MB; r++) a[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *blk = wt + g * Q4_BLOCK;
+            __m256i w[8];
+            for (int c = 0; c < 4; c++) {
+                __m256i p = _mm256_loadu_si256((const __m256i *)(blk + c * 64 + h * 32));
+                w[c] = _mm256_and_si256(p, low4);
+                w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+            }
+            const __m256 d = _mm256_loadu_ps((const float *)(blk + 256) + h * 8);
+            const __m256 mn = _mm256_loadu_ps((const float *)(blk + 320) + h * 8);
+            for (int r = 0; r < MB; r++) {
+                if (xs[r * groups + g] == 0.0f) continue; /* zero group, empty residual */
+                const int8_t *xr = q + r * k + g * GROUP;
+                __m256i s = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xr)));
+                for (int c = 1; c < 8; c++)
+                    s = _mm256_add_epi16(
+                        s, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(ld32(xr + 4 * c))));
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+                const float sx = xs[r * groups + g], sm = xsum[r * groups + g];
+                a[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(sx)), a[r]);
+                a[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sm), a[r]);
+            }
+        }
+        for (int r = 0; r < MB; r++) _mm256_storeu_ps(acc[r] + h * 8, a[r]);
+    }
+}
+
+QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, const int8_t *q,
+                            const float *xs, int64_t k, const int MB, float acc[][TILE]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t block = Q8_CODES + sub * 128;
+    const int chunks = 8 / sub;
+    for (int h = 0; h < 2; h++) {
+        __m256 a[MB_MAX];
+        for (int r = 0; r < MB; r++) a[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *blk = wt + g * block;
+            __m256i w[8], aw[8];
+            for (int c = 0; c < 8; c++) {
+                w[c] = _mm256_loadu_si256((const __m256i *)(blk + c * 64 + h * 32));
+                aw[c] = _mm256_abs_epi8(w[c]);
+            }
+            for (int s = 0; s < sub; s++) {
+                const __m256 d =
+                    _mm256_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64) + h * 8);
+                for (int r = 0; r < MB; r++) {
+                    if (xs[r * groups + g] == 0.0f) continue;
+                    const int8_t *xr = q + r * k + g * GROUP;
+                    __m256i i = _mm256_setzero_si256();
+                    for (int c = s * chunks; c < (s + 1) * chunks; c++) {
+                        const __m256i xb = _mm256_set1_epi32(ld32(xr + 4 * c));
+                        const __m256i p = _mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(xb, w[c]));
+                        i = _mm256_add_epi32(i, _mm256_madd_epi16(p, ones));
+                    }
+                    const __m256 sx = _mm256_set1_ps(xs[r * groups + g]);
+                    a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, sx), a[r]);
+                }
+            }
+        }
+        for (int r = 0; r < MB; r++) _mm256_storeu_ps(acc[r] + h * 8, a[r]);
+    }
+}
+#endif
+
+/* ---------------------------------------------------------- AVX512-VNNI */
+#if defined(QG_VNNI)
+
+QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const int8_t *q, const float *xs,
+                            const float *xsum, int64_t k, const int MB, float acc[][TILE]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 a[MB_MAX];
+    for (int r = 0; r < MB; r++) a[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = wt + g * Q4_BLOCK;
+        __m512i w[8];
+        for (int c = 0; c < 4; c++) {
+            __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
+            w[c] = _mm512_and_si512(p, low4);
+            w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+        }
+        const __m512 d = _mm512_loadu_ps((const float *)(blk + 256));
+        const __m512 mn = _mm512_loadu_ps((const float *)(blk + 320));
+        for (int r = 0; r < MB; r++) {
+            if (xs[r * groups + g] == 0.0f) continue; /* zero group, empty residual */
+            const int8_t *xr = q + r * k + g * GROUP;
+            /* two chains: vpdpbusd's latency, not its throughput, bounds one row */
+            __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c += 2) {
+                i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(ld32(xr + 4 * c)));
+                i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(ld32(xr + 4 * c + 4)));
+            }
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+            const float sx = xs[r * groups + g], sm = xsum[r * groups + g];
+            a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(sx)), a[r]);
+            a[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sm), a[r]);
+        }
+    }
+    for (int r = 0; r < MB; r++) _mm512_storeu_ps(acc[r], a[r]);
+}
+
+QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, const int8_t *qu,
+                            const float *xs, int64_t k, const int MB, float acc[][TILE]) {
+    const int64_t block = Q8_CODES + sub * 128;
+    const int chunks = 8 / sub;
+    __m512 a[MB_MAX];
+    for (int r = 0; r < MB; r++) a[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = wt + g * block;
+        __m512i w[8];
+        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(blk + c * 64));
+        for (int s = 0; s < sub; s++) {
+            const __m512i corr = _mm512_loadu_si512((const void *)(blk + Q8_CODES + s * 64));
+            const __m512 d = _mm512_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64));
+            for (int r = 0; r < MB; r++) {
+                if (xs[r * groups + g] == 0.0f) continue;
+                const int8_t *xr = qu + r * k + g * GROUP;
+                __m512i i0 = corr, i1 = _mm512_setzero_si512();
+                for (int c = s * chunks; c < (s + 1) * chunks; c += 2) {
+                    i0 = _mm512_dpbusd_epi32(i0, _mm512_set1_epi32(ld32(xr + 4 * c)), w[c]);
+                    i1 = _mm512_dpbusd_epi32(i1, _mm512_set1_epi32(ld32(xr + 4 * c + 4)), w[c + 1]);
+                }
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+                const __m512 sx = _mm512_set1_ps(xs[r * groups + g]);
+                a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx), a[r]);
+            }
+        }
+    }
+    for (int r = 0; r < MB; r++) _mm512_storeu_ps(acc[r], a[r]);
+}
+#endif
+
+/* --------------------------------------------------------------- drivers */
+
+#if defined(QG_VNNI)
+#define Q4_TILE(MBV) q4_tile_vnni(wt, groups, q, xs, xsum, k, MBV, acc)
+#define Q8_TILE(MBV, SUB) q8_tile_vnni(wt, groups, SUB, q, xs, k, MBV, acc)
+#elif defined(QG_AVX2)
+#define Q4_TILE(MBV) q4_tile_avx2(wt, groups, q, xs, xsum, k, MBV, acc)
+#define Q8_TILE(MBV, SUB) q8_tile_avx2(wt, groups, SUB, q, xs, k, MBV, acc)
+#else
+#define Q4_TILE(MBV) q4_tile_scalar(wt, groups, q, xs, xsum, k, MBV, acc)
+#define Q8_TILE(MBV, SUB) q8_tile_scalar(wt, groups, SUB, q, xs, k, MBV, acc)
+#endif
+
+/* One call per (tile, MB rows), MB (and SUB) a constant in each case so that
+ * the inlined tile kernel is unrolled and keeps its vectors in registers. */
+static void q4_tile_rows(const uint8_t *wt, int64_t groups, const int8_t *q, const float *xs,
+                         const float *xsum, int64_t k, int mb, float acc[][TILE]) {
+    switch (mb) {
+        case 4: Q4_TILE(4); break;
+        case 3: Q4_TILE(3); break;
+        case 2: Q4_TILE(2); break;
+        default: Q4_TILE(1); break;
+    }
+}
+
+static void q8_tile_rows(const uint8_t *wt, int64_t groups, int sub, const int8_t *q,
+                         const float *xs, int64_t k, int mb, float acc[][TILE]) {
+    if (sub == 2) {
+        switch (mb) {
+            case 4: Q8_TILE(4, 2); break;
+            case 3: Q8_TILE(3, 2); break;
+            case 2: Q8_TILE(2, 2); break;
+            default: Q8_TILE(1, 2); break;
+        }
+        return;
+    }
+    switch (mb) {
+        case 4: Q8_TILE(4, 1); break;
+        case 3: Q8_TILE(3, 1); break;
+        case 2: Q8_TILE(2, 1); break;
+        default: Q8_TILE(1, 1); break;
+    }
+}
+
+/* fmt 4: 4-bit blocks; fmt 8: 8-bit blocks with `sub` scales per 32 (1 or 2);
+ * levels 1 (int8 activations) or 2 (int8 + int8 residual for the groups with
+ * amax > ratio * mean |x|; ratio 0: every group; see quantize_rows).
+ * Returns 0, or -1 (bad shape/argument), -2 (out of memory). */
+static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int levels,
+                 float ratio, const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,
+                 int64_t y_stride, int y_bf16) {
+    if (n <= 0 || k <= 0 || k % GROUP != 0 || m < 0 || x_stride < k || y_stride < n) return -1;
+    if ((fmt == 8 && sub != 1 && sub != 2) || (levels != 1 && levels != 2)) return -1;
+    if (m == 0) return 0;
+    const int64_t groups = k / GROUP;
+    const int64_t tiles = (n + TILE - 1) / TILE;
+    const int64_t tile_bytes = groups * (fmt == 4 ? Q4_BLOCK : Q8_CODES + sub * 128);
+    const int64_t chunk = M_CHUNK / levels;                 /* input rows per pass */
+    const int64_t qrows = (m < chunk ? m : chunk) * levels; /* int8 rows per pass */
+    int8_t *qbuf = (int8_t *)scratch((size_t)(qrows * k + 2 * qrows * groups * 4 + 64));
+    if (qbuf == NULL) return -2;
+    float *xs = (float *)(qbuf + ((qrows * k + 63) / 64) * 64);
+    float *xsum = xs + qrows * groups;
+#if defined(QG_VNNI)
+    const int flip = fmt == 8;
+#else
+    const int flip = 0;
+#endif
+    float acc[MB_MAX][TILE];
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t mc = m - m0 < chunk ? m - m0 : chunk;
+        const int64_t qc = mc * levels;
+        const void *xc = x_bf16 ? (const void *)((const uint16_t *)x + m0 * x_stride)
+                                : (const void *)((const float *)x + m0 * x_stride);
+        quantize_rows(xc, x_bf16, mc, k, x_stride, levels, ratio, flip, qbuf, xs, xsum);
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint8_t *wt = w + t * tile_bytes;
+            const int64_t n0 = t * TILE, count = n - n0 < TILE ? n - n0 : TILE;
+            /* MB_MAX is even, and qc is even when levels == 2: a block never splits a pair */
+            for (int64_t r0 = 0; r0 < qc; r0 += MB_MAX) {
+                const int mb = (int)(qc - r0 < MB_MAX ? qc - r0 : MB_MAX);
+                const int8_t *q = qbuf + r0 * k;
+                if (fmt == 4)
+                    q4_tile_rows(wt, groups, q, xs + r0 * groups, xsum + r0 * groups, k, mb, acc);
+                else
+                    q8_tile_rows(wt, groups, sub, q, xs + r0 * groups, k, mb, acc);
+                for (int r = 0; r < mb; r += levels) {
+                    if (levels == 2)
+                        for (int l = 0; l < TILE; l++) acc[r][l] += acc[r + 1][l];
+                    store_row(acc[r], y, y_bf16, y_stride, m0 + (r0 + r) / levels, n0, count);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+int paged_qgemm_q4(const uint8_t *w, int64_t n, int64_t k, int levels, float ratio,
+                   const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,
+                   int64_t y_stride, int y_bf16) {
+    return qgemm(4, w, n, k, 1, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
+}
+
+int paged_qgemm_q8(const uint8_t *w, int64_t n, int64_t k, int sub, int levels, float ratio,
+                   const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,
+                   int64_t y_stride, int y_bf16) {
+    return qgemm(8, w, n, k, sub, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
+}

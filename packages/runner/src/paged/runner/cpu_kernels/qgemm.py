@@ -1,0 +1,92 @@
+"""QGemm: one group-quantised weight in qgemm.c's layout, and y = x W^T through it."""
+
+from __future__ import annotations
+
+import torch
+
+from paged.runner.cpu_kernels.build import QGemmLibrary
+from paged.runner.cpu_kernels.packing import pack_q4, pack_q8, unpack_q4, unpack_q8
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class QGemm:
+    """A packed [out, in] weight: 4-bit (w = d q + m per 32) or 8-bit (w = d q per 32 or 16).
+
+    matmul takes float32 or bfloat16 activations [M, in] (rows contiguous) and
+    returns float32 or bfloat16 [M, out]; the activations are quantised to
+    int8 per 32 inputs inside the kernel (qgemm.c).
+    """
+
+    def __init__(
+        self, lib: QGemmLibrary, packed: torch.Tensor, fmt: int, shape: tuple[int, int], sub: int
+    ) -> None:
+        self.lib = lib
+        self.packed = packed
+        self.fmt = fmt
+        self.out_features, self.in_features = shape
+        self.sub = sub
+
+    @classmethod
+    def int4(
+        cls, lib: QGemmLibrary, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+    ) -> QGemm:
+        """w = codes * scale + offset; codes uint8 [N, K] 0..15, scale/offset [N, K/32]."""
+        return cls(lib, pack_q4(codes, scale, offset), 4, tuple(codes.shape), 1)  # type: ignore[arg-type]
+
+    @classmethod
+    def int8(cls, lib: QGemmLibrary, codes: torch.Tensor, scale: torch.Tensor) -> QGemm:
+        """w = codes * scale; codes int8 [N, K], scale [N, K/32] or [N, K/16]."""
+        packed, sub = pack_q8(codes, scale)
+        return cls(lib, packed, 8, tuple(codes.shape), sub)  # type: ignore[arg-type]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def matmul(
+        self, x: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+        outlier_ratio: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """x [M, in] (float32/bfloat16, unit column stride) -> [M, out] in out_dtype (x's).
+
+        outlier_ratio: None, int8 activations per 32 inputs; a number r, a second
+        int8 level (the residual x - xs q, quantised the same way: ~14 bits in
+        all) for each group whose largest |x| exceeds r times its mean |x|
+        (0: every group, twice the arithmetic; the weight bytes read stay).
+        """
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x must be [M, {self.in_features}], got {tuple(x.shape)}")
+        if x.dtype not in _DTYPES or out_dtype not in _DTYPES:
+            raise ValueError(f"qgemm takes float32/bfloat16, got {x.dtype} -> {out_dtype}")
+        if x.device.type != "cpu":
+            raise ValueError(f"qgemm runs on CPU tensors, got {x.device}")
+        if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.out_features, dtype=out_dtype)
+        x_bf16, y_bf16 = int(x.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16)
+        x_stride = x.stride(0) if m > 1 else self.in_features
+        n, k = self.out_features, self.in_features
+        levels, ratio = (1, 0.0) if outlier_ratio is None else (2, float(outlier_ratio))
+        if self.fmt == 4:
+            rc = self.lib.q4(
+                self.packed.data_ptr(), n, k, levels, ratio, x.data_ptr(), m, x_stride, x_bf16,
+                y.data_ptr(), n, y_bf16,
+            )  # fmt: skip
+        else:
+            rc = self.lib.q8(
+                self.packed.data_ptr(), n, k, self.sub, levels, ratio, x.data_ptr(), m, x_stride,
+                x_bf16, y.data_ptr(), n, y_bf16,
+            )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"qgemm failed with code {rc} (x {tuple(x.shape)}, W {n} x {k})")
+        return y
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [out, in] weight the kernel applies (exactly the packed values)."""
+        n, k = self.out_features, self.in_features
+        if self.fmt == 4:
+            return unpack_q4(self.packed, n, k)
+        return unpack_q8(self.packed, n, k, self.sub)

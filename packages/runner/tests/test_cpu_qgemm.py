@@ -1,0 +1,257 @@
+"""paged's C GEMM for quantised weights: torch reference, ISA paths agree, build, fallback."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from paged.runner.cpu_kernels import QGemm, QGemmLibrary, build, load_qgemm
+from paged.runner.cpu_kernels.packing import pack_q4, unpack_q4
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+ROWS = (1, 3, 8, 33, 64)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _lib(isa: str = "native") -> QGemmLibrary:
+    lib = load_qgemm(isa)
+    assert lib is not None, "qgemm did not build (see the log)"
+    return lib
+
+
+def _int8_levels(g: torch.Tensor) -> torch.Tensor:
+    """Groups [..., 32] float32 -> int8 codes times amax / 127, as float32."""
+    d = g.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(g * inv) * d
+
+
+def _quantised_activations(x: torch.Tensor, ratio: float | None = None) -> torch.Tensor:
+    """What the kernel multiplies: each row's groups of 32 as int8 codes times amax / 127,
+    plus the residual quantised the same way where amax > ratio * mean |x| (ratio given)."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // 32, 32)
+    first = _int8_levels(g)
+    if ratio is None:
+        return first.reshape(m, k)
+    a = g.abs()
+    outlier = (a.amax(-1, keepdim=True) > ratio * a.mean(-1, keepdim=True)).float()
+    return (first + outlier * _int8_levels(g - first)).reshape(m, k)
+
+
+def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02
+    offset = -8 * scale + torch.randn(n, k // 32, generator=gen) * 0.01
+    return codes, scale, offset
+
+
+def _int8(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    return codes, torch.rand(n, k // group, generator=gen) * 0.002
+
+
+def _check(
+    gemm: QGemm,
+    weight: torch.Tensor,
+    m: int,
+    x_dtype: torch.dtype,
+    y_dtype: torch.dtype,
+    ratio: float | None = None,
+) -> None:
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, gemm.in_features, generator=gen) * 2
+    x[:, ::37] *= 20  # outlier channels: some groups take the second level, some not
+    x = x.to(x_dtype)
+    y = gemm.matmul(x, y_dtype, outlier_ratio=ratio)
+    assert y.dtype == y_dtype and y.shape == (m, gemm.out_features)
+    ref = _quantised_activations(x, ratio).double() @ weight.double().t()
+    # float32 accumulation of K / 32 group products, then the output dtype's rounding.
+    tol = 2e-6 if y_dtype == torch.float32 else 2**-8
+    scale = ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-6)
+    err = ((y.double() - ref).abs() / scale).max().item()
+    assert err < tol, (m, x_dtype, y_dtype, err)
+    if y_dtype == torch.bfloat16:  # the bf16 output is the float32 result rounded once
+        f32 = gemm.matmul(x, torch.float32, outlier_ratio=ratio)
+        assert torch.equal(y, f32.to(torch.bfloat16))
+
+
+@needs_cc
+@pytest.mark.parametrize(("n", "k"), [(37, 96), (576, 1536), (16, 32)])
+def test_int4_kernel_equals_the_reference(n: int, k: int) -> None:
+    codes, scale, offset = _int4(n, k, seed=n)
+    gemm = QGemm.int4(_lib(), codes, scale, offset)
+    weight = codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+    assert torch.equal(gemm.dequantized(), weight)  # the packing keeps every value exactly
+    for m in ROWS:
+        for x_dtype in DTYPES:
+            for y_dtype in DTYPES:
+                for ratio in (None, 0.0, 8.0):
+                    _check(gemm, weight, m, x_dtype, y_dtype, ratio)
+
+
+@needs_cc
+@pytest.mark.parametrize("group", [32, 16])
+@pytest.mark.parametrize(("n", "k"), [(37, 96), (200, 576)])
+def test_int8_kernel_equals_the_reference(n: int, k: int, group: int) -> None:
+    codes, scale = _int8(n, k, group, seed=n + group)
+    gemm = QGemm.int8(_lib(), codes, scale)
+    weight = codes.float() * scale.repeat_interleave(group, 1)
+    assert torch.equal(gemm.dequantized(), weight)
+    for m in ROWS:
+        for x_dtype in DTYPES:
+            for y_dtype in DTYPES:
+                for ratio in (None, 0.0, 8.0):
+                    _check(gemm, weight, m, x_dtype, y_dtype, ratio)
+
+
+@needs_cc
+def test_two_levels_make_outlier_groups_nearly_exact() -> None:
+    """One outlier per group: one int8 level loses the other values, two keep ~14 bits."""
+    codes, scale, offset = _int4(64, 256, seed=9)
+    gemm = QGemm.int4(_lib(), codes, scale, offset)
+    weight = gemm.dequantized().double()
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+    x[:, ::32] = 300.0
+    exact = x.double() @ weight.t()
+    one, two = gemm.matmul(x), gemm.matmul(x, outlier_ratio=8.0)
+    err1 = float((one.double() - exact).norm() / exact.norm())
+    err2 = float((two.double() - exact).norm() / exact.norm())
+    assert err2 < err1 / 100 and err2 < 1e-4, (err1, err2)  # measured 0.0126 vs 4.6e-5
+
+
+@needs_cc
+def test_every_isa_path_gives_the_same_results() -> None:
+    """VNNI, AVX2 and scalar sum the same integers; only float32 summation order differs."""
+    libs = {isa: _lib(isa) for isa in build.ISAS}
+    assert libs["scalar"].isa == "scalar"
+    codes, scale, offset = _int4(51, 160, seed=5)
+    codes8, scale8 = _int8(51, 160, 16, seed=6)
+    x = torch.randn(9, 160, generator=torch.Generator().manual_seed(7))
+    x[:, ::29] *= 30
+    outs4 = {isa: QGemm.int4(lib, codes, scale, offset).matmul(x) for isa, lib in libs.items()}
+    outs8 = {isa: QGemm.int8(lib, codes8, scale8).matmul(x) for isa, lib in libs.items()}
+    two = {
+        isa: QGemm.int4(lib, codes, scale, offset).matmul(x, outlier_ratio=8.0)
+        for isa, lib in libs.items()
+    }
+    for outs in (outs4, outs8, two):
+        for isa, y in outs.items():
+            torch.testing.assert_close(y, outs["scalar"], rtol=1e-5, atol=1e-5, msg=isa)
+
+
+@needs_cc
+def test_bad_inputs_are_refused() -> None:
+    codes, scale, offset = _int4(16, 64, seed=1)
+    gemm = QGemm.int4(_lib(), codes, scale, offset)
+    with pytest.raises(ValueError, match="x must be"):
+        gemm.matmul(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        gemm.matmul(torch.randn(2, 64).half())
+    with pytest.raises(ValueError, match="K % 32"):
+        pack_q4(codes[:, :48], scale[:, :1], offset[:, :1])
+    # A strided (non-contiguous) activation is copied, not misread.
+    wide = torch.randn(3, 128)
+    torch.testing.assert_close(gemm.matmul(wide[:, :64]), gemm.matmul(wide[:, :64].contiguous()))
+    assert gemm.matmul(torch.empty(0, 64)).shape == (0, 16)
+
+
+def test_packing_round_trips() -> None:
+    codes, scale, offset = _int4(21, 64, seed=2)
+    packed = pack_q4(codes, scale, offset)
+    assert packed.numel() == 2 * 2 * 384  # 2 tiles of 16 rows x 2 groups
+    weight = codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+    assert torch.equal(unpack_q4(packed, 21, 64), weight)
+
+
+@needs_cc
+def test_compiles_once_into_the_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(build, "_LOADED", {})
+    lib = load_qgemm("scalar")
+    assert lib is not None and lib.path.parent == tmp_path
+    assert [p.name for p in tmp_path.iterdir()] == [lib.path.name]  # no temporary left behind
+    mtime = lib.path.stat().st_mtime_ns
+    monkeypatch.setattr(build, "_LOADED", {})
+    again = load_qgemm("scalar")
+    assert again is not None and again.path == lib.path and lib.path.stat().st_mtime_ns == mtime
+
+
+def test_a_failed_build_falls_back_to_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No compiler (or one that fails): one warning, and the layers take torch's kernels."""
+    from paged.runner.layers.quantized_linear import Int4GroupMatmul, QuantStaging
+
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(build, "_LOADED", {})
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'error: no' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert load_qgemm("native", compiler="/nonexistent/cc") is None
+        assert load_qgemm("native", compiler=str(broken)) is None
+    warnings = [r for r in caplog.records if "qgemm C kernel unavailable" in r.message]
+    assert len(warnings) == 2 and "failed" in warnings[1].getMessage()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    codes, scale, offset = _int4(16, 64, seed=3)
+    staging = QuantStaging(16, 64)
+    rows = staging.narrow(0, 0, 16)
+    _FakeInt4.install(rows, codes, scale, offset)
+    assert isinstance(staging.finalize(torch.bfloat16), Int4GroupMatmul)
+
+
+class _FakeInt4:
+    """A minimal QuantizedCheckpointTensor of 4-bit groups."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
+        self.codes, self.scale, self.offset = codes, scale, offset
+        self.shape = tuple(codes.shape)
+        self.type_name = "Q4_1"
+
+    def int4_groups(self) -> _FakeInt4:
+        return self
+
+    def int8_groups(self) -> None:
+        return None
+
+    @staticmethod
+    def install(
+        rows: object, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+    ) -> None:
+        rows.copy_(_FakeInt4(codes, scale, offset))  # type: ignore[attr-defined]
+
+
+def test_isa_env_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(build.ISA_ENV, "avx9000")
+    with pytest.raises(ValueError, match="PAGED_QGEMM_ISA"):
+        load_qgemm()
+    monkeypatch.setenv(build.ISA_ENV, "off")
+    assert load_qgemm() is None
+
+
+@needs_cc
+def test_two_processes_compiling_at_once_both_load(tmp_path: Path) -> None:
+    """Each build writes a private temporary and renames it into place: no torn file."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from paged.runner.cpu_kernels import load_qgemm; "
+        "lib = load_qgemm('avx2'); assert lib is not None; print(lib.path)"
+    )
+    env = {**os.environ, build.CACHE_ENV: str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    paths = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(paths) == 1 and [f.name for f in tmp_path.iterdir()] == [Path(paths.pop()).name]
