@@ -24,7 +24,9 @@ from paged.runner.spec_decode.policy import (
 CPU = RowCostModel.for_device("cpu")
 
 
-CPU_QUANTIZED = RowCostModel.for_path("cpu", quantized=True)
+# torch's int4 kernel (the fallback when paged's C kernel does not load).
+CPU_QUANTIZED = RowCostModel.for_path("cpu", quantized=True, c_kernel=False)
+CPU_QGEMM = RowCostModel.for_path("cpu", quantized=True, c_kernel=True)
 
 
 def test_cpu_cost_curve_has_a_step_then_a_plateau_then_grows_linearly() -> None:
@@ -47,7 +49,8 @@ def test_curve_interpolates_between_points() -> None:
 
 def test_quantized_cpu_curve_is_its_own_and_makes_wide_steps_pay_less() -> None:
     assert CPU_QUANTIZED != CPU
-    assert CPU_QUANTIZED.cost(64) > CPU.cost(64)
+    assert CPU_QUANTIZED.cost(64) > CPU_QGEMM.cost(64) > CPU.cost(64)
+    assert all(CPU_QGEMM.cost(m) < CPU_QUANTIZED.cost(m) for m in (2, 4, 8, 16, 32, 64))
     # One stream at 0.8: 4 drafts (3.4 tokens for 5 rows, cost 1.6) beat 7 (4.2 for 2.1).
     assert plan_drafts(1, [0.8], [7], CPU_QUANTIZED) == [4]
     assert expected_speedup(1, [4], [0.8], CPU_QUANTIZED) > expected_speedup(
@@ -250,7 +253,9 @@ def test_spec_decoder_takes_the_curve_of_its_path_or_the_configured_one() -> Non
     device = torch.device("cpu")
     builder = select_attention_backend(device, "auto").get_builder()
     plain = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}')
-    assert SpecDecoder(plain, device, builder, 64, 4, quantized=True).cost_model == CPU_QUANTIZED
+    here = RowCostModel.for_path("cpu", quantized=True)  # whether the C kernel loads here
+    assert here in (CPU_QGEMM, CPU_QUANTIZED)
+    assert SpecDecoder(plain, device, builder, 64, 4, quantized=True).cost_model == here
     assert SpecDecoder(plain, device, builder, 64, 4, quantized=False).cost_model == CPU
     configured = parse_speculative_config(
         '{"method": "ngram", "num_speculative_tokens": 4, "row_costs": [[1, 1.0], [64, 1.2]]}'

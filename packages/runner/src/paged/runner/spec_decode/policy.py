@@ -55,11 +55,24 @@ _PRIOR_WEIGHT = 2.0
 _HISTORY_DECAY = 0.8
 
 
-# Measured with benchmarks/verify_cost.py (rows -> cost in one-row steps, two
-# runs of 3 and 5 rounds at load average 0.7-1.4, the mean of the two, rounded).
-# CPU, quantised GGUF (int4 weights, bf16 activations, 1 thread), SmolLM2-135M:
-# the int4 kernel is a GEMV per row and the tied Q8_0 LM head two int4 passes,
-# so the cost grows nearly linearly past 4 rows (28-34 ms for one row).
+# Measured with benchmarks/verify_cost.py (rows -> cost in one-row steps, CPU-time
+# medians). CPU, quantised GGUF (bf16 activations, 1 thread), SmolLM2-135M:
+# with paged's C kernel (cpu_kernels/, the default where it compiles): one run of
+# 5 rounds at load average 2.7-3.0 (36 ms CPU for one row). A weight tile is
+# reused over 4 activation rows, so rows are cheaper than GEMVs, but the cost
+# still grows with them.
+_CPU_QGEMM_POINTS: tuple[tuple[int, float], ...] = (
+    (1, 1.0),
+    (2, 1.14),
+    (4, 1.3),
+    (8, 1.76),
+    (16, 2.4),
+    (32, 3.87),
+    (64, 6.1),
+)
+# Without it (no compiler, PAGED_QGEMM_ISA=off: torch's int4 kernel, a GEMV per
+# row, the tied Q8_0 LM head as two int4 passes, a bf16 copy from 64 rows): the
+# mean of two runs of 3 and 5 rounds at load 0.7-1.4, nearly linear past 4 rows.
 _CPU_QUANTIZED_POINTS: tuple[tuple[int, float], ...] = (
     (1, 1.0),
     (2, 1.27),
@@ -150,11 +163,21 @@ class RowCostModel:
         return np.where(rows <= 1, 1.0, out)
 
     @staticmethod
-    def for_path(device_type: str, quantized: bool) -> RowCostModel:
-        """The measured default curve of a compute path (see the module docstring)."""
-        if device_type == "cpu":
-            return RowCostModel(_CPU_QUANTIZED_POINTS if quantized else _CPU_FLOAT_POINTS)
-        return RowCostModel(_CUDA_POINTS)
+    def for_path(device_type: str, quantized: bool, c_kernel: bool | None = None) -> RowCostModel:
+        """The measured default curve of a compute path (see the module docstring).
+
+        `c_kernel`: whether quantised CPU layers run paged's C kernel (None: whether
+        it loads here, as the quantised layers decide).
+        """
+        if device_type != "cpu":
+            return RowCostModel(_CUDA_POINTS)
+        if not quantized:
+            return RowCostModel(_CPU_FLOAT_POINTS)
+        if c_kernel is None:
+            from paged.runner.cpu_kernels import load_qgemm
+
+            c_kernel = load_qgemm() is not None
+        return RowCostModel(_CPU_QGEMM_POINTS if c_kernel else _CPU_QUANTIZED_POINTS)
 
     @staticmethod
     def for_device(device_type: str) -> RowCostModel:
