@@ -213,9 +213,12 @@ def _reference_plan(
             candidates.append((value, r))
     candidates.sort(key=lambda c: -c[0])
     best, best_count, gained = base_rows / cost.cost(base_rows), 0, 0.0
-    for count, (value, _) in enumerate(candidates, start=1):
+    seen: set[int] = set()
+    for count, (value, r) in enumerate(candidates, start=1):
         gained += value
-        throughput = (base_rows + gained) / cost.cost(base_rows + count)
+        seen.add(r)
+        step = cost.cost(base_rows + count) + cost.request_cost * len(seen)
+        throughput = (base_rows + gained) / step
         if throughput > best * (1 + 1e-9):
             best, best_count = throughput, count
     plan = [0] * len(acceptance)

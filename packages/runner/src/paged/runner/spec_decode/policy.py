@@ -107,8 +107,14 @@ class RowCostModel:
     """
 
     points: tuple[tuple[int, float], ...]
+    # Extra cost of each request that verifies drafts (several query rows of one
+    # request go through the chunk attention path, one SDPA per request and layer):
+    # benchmarks/verify_cost.py's 8-request shapes against 1-request ones.
+    request_cost: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.request_cost < 0:
+            raise ValueError(f"request_cost: must be >= 0, got {self.request_cost}")
         pts = self.points
         if not pts or pts[0] != (1, 1.0):
             raise ValueError(f"row_costs: must start with [1, 1.0], got {list(pts)[:1]}")
@@ -172,12 +178,15 @@ class RowCostModel:
         if device_type != "cpu":
             return RowCostModel(_CUDA_POINTS)
         if not quantized:
-            return RowCostModel(_CPU_FLOAT_POINTS)
+            return RowCostModel(_CPU_FLOAT_POINTS, request_cost=0.02)
         if c_kernel is None:
             from paged.runner.cpu_kernels import load_qgemm
 
             c_kernel = load_qgemm() is not None
-        return RowCostModel(_CPU_QGEMM_POINTS if c_kernel else _CPU_QUANTIZED_POINTS)
+        # 8 requests x 2 rows cost 3-6 ms per request more than 1 request x 16 rows.
+        return RowCostModel(
+            _CPU_QGEMM_POINTS if c_kernel else _CPU_QUANTIZED_POINTS, request_cost=0.1
+        )
 
     @staticmethod
     def for_device(device_type: str) -> RowCostModel:
@@ -261,7 +270,13 @@ def plan_drafts(
         return plan
     gained = np.cumsum(values[valid][order])
     counts = np.arange(1, len(order) + 1)
-    throughput = (base_rows + gained) / cost.costs(base_rows + counts)
+    # Requests with at least one draft among the first c candidates (each adds request_cost).
+    owners_sorted = owner[order]
+    first_seen = np.zeros(len(order), dtype=bool)
+    first_seen[np.unique(owners_sorted, return_index=True)[1]] = True
+    drafting = np.cumsum(first_seen)
+    step_cost = cost.costs(base_rows + counts) + cost.request_cost * drafting
+    throughput = (base_rows + gained) / step_cost
     best = int(np.argmax(throughput))
     if throughput[best] <= base_rows / cost.cost(base_rows) * (1 + 1e-9):
         return plan
@@ -276,4 +291,5 @@ def expected_speedup(
     gained = sum(sum(a**i for i in range(1, k + 1)) for k, a in zip(plan, acceptance, strict=True))
     drafted = sum(plan)
     plain = base_rows / cost.cost(base_rows)
-    return (base_rows + gained) / cost.cost(base_rows + drafted) / plain if plain else math.nan
+    step = cost.cost(base_rows + drafted) + cost.request_cost * sum(1 for k in plan if k)
+    return (base_rows + gained) / step / plain if plain else math.nan
