@@ -25,7 +25,8 @@ paged's own keys for adaptive drafting (vLLM has none; defaults keep it on):
     row_costs                  the cost policy's row-cost curve, [[rows, cost],
                                ...] from [1, 1.0] (benchmarks/verify_cost.py
                                prints it); default: the measured curve of the
-                               runner's compute path (policy.RowCostModel.for_path)
+                               runner's compute path (policy.RowCostModel.for_path);
+                               a configured curve has no per-request cost
 
 Every error is a `ValueError` naming the key.
 """
