@@ -1,25 +1,43 @@
 """N-gram speculative decoding against plain decoding: decode tok/s, acceptance, same tokens.
 
 Two offline engines (`LLM`) on the default model, one plain and one with
-`--speculative-config` (n-gram), generate greedily (`ignore_eos`) on two
-tasks, single-stream (1 request) and 8-stream (8 requests in one batch):
+`--speculative-config` (n-gram), generate greedily (stopping at EOS, at most
+`--copy-tokens` / `--free-tokens`) on two tasks, through the model's chat
+template (what a user of an instruct model sends):
 
-  copy  "repeat this code with one change": the answer copies its prompt
-  free  a story: text that does not repeat its prompt
+  copy  several "repeat this with one change" prompts: a code block with one
+        renamed identifier or method, a docstring added, a paragraph with one
+        typo to fix, a list to renumber; the answer copies most of its prompt
+  free  short stories: text that does not repeat its prompt
+
+Single-stream: every prompt alone, rounds alternated plain / n-gram per
+prompt, reported per prompt and as the median of the per-prompt ratios.
+8-stream: 8 requests in one batch (the prompts in turn). The default path is
+what a user gets: the GGUF's quantised weights (int4, bf16 activations) on
+CPU; `--dtype float32` measures the dequantised float32 path instead (the
+first rounds' figures).
 
 Decode tok/s excludes the prefill: the tokens after each request's first,
 over the time from the batch's first token to its last (the frontend's
-per-request token timestamps; all prompts prefill in one step). Rounds
-alternate between the engines so load drift hits both; medians over
-`--runs` rounds are reported with min/max, their ratio, the acceptance rate
-(accepted / drafted tokens) and the mean accepted length per verification
-step (1 + accepted / drafts, the tokens one target forward yields), whether
-both engines produced identical tokens, the torch thread count and the load
-average before and after.
+per-request token timestamps; all prompts prefill in one step). Beside it,
+decode tokens per CPU second: the in-process engine runs on this thread and
+torch on one thread, so this thread's CPU time of a generation, less that of
+a prefill-only run of the same batch (max_tokens=1, just before), is the
+decode's compute without the time spent waiting for a core that other
+processes hold (on a shared machine wall time swings 3-8x with their load;
+CPU time far less, though memory bandwidth is still shared). Medians over
+`--runs` rounds with min/max, their ratio, the acceptance rate (accepted /
+drafted tokens) and the mean accepted length per verification step (1 +
+accepted / drafts, the tokens one target forward yields), whether both
+engines produced identical tokens (and the fraction of tokens before the
+first difference: the quantised path is not batch-invariant, so a forward
+over several rows may round differently from one over one row), the dtype
+and quantization, the torch thread count and the load average before and
+after each case.
 
-Run: .venvs/all/bin/python benchmarks/spec_bench.py [--tokens 64 --runs 3 --k 7 --streams 1 8
-     --draft-policy cost|fixed]
-Prints one JSON line.
+Run: .venvs/all/bin/python benchmarks/spec_bench.py [--runs 3 --k 7 --streams 1 8
+     --draft-policy cost|fixed --dtype auto|float32 --show]
+Prints one JSON line (`--show`: each prompt's generated text to stderr first).
 """
 
 from __future__ import annotations
@@ -31,11 +49,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import json
 import statistics
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from paged.runner.config import ModelConfig
 from paged.scheduler import SamplingParams
+from paged.server.chat_utils import apply_chat_template
+from paged.server.input_processor import TextPrompt
 from paged.server.llm import LLM
 
 CODE = [
@@ -65,21 +89,37 @@ CODE = [
     "    def total(self):\n"
     "        return sum(self.counts.values())\n",
 ]
+PARAGRAPH = (
+    "The lighthouse stood on a rocky point at the edge of the bay. Every evening the keeper "
+    "climbed the spiral stairs, trimmed the wick and lit the lamp, and every morning he wrote "
+    "the weather in a thick leather book. Ships passing in the night saw the beam sweep acros "
+    "the water and knew they were close to home."
+)
+SHOPPING = "- apples\n- bread\n- milk\n- eggs\n- coffee\n- rice\n- onions\n- butter\n"
+# name -> user message. Every one asks for its input back with one change.
+COPY_CASES: dict[str, str] = {
+    "rename_variable": "Repeat this code exactly, with one change: rename the variable "
+    f"`total` to `running_sum`.\n\n{CODE[0]}",
+    "rename_method": "Repeat this code exactly, with one change: rename the method `add` "
+    f"to `increment`.\n\n{CODE[1]}",
+    "add_docstring": f"Repeat this code exactly, with one change: add a docstring.\n\n{CODE[0]}",
+    "fix_typo": "Fix the one typo in this paragraph and write the whole paragraph out "
+    f"again.\n\n{PARAGRAPH}",
+    "renumber_list": "Rewrite this shopping list as a numbered list (1., 2., ...), same "
+    f"items, same order.\n\n{SHOPPING}",
+}
 TOPICS = ("a lighthouse keeper", "a lost violin", "a city under snow", "an old orchard")
+FREE_CASES: dict[str, str] = {
+    f"story_{i}": f"Write a short story about {topic}." for i, topic in enumerate(TOPICS)
+}
 
 
-def copy_prompts(n: int) -> list[str]:
-    return [
-        f"Repeat this code exactly, with one change: add a docstring.\n\n{CODE[i % 2]}\n"
-        f"Here is the code again with the change:\n\n"
-        for i in range(n)
-    ]
-
-
-def free_prompts(n: int) -> list[str]:
-    return [
-        f"Write a short story about {TOPICS[i % len(TOPICS)]} (story {i}).\n\n" for i in range(n)
-    ]
+def chat_prompt(llm: LLM, message: str) -> TextPrompt:
+    """The text prompt `LLM.chat` would send for one user message."""
+    text = apply_chat_template(
+        llm.get_tokenizer(), [{"role": "user", "content": message}], add_generation_prompt=True
+    )
+    return {"prompt": text, "add_special_tokens": False}
 
 
 class SpecCounter:
@@ -101,41 +141,165 @@ class SpecCounter:
         llm.engine_client.get_output = recording  # type: ignore[method-assign]
 
 
-def decode_rate(llm: LLM, batch: list[str], tokens: int) -> tuple[float, list[list[int]]]:
-    """Decode tok/s of one batch: tokens after each request's first, over first -> last token."""
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(batch, params, use_tqdm=False)
+def decode_rate(
+    llm: LLM, batch: list[TextPrompt], tokens: int
+) -> tuple[float, float, list[list[int]], list[str]]:
+    """Decode tok/s of one batch (wall: tokens after each request's first, first -> last
+    token) and this thread's CPU seconds for the whole generation (prefill included)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    cpu0 = time.thread_time()
+    outs = llm.generate(list(batch), params, use_tqdm=False)
+    cpu = time.thread_time() - cpu0
     first = min(
         o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time
     )
     last = max(o.metrics.last_token_time for o in outs if o.metrics and o.metrics.last_token_time)
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    return sum(len(x) - 1 for x in ids) / max(last - first, 1e-9), ids
+    texts = [o.outputs[0].text for o in outs]
+    return sum(len(x) - 1 for x in ids) / max(last - first, 1e-9), cpu, ids, texts
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of tokens before the first difference (1.0: identical outputs)."""
+    same = total = 0
+    for x, y in zip(a, b, strict=True):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        same += n
+        total += max(len(x), len(y))
+    return same / max(total, 1)
+
+
+def run_case(
+    plain: LLM, spec: LLM, counter: SpecCounter, batch: list[TextPrompt], tokens: int, runs: int
+) -> tuple[dict[str, Any], list[str]]:
+    """Alternated plain / n-gram rounds of one batch; medians, ratio, acceptance, same tokens."""
+    load_before = os.getloadavg()
+    rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+    cpu_rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+    same = True
+    agree: list[float] = []
+    counter.drafts = counter.drafted = counter.accepted = 0
+    texts: list[str] = []
+    num_tokens = 0
+    for _ in range(runs):
+        ids: dict[str, list[list[int]]] = {}
+        for name, llm in (("plain", plain), ("ngram", spec)):
+            # CPU time of the prefill alone (one token), taken off the full run's.
+            _, prefill_cpu, _, _ = decode_rate(llm, batch, 1)
+            # (max_tokens=1 leaves no room for drafts: the spec counters do not move.)
+            rate, cpu, ids[name], out_texts = decode_rate(llm, batch, tokens)
+            decoded = sum(len(x) - 1 for x in ids[name])
+            rates[name].append(rate)
+            cpu_rates[name].append(decoded / max(cpu - prefill_cpu, 1e-9))
+            if name == "plain":
+                texts = out_texts
+        same = same and ids["plain"] == ids["ngram"]
+        agree.append(agreement(ids["plain"], ids["ngram"]))
+        num_tokens = sum(len(x) for x in ids["plain"])
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    med_cpu = {name: statistics.median(r) for name, r in cpu_rates.items()}
+    result = {
+        **{
+            f"{name}_decode_tok_s": {
+                "median": round(med[name], 2),
+                "min": round(min(r), 2),
+                "max": round(max(r), 2),
+            }
+            for name, r in rates.items()
+        },
+        "ngram_over_plain": round(med["ngram"] / med["plain"], 3),
+        **{
+            f"{name}_decode_tok_per_cpu_s": {
+                "median": round(med_cpu[name], 2),
+                "min": round(min(r), 2),
+                "max": round(max(r), 2),
+            }
+            for name, r in cpu_rates.items()
+        },
+        "ngram_over_plain_cpu": round(med_cpu["ngram"] / med_cpu["plain"], 3),
+        "acceptance_rate": round(counter.accepted / max(counter.drafted, 1), 3),
+        "mean_accepted_length": round(1 + counter.accepted / max(counter.drafts, 1), 3),
+        "num_drafts": counter.drafts,
+        "output_tokens": num_tokens,
+        "same_tokens": same,
+        "prefix_agreement": round(min(agree), 3),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    return result, texts
+
+
+def task_cases(
+    plain: LLM,
+    spec: LLM,
+    counter: SpecCounter,
+    task: str,
+    messages: dict[str, str],
+    tokens: int,
+    args: argparse.Namespace,
+    show: Callable[[str, list[str]], None],
+) -> dict[str, Any]:
+    """Per-prompt single-stream cases with their median, then the batched ones."""
+    prompts = {name: chat_prompt(plain, m) for name, m in messages.items()}
+    cases: dict[str, Any] = {}
+    if 1 in args.streams:
+        per_prompt: dict[str, Any] = {}
+        for name, prompt in prompts.items():
+            per_prompt[name], texts = run_case(plain, spec, counter, [prompt], tokens, args.runs)
+            show(f"{task}/{name}", texts)
+        ratios = [c["ngram_over_plain"] for c in per_prompt.values()]
+        cpu_ratios = [c["ngram_over_plain_cpu"] for c in per_prompt.values()]
+        cases[f"{task}_1_stream"] = {
+            "median_ngram_over_plain": round(statistics.median(ratios), 3),
+            "median_ngram_over_plain_cpu": round(statistics.median(cpu_ratios), 3),
+            "median_acceptance_rate": round(
+                statistics.median(c["acceptance_rate"] for c in per_prompt.values()), 3
+            ),
+            "median_mean_accepted_length": round(
+                statistics.median(c["mean_accepted_length"] for c in per_prompt.values()), 3
+            ),
+            "per_prompt": per_prompt,
+        }
+    names = list(prompts)
+    for streams in (s for s in args.streams if s != 1):
+        batch = [prompts[names[i % len(names)]] for i in range(streams)]
+        cases[f"{task}_{streams}_streams"], texts = run_case(
+            plain, spec, counter, batch, tokens, args.runs
+        )
+    return cases
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     ap.add_argument(
         "--dtype",
-        default="float32",
-        help="float32 (default: the figures in the runner README; batch-invariant, so "
-        "'same_tokens' is exact) or auto (a quantized GGUF's int4 + bf16 path)",
+        default="auto",
+        help="auto (default: what a user gets; a quantised GGUF on CPU runs int4 weights "
+        "with bf16 activations) or float32 (dequantised; batch-invariant, the first rounds' "
+        "figures)",
     )
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--copy-tokens", type=int, default=160, help="max_tokens, copy prompts")
+    ap.add_argument("--free-tokens", type=int, default=128, help="max_tokens, free text")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
     ap.add_argument("--lookup-min", type=int, default=3)
     ap.add_argument("--lookup-max", type=int, default=5)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tasks", nargs="+", choices=["copy", "free"], default=["copy", "free"])
     ap.add_argument(
         "--draft-policy",
         choices=["cost", "fixed"],
         default="cost",
         help="speculative_config.draft_policy: cost model (default) or every match drafts k",
     )
+    ap.add_argument("--show", action="store_true", help="print each prompt's answer to stderr")
     args = ap.parse_args()
     load_before = os.getloadavg()
+    # The path the engines run (the same resolution as theirs; reads no weights).
+    model_config = ModelConfig.from_pretrained(args.model, dtype=args.dtype, device="cpu")
     spec_config = {
         "method": "ngram",
         "num_speculative_tokens": args.k,
@@ -153,38 +317,22 @@ def main() -> None:
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config=spec_config, **common)
     counter = SpecCounter(spec)
+
+    def show(label: str, texts: list[str]) -> None:
+        if args.show:
+            print(f"===== {label}\n{texts[0]}\n", file=sys.stderr)
+
     cases: dict[str, Any] = {}
     try:
+        warm = [chat_prompt(plain, "Say hello.")]
         for llm in (plain, spec):  # warm-up, not timed
-            decode_rate(llm, copy_prompts(1), 4)
-        for task, make in (("copy", copy_prompts), ("free", free_prompts)):
-            for streams in args.streams:
-                batch = make(streams)
-                rates: dict[str, list[float]] = {"plain": [], "ngram": []}
-                same = True
-                counter.drafts = counter.drafted = counter.accepted = 0
-                for _ in range(args.runs):
-                    rate_plain, ids_plain = decode_rate(plain, batch, args.tokens)
-                    rate_spec, ids_spec = decode_rate(spec, batch, args.tokens)
-                    rates["plain"].append(rate_plain)
-                    rates["ngram"].append(rate_spec)
-                    same = same and ids_plain == ids_spec
-                med = {name: statistics.median(r) for name, r in rates.items()}
-                cases[f"{task}_{streams}_streams"] = {
-                    **{
-                        f"{name}_decode_tok_s": {
-                            "median": round(med[name], 2),
-                            "min": round(min(r), 2),
-                            "max": round(max(r), 2),
-                        }
-                        for name, r in rates.items()
-                    },
-                    "ngram_over_plain": round(med["ngram"] / med["plain"], 3),
-                    "acceptance_rate": round(counter.accepted / max(counter.drafted, 1), 3),
-                    "mean_accepted_length": round(1 + counter.accepted / max(counter.drafts, 1), 3),
-                    "num_drafts": counter.drafts,
-                    "same_tokens": same,
-                }
+            decode_rate(llm, warm, 4)
+        for task, messages, tokens in (
+            ("copy", COPY_CASES, args.copy_tokens),
+            ("free", FREE_CASES, args.free_tokens),
+        ):
+            if task in args.tasks:
+                cases.update(task_cases(plain, spec, counter, task, messages, tokens, args, show))
     finally:
         plain.shutdown()
         spec.shutdown()
@@ -192,10 +340,12 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "spec_decode_ngram",
-                "model": args.model or "SmolLM2-135M-Instruct",
+                "model": args.model or "SmolLM2-135M-Instruct (GGUF Q4_1)",
                 "device": "cpu",
+                "dtype": model_config.dtype_name,
+                "quantization": model_config.quantization,
                 "speculative_config": spec_config,
-                "tokens_per_request": args.tokens,
+                "max_tokens": {"copy": args.copy_tokens, "free": args.free_tokens},
                 "runs": args.runs,
                 "torch_threads": torch.get_num_threads(),
                 "loadavg_before": [round(x, 2) for x in load_before],

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged.runner.attention.backends import select_attention_backend
 from paged.runner.spec_decode.config import parse_speculative_config
+from paged.runner.spec_decode.decoder import SpecDecoder
 from paged.runner.spec_decode.ngram import NgramProposer
 from paged.runner.spec_decode.policy import (
     AcceptanceHistory,
@@ -21,11 +24,60 @@ from paged.runner.spec_decode.policy import (
 CPU = RowCostModel.for_device("cpu")
 
 
+# torch's int4 kernel (the fallback when paged's C kernel does not load).
+CPU_QUANTIZED = RowCostModel.for_path("cpu", quantized=True, c_kernel=False)
+CPU_QGEMM = RowCostModel.for_path("cpu", quantized=True, c_kernel=True)
+
+
 def test_cpu_cost_curve_has_a_step_then_a_plateau_then_grows_linearly() -> None:
     assert CPU.cost(1) == 1.0
-    assert CPU.cost(2) == pytest.approx(1.9)
+    assert CPU.cost(2) == pytest.approx(1.68)
     assert CPU.cost(8) == pytest.approx(1.9)
-    assert CPU.cost(64) == pytest.approx(1.9 + 56 * 0.07)
+    assert CPU.cost(64) == pytest.approx(5.65)
+    # Past the last point the last segment's slope continues.
+    assert CPU.cost(96) == pytest.approx(5.65 + 32 * (5.65 - 3.83) / 32)
+
+
+def test_curve_interpolates_between_points() -> None:
+    curve = RowCostModel(((1, 1.0), (4, 2.0), (8, 4.0)))
+    assert curve.cost(0) == 1.0
+    assert curve.cost(2) == pytest.approx(1 + 1 / 3)
+    assert curve.cost(6) == pytest.approx(3.0)
+    assert curve.cost(10) == pytest.approx(5.0)
+    assert RowCostModel(((1, 1.0),)).cost(64) == 1.0
+
+
+def test_quantized_cpu_curve_is_its_own_and_makes_wide_steps_pay_less() -> None:
+    assert CPU_QUANTIZED != CPU
+    assert CPU_QUANTIZED.cost(64) > CPU_QGEMM.cost(64) > CPU.cost(64)
+    assert all(CPU_QGEMM.cost(m) < CPU_QUANTIZED.cost(m) for m in (2, 4, 8, 16, 32, 64))
+    # One stream at 0.8: 4 drafts (3.4 tokens for 5 rows, cost 1.6) beat 7 (4.2 for 2.1).
+    assert plan_drafts(1, [0.8], [7], CPU_QUANTIZED) == [4]
+    assert expected_speedup(1, [4], [0.8], CPU_QUANTIZED) > expected_speedup(
+        1, [7], [0.8], CPU_QUANTIZED
+    )
+    # 8 streams: every row costs about as much as a token, so only near-certain drafts go.
+    assert sum(plan_drafts(8, [0.6] * 8, [7] * 8, CPU_QUANTIZED)) < sum(
+        plan_drafts(8, [0.6] * 8, [7] * 8, CPU)
+    )
+
+
+def test_row_costs_config_key_replaces_the_curve() -> None:
+    cfg = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 4, "row_costs": [[1, 1], [8, 1.5]]}'
+    )
+    assert cfg.row_costs == ((1, 1.0), (8, 1.5))
+    for bad, match in (
+        ("[[2, 1.0]]", "must start with"),
+        ("[[1, 1.0], [1, 2.0]]", "rows must increase"),
+        ("[[1, 1.0], [4, 0.5]]", "cost must not fall"),
+        ("[[1, 1.0], [4]]", "each entry"),
+        ('"fast"', "must be a list of"),
+    ):
+        with pytest.raises(ValueError, match=f"speculative_config.row_costs: {match}"):
+            parse_speculative_config(
+                f'{{"method": "ngram", "num_speculative_tokens": 4, "row_costs": {bad}}}'
+            )
 
 
 def test_single_stream_drafts_only_when_the_step_is_paid_for() -> None:
@@ -63,8 +115,8 @@ def test_plan_rejects_bad_arguments() -> None:
         plan_drafts(1, [0.5], [1, 2], CPU)
     with pytest.raises(ValueError, match="base_rows"):
         plan_drafts(0, [], [], CPU)
-    with pytest.raises(ValueError, match="step_cost"):
-        RowCostModel(step_cost=0.5, plateau_rows=4, row_cost=0.1)
+    with pytest.raises(ValueError, match="row_costs"):
+        RowCostModel(((1, 0.5), (4, 1.0)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -145,3 +197,71 @@ def test_config_keys_parse_and_validate() -> None:
         parse_speculative_config(
             '{"method": "ngram", "num_speculative_tokens": 4, "draft_policy": "fast"}'
         )
+
+
+def _reference_plan(
+    base_rows: int, acceptance: list[float], caps: list[int], cost: RowCostModel
+) -> list[int]:
+    """The policy in plain Python: sorted candidates, every prefix priced one by one."""
+    candidates: list[tuple[float, int]] = []
+    for r, (a, cap) in enumerate(zip(acceptance, caps, strict=True)):
+        value = 1.0
+        for _ in range(max(cap, 0)):
+            value *= a
+            if value <= 0.0:
+                break
+            candidates.append((value, r))
+    candidates.sort(key=lambda c: -c[0])
+    best, best_count, gained = base_rows / cost.cost(base_rows), 0, 0.0
+    seen: set[int] = set()
+    for count, (value, r) in enumerate(candidates, start=1):
+        gained += value
+        seen.add(r)
+        step = cost.cost(base_rows + count) + cost.request_cost * len(seen)
+        throughput = (base_rows + gained) / step
+        if throughput > best * (1 + 1e-9):
+            best, best_count = throughput, count
+    plan = [0] * len(acceptance)
+    for _, r in candidates[:best_count]:
+        plan[r] += 1
+    return plan
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.0, 0.99), st.integers(0, 8)), min_size=1, max_size=12),
+    st.integers(0, 8),
+    st.sampled_from(["cpu-float", "cpu-quantized", "cuda"]),
+)
+def test_vectorised_plan_matches_the_python_reference(
+    requests: list[tuple[float, int]], extra_rows: int, path: str
+) -> None:
+    curve = {"cpu-float": CPU, "cpu-quantized": CPU_QUANTIZED}.get(
+        path, RowCostModel.for_device("cuda")
+    )
+    acceptance = [a for a, _ in requests]
+    caps = [c for _, c in requests]
+    base = len(requests) + extra_rows
+    mine = plan_drafts(base, acceptance, caps, curve)
+    ref = _reference_plan(base, acceptance, caps, curve)
+    # Equal, up to near-ties (1e-9) that the two may break differently.
+    assert expected_speedup(base, mine, acceptance, curve) == pytest.approx(
+        expected_speedup(base, ref, acceptance, curve), rel=1e-9
+    )
+    rows = np.arange(0, 200)
+    assert np.allclose(curve.costs(rows), [curve.cost(int(r)) for r in rows])
+
+
+def test_spec_decoder_takes_the_curve_of_its_path_or_the_configured_one() -> None:
+    device = torch.device("cpu")
+    builder = select_attention_backend(device, "auto").get_builder()
+    plain = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}')
+    here = RowCostModel.for_path("cpu", quantized=True)  # whether the C kernel loads here
+    assert here in (CPU_QGEMM, CPU_QUANTIZED)
+    assert SpecDecoder(plain, device, builder, 64, 4, quantized=True).cost_model == here
+    assert SpecDecoder(plain, device, builder, 64, 4, quantized=False).cost_model == CPU
+    configured = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 4, "row_costs": [[1, 1.0], [64, 1.2]]}'
+    )
+    decoder = SpecDecoder(configured, device, builder, 64, 4, quantized=True)
+    assert decoder.cost_model == RowCostModel(((1, 1.0), (64, 1.2)))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from paged.runner.sampler.metadata import SamplingMetadata
-from paged.runner.spec_decode.rejection_sampler import rejection_sample
+from paged.runner.spec_decode.rejection_sampler import rejection_sample, row_argmax
 
 V = 6
 N = 40_000
@@ -131,3 +131,15 @@ def test_grammar_rows_mask_each_drafted_position() -> None:
     assert out.token_ids == [[3, 4]]
     rand = rejection_sample(masked[:3], np.array([2]), [[3, 6]], _meta(1, 1.0))
     assert rand.token_ids == [[3, 4]]  # the only allowed tokens, whatever the draws
+
+
+def test_row_argmax_matches_torch_on_ties_and_nans() -> None:
+    x = torch.randn(64, 1000)
+    x[3, 10] = x[3, 500] = 50.0  # a tie: the first index wins
+    x[5, 7] = float("nan")
+    x[6] = float("-inf")
+    x[7, 20:30] = float("inf")
+    strided = torch.randn(1000, 64).t()  # not contiguous
+    for t in (x, strided, x.to(torch.bfloat16).float()):
+        assert torch.equal(row_argmax(t), t.argmax(dim=-1))
+    assert row_argmax(x)[3] == 10 and row_argmax(x)[5] == 7

@@ -155,6 +155,7 @@ class ModelRunner:
                 self.builder,
                 self.max_model_len,
                 self.max_num_reqs,
+                quantized=model_config.keeps_weights_quantized,
             )
             if speculative_config is not None
             else None

@@ -22,6 +22,11 @@ paged's own keys for adaptive drafting (vLLM has none; defaults keep it on):
     draft_policy               "cost" (default): drafts per request chosen by
                                the cost model of `policy.py` (n-gram only);
                                "fixed": every match drafts up to k
+    row_costs                  the cost policy's row-cost curve, [[rows, cost],
+                               ...] from [1, 1.0] (benchmarks/verify_cost.py
+                               prints it); default: the measured curve of the
+                               runner's compute path (policy.RowCostModel.for_path);
+                               a configured curve has no per-request cost
 
 Every error is a `ValueError` naming the key.
 """
@@ -31,6 +36,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
+
+from paged.runner.spec_decode.policy import RowCostModel
 
 if TYPE_CHECKING:
     from paged.runner.config import ModelConfig
@@ -47,6 +54,7 @@ _KEYS = (
     "acceptance_backoff_steps",
     "disable_by_batch_size",
     "draft_policy",
+    "row_costs",
 )
 DraftPolicy = Literal["cost", "fixed"]
 # vLLM's default n-gram size when neither bound is given.
@@ -66,6 +74,8 @@ class SpeculativeConfig:
     acceptance_backoff_steps: int = 16
     disable_by_batch_size: int | None = None
     draft_policy: DraftPolicy = "cost"
+    # (rows, cost) points of the policy's row-cost curve; None: the path's default.
+    row_costs: tuple[tuple[int, float], ...] | None = None
     # The draft model, resolved by the engine's options (draft_model only).
     draft_model_config: ModelConfig | None = None
 
@@ -106,6 +116,12 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.draft_policy: {self.draft_policy!r}; use 'cost' or 'fixed'"
             )
+        if self.row_costs is not None:
+            try:
+                curve = RowCostModel.from_pairs(self.row_costs)
+            except ValueError as e:
+                raise ValueError(f"speculative_config.{e}") from None
+            object.__setattr__(self, "row_costs", curve.points)
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -166,6 +182,7 @@ def parse_speculative_config(value: str | dict[str, Any]) -> SpeculativeConfig:
         "acceptance_backoff_steps",
         "disable_by_batch_size",
         "draft_policy",
+        "row_costs",
     ):
         if key in data:
             extra[key] = data[key]

@@ -36,6 +36,7 @@ from paged.runner.attention.backends import AttentionMetadataBuilder
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.input_prep import StepInputs
 from paged.runner.runner_output import packed_mask_bytes, unpack_bitmask
+from paged.runner.sampler.sampler import Sampler, SamplerOutput
 from paged.runner.spec_decode.adaptive import AdaptiveDrafting
 from paged.runner.spec_decode.config import SpeculativeConfig
 from paged.runner.spec_decode.draft_model import DraftModelProposer
@@ -60,6 +61,7 @@ class SpecDecoder:
         builder: AttentionMetadataBuilder,
         max_model_len: int,
         max_num_reqs: int,
+        quantized: bool = False,
     ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
@@ -67,9 +69,15 @@ class SpecDecoder:
         self.adaptive = AdaptiveDrafting(
             config.acceptance_rate_threshold, config.acceptance_backoff_steps
         )
-        # The cost-aware policy (policy.py): per-request history, the device's row-cost curve.
-        self.cost_model = RowCostModel.for_device(device.type)
+        # The cost-aware policy (policy.py): per-request history, the row-cost curve
+        # of the compute path (quantised CPU weights cost far more per row) or the config's.
+        self.cost_model = (
+            RowCostModel(config.row_costs)
+            if config.row_costs is not None
+            else RowCostModel.for_path(device.type, quantized)
+        )
         self.histories: dict[str, AcceptanceHistory] = {}
+        self.sampler = Sampler()  # steps in which no request drafted
         self.ngram: NgramProposer | None = None
         self.draft: DraftModelProposer | None = None
         if config.method == "ngram":
@@ -128,12 +136,6 @@ class SpecDecoder:
             if inputs.num_drafts is not None
             else np.zeros(len(rows), np.int64)
         )
-        draft_ids = [
-            batch.token_ids_cpu[r, n : n + k].tolist()
-            for r, n, k in zip(
-                rows.tolist(), batch.num_tokens[rows].tolist(), num_drafts.tolist(), strict=True
-            )
-        ]
         req_ids = [inputs.req_ids[r] for r in rows.tolist()]
         if grammar_output is not None and grammar_output.structured_output_request_ids:
             position_req_ids = [
@@ -143,7 +145,18 @@ class SpecDecoder:
             ]
             logits = apply_grammar_rows(logits, position_req_ids, grammar_output)
         metadata = batch.make_sampling_metadata(rows)
-        result = rejection_sample(logits, num_drafts, draft_ids, metadata)
+        if num_drafts.any():
+            draft_ids = [
+                batch.token_ids_cpu[r, n : n + k].tolist()
+                for r, n, k in zip(
+                    rows.tolist(), batch.num_tokens[rows].tolist(), num_drafts.tolist(), strict=True
+                )
+            ]
+            result = rejection_sample(logits, num_drafts, draft_ids, metadata)
+        else:
+            # Nobody drafted (free text, paused requests): the plain sampler, so a
+            # step without drafts costs what it costs without speculation.
+            result = _as_rejection_output(self.sampler(logits, metadata))
         for row, req_id, tokens, k, accepted in zip(
             rows.tolist(),
             req_ids,
@@ -300,6 +313,18 @@ def apply_grammar_rows(
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
     return logits
+
+
+def _as_rejection_output(out: SamplerOutput) -> RejectionOutput:
+    """The plain sampler's one token per request, as a verification with no drafts."""
+    tokens = out.sampled_token_ids.tolist()
+    return RejectionOutput(
+        token_ids=[[t] for t in tokens],
+        num_accepted=[0] * len(tokens),
+        position_start=list(range(len(tokens))),
+        logprobs=out.logprobs,
+        num_nans=[int(n) for n in out.num_nans.tolist()],
+    )
 
 
 def _build_output(

@@ -14,8 +14,8 @@ accepted with probability `a**i`: that is its value. Values fall along a
 request's drafts, so taking drafts in decreasing value and keeping the best
 prefix of that order is optimal for a given total D; every prefix is tried,
 not only until the first loss, because the cost curve has a step (going from
-one row to two costs ~0.9 of a forward on CPU) that only a few drafts
-together pay for.
+one row to two costs 0.3-0.9 of a forward on CPU, by path) that only a few
+drafts together pay for.
 
 `a` per request (`estimate_acceptance`) blends a prior from the n-gram match
 length (a longer match predicts a longer copy) with the request's own
@@ -23,20 +23,16 @@ history (accepted positions over tried positions, decayed), so a request
 with a long history of full acceptance gets more drafts and one whose drafts
 keep failing gets none.
 
-The row-cost curve (`RowCostModel`) is a documented constant per device,
-not measured online: step timings on a shared 2-core CPU are noisy (other
-processes), and a start-up probe would add seconds to every engine start
-for a curve that depends on the model only through its size class. The CPU
-figures come from the default model (SmolLM2-135M, fp32, 1 thread): a
-forward over 2-8 rows costs ~1.9x a one-row forward (one row is a GEMV, more
-go through the GEMM panels; measured on the model: 172 ms vs 315-340 ms),
-and past 8 rows each row adds ~0.07 of a one-row forward. That slope is an
-estimate, not a direct measurement: it is what makes the measured 1.29x of
-copy at 8 streams x 8 positions (64 rows, 6.9 tokens per verification)
-consistent with the 1.9x plateau, and it matches the slope of the model's
-matmuls timed alone at 16-64 rows. CUDA has not been measured here: its
-curve is a guess that keeps speculation cheap (flat up to 64 rows), stated
-as such.
+The row-cost curve (`RowCostModel`) is a table of measured points per
+compute path, not an online measurement: step timings on a shared 2-core CPU
+are noisy (other processes), and a start-up probe would add seconds to every
+engine start. The curve differs by path far more than by machine, so the
+table is keyed by what the runner runs: `benchmarks/verify_cost.py` times a
+verification step over M rows (1 request, M - 1 drafts, the logits of every
+row, the rejection sampler and the proposer) against a one-row decode step
+and prints the points. `speculative_config.row_costs` replaces the table
+(e.g. after a kernel change or on another machine); see `RowCostModel.for_path`
+for each default's origin.
 
 vLLM's `disable_by_batch_size` is an explicit override: with that many
 requests decoding in the step, nobody drafts.
@@ -44,9 +40,13 @@ requests decoding in the step, nobody drafts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 # Prior acceptance for a match of n tokens: 1 - 1 / (n + 2) (n=3: 0.8, n=5:
 # 0.857). Weight of the prior, in tried positions, against the history.
@@ -55,39 +55,143 @@ _PRIOR_WEIGHT = 2.0
 _HISTORY_DECAY = 0.8
 
 
+# Measured with benchmarks/verify_cost.py (rows -> cost in one-row steps, CPU-time
+# medians). CPU, quantised GGUF (bf16 activations, 1 thread), SmolLM2-135M:
+# with paged's C kernel (cpu_kernels/, the default where it compiles): one run of
+# 5 rounds at load average 2.7-3.0 (36 ms CPU for one row). A weight tile is
+# reused over 4 activation rows, so rows are cheaper than GEMVs, but the cost
+# still grows with them.
+_CPU_QGEMM_POINTS: tuple[tuple[int, float], ...] = (
+    (1, 1.0),
+    (2, 1.14),
+    (4, 1.3),
+    (8, 1.76),
+    (16, 2.4),
+    (32, 3.87),
+    (64, 6.1),
+)
+# Without it (no compiler, PAGED_QGEMM_ISA=off: torch's int4 kernel, a GEMV per
+# row, the tied Q8_0 LM head as two int4 passes, a bf16 copy from 64 rows): the
+# mean of two runs of 3 and 5 rounds at load 0.7-1.4, nearly linear past 4 rows.
+_CPU_QUANTIZED_POINTS: tuple[tuple[int, float], ...] = (
+    (1, 1.0),
+    (2, 1.27),
+    (4, 1.4),
+    (8, 2.09),
+    (16, 3.7),
+    (32, 6.57),
+    (64, 9.97),
+)
+# CPU, float32 (dequantised), SmolLM2-135M, 1 thread, one run of 5 rounds at load
+# 1.4-3.5: one row is a GEMV over the plain weights (80 ms CPU), 2+ rows go
+# through the GEMM panels (a step up, then a slow climb once compute-bound).
+_CPU_FLOAT_POINTS: tuple[tuple[int, float], ...] = (
+    (1, 1.0),
+    (2, 1.68),
+    (8, 1.9),
+    (16, 2.64),
+    (32, 3.83),
+    (64, 5.65),
+)
+# Not measured: a GPU forward is memory-bound far beyond a batch of drafts.
+_CUDA_POINTS: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.05), (64, 1.05), (128, 1.69))
+
+
 @dataclass(frozen=True, slots=True)
 class RowCostModel:
-    """Cost of a forward over `rows` query rows, in one-row forwards.
+    """Cost of a step over `rows` query rows, in one-row steps: a piecewise-linear curve.
 
-    cost(1) = 1; for rows > 1: step_cost + row_cost * max(0, rows - plateau_rows)
-    (a jump from one row to several, a plateau while the weights' reads
-    dominate, then a cost per row once the matmuls are compute-bound).
+    `points` are (rows, cost) pairs with strictly increasing rows, starting at
+    (1, 1.0); costs between two points are interpolated linearly, past the
+    last point the last segment's slope continues (a single point: flat).
     """
 
-    step_cost: float
-    plateau_rows: int
-    row_cost: float
+    points: tuple[tuple[int, float], ...]
+    # Extra cost of each request that verifies drafts (several query rows of one
+    # request go through the chunk attention path, one SDPA per request and layer):
+    # benchmarks/verify_cost.py's 8-request shapes against 1-request ones.
+    request_cost: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.step_cost < 1.0:
-            raise ValueError(f"step_cost: must be >= 1, got {self.step_cost}")
-        if self.plateau_rows < 1:
-            raise ValueError(f"plateau_rows: must be >= 1, got {self.plateau_rows}")
-        if self.row_cost < 0:
-            raise ValueError(f"row_cost: must be >= 0, got {self.row_cost}")
+        if self.request_cost < 0:
+            raise ValueError(f"request_cost: must be >= 0, got {self.request_cost}")
+        pts = self.points
+        if not pts or pts[0] != (1, 1.0):
+            raise ValueError(f"row_costs: must start with [1, 1.0], got {list(pts)[:1]}")
+        for (r0, c0), (r1, c1) in itertools.pairwise(pts):
+            if r1 <= r0:
+                raise ValueError(f"row_costs: rows must increase, got {r0} then {r1}")
+            if c1 < c0:
+                raise ValueError(
+                    f"row_costs: cost must not fall with rows ({r0}: {c0}, {r1}: {c1})"
+                )
+
+    @staticmethod
+    def from_pairs(pairs: object) -> RowCostModel:
+        """`[[rows, cost], ...]` (the `row_costs` config key) -> a validated curve."""
+        if not isinstance(pairs, (list, tuple)):
+            raise ValueError(f"row_costs: must be a list of [rows, cost] pairs, got {pairs!r}")
+        points: list[tuple[int, float]] = []
+        for pair in pairs:
+            if (
+                not isinstance(pair, (list, tuple))
+                or len(pair) != 2
+                or isinstance(pair[0], bool)
+                or not isinstance(pair[0], int)
+                or isinstance(pair[1], bool)
+                or not isinstance(pair[1], (int, float))
+            ):
+                raise ValueError(f"row_costs: each entry must be [rows, cost], got {pair!r}")
+            points.append((pair[0], float(pair[1])))
+        return RowCostModel(tuple(points))
 
     def cost(self, rows: int) -> float:
+        pts = self.points
         if rows <= 1:
             return 1.0
-        return self.step_cost + self.row_cost * max(0, rows - self.plateau_rows)
+        if len(pts) == 1:
+            return 1.0
+        for (r0, c0), (r1, c1) in itertools.pairwise(pts):
+            if rows <= r1:
+                return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+        (r0, c0), (r1, c1) = pts[-2], pts[-1]
+        return c1 + (c1 - c0) * (rows - r1) / (r1 - r0)
+
+    def costs(self, rows: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+        """`cost` of every entry of `rows` (same curve, one numpy call)."""
+        xs = np.array([r for r, _ in self.points], dtype=np.float64)
+        ys = np.array([c for _, c in self.points], dtype=np.float64)
+        out = np.interp(rows.astype(np.float64), xs, ys)
+        if len(xs) > 1:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            beyond = rows > xs[-1]
+            out[beyond] = ys[-1] + slope * (rows[beyond] - xs[-1])
+        return np.where(rows <= 1, 1.0, out)
+
+    @staticmethod
+    def for_path(device_type: str, quantized: bool, c_kernel: bool | None = None) -> RowCostModel:
+        """The measured default curve of a compute path (see the module docstring).
+
+        `c_kernel`: whether quantised CPU layers run paged's C kernel (None: whether
+        it loads here, as the quantised layers decide).
+        """
+        if device_type != "cpu":
+            return RowCostModel(_CUDA_POINTS)
+        if not quantized:
+            return RowCostModel(_CPU_FLOAT_POINTS, request_cost=0.02)
+        if c_kernel is None:
+            from paged.runner.cpu_kernels import load_qgemm
+
+            c_kernel = load_qgemm() is not None
+        # 8 requests x 2 rows cost 3-6 ms per request more than 1 request x 16 rows.
+        return RowCostModel(
+            _CPU_QGEMM_POINTS if c_kernel else _CPU_QUANTIZED_POINTS, request_cost=0.1
+        )
 
     @staticmethod
     def for_device(device_type: str) -> RowCostModel:
-        if device_type == "cpu":
-            # See the module docstring for where each figure comes from.
-            return RowCostModel(step_cost=1.9, plateau_rows=8, row_cost=0.07)
-        # Not measured: a GPU forward is memory-bound far beyond a batch of drafts.
-        return RowCostModel(step_cost=1.05, plateau_rows=64, row_cost=0.01)
+        """The unquantised path's curve of a device (float32 on CPU)."""
+        return RowCostModel.for_path(device_type, quantized=False)
 
 
 @dataclass(slots=True)
@@ -151,27 +255,33 @@ def plan_drafts(
     plan = [0] * len(acceptance)
     if disable_by_batch_size is not None and len(acceptance) >= disable_by_batch_size:
         return plan
-    # Every candidate draft with its value, best first.
-    candidates: list[tuple[float, int]] = []
-    for r, (a, cap) in enumerate(zip(acceptance, max_drafts, strict=True)):
-        value = 1.0
-        for _ in range(max(cap, 0)):
-            value *= a
-            if value <= 0.0:
-                break
-            candidates.append((value, r))
-    candidates.sort(key=lambda c: -c[0])
-    best_throughput = base_rows / cost.cost(base_rows)
-    best_count = 0
-    gained = 0.0
-    for count, (value, _) in enumerate(candidates, start=1):
-        gained += value
-        throughput = (base_rows + gained) / cost.cost(base_rows + count)
-        if throughput > best_throughput * (1 + 1e-9):
-            best_throughput, best_count = throughput, count
-    for _, r in candidates[:best_count]:
-        plan[r] += 1
-    return plan
+    caps = np.maximum(np.asarray(max_drafts, dtype=np.int64), 0)
+    width = int(caps.max()) if len(caps) else 0
+    if width == 0:
+        return plan
+    # Every candidate draft with its value a**i ([R, width], row-major: request, then
+    # draft), best first; the sort is stable, so equal values keep that order.
+    i = np.arange(1, width + 1)
+    values = np.asarray(acceptance, dtype=np.float64)[:, None] ** i[None, :]
+    valid = (i[None, :] <= caps[:, None]) & (values > 0.0)
+    owner = np.nonzero(valid)[0]
+    order = np.argsort(-values[valid], kind="stable")
+    if len(order) == 0:
+        return plan
+    gained = np.cumsum(values[valid][order])
+    counts = np.arange(1, len(order) + 1)
+    # Requests with at least one draft among the first c candidates (each adds request_cost).
+    owners_sorted = owner[order]
+    first_seen = np.zeros(len(order), dtype=bool)
+    first_seen[np.unique(owners_sorted, return_index=True)[1]] = True
+    drafting = np.cumsum(first_seen)
+    step_cost = cost.costs(base_rows + counts) + cost.request_cost * drafting
+    throughput = (base_rows + gained) / step_cost
+    best = int(np.argmax(throughput))
+    if throughput[best] <= base_rows / cost.cost(base_rows) * (1 + 1e-9):
+        return plan
+    chosen = np.bincount(owner[order[: best + 1]], minlength=len(plan))
+    return [int(k) for k in chosen]
 
 
 def expected_speedup(
@@ -181,4 +291,5 @@ def expected_speedup(
     gained = sum(sum(a**i for i in range(1, k + 1)) for k, a in zip(plan, acceptance, strict=True))
     drafted = sum(plan)
     plain = base_rows / cost.cost(base_rows)
-    return (base_rows + gained) / cost.cost(base_rows + drafted) / plain if plain else math.nan
+    step = cost.cost(base_rows + drafted) + cost.request_cost * sum(1 for k in plan if k)
+    return (base_rows + gained) / step / plain if plain else math.nan

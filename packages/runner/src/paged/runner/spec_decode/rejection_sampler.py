@@ -31,6 +31,7 @@ noise from their own generator, so their tokens do not depend on the batch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,7 +81,12 @@ def processed_logits(
     start: npt.NDArray[np.int64],
     width: npt.NDArray[np.int64],
 ) -> torch.Tensor:
-    """Bias, min-tokens suppression and penalties, each request's applied at all its positions."""
+    """Bias, min-tokens suppression and penalties, each request's applied at all its positions.
+
+    Never mutates `logits`; returns it unchanged (no copy) when nothing applies.
+    """
+    if meta.logit_bias_rows is None and meta.min_tokens_rows is None and meta.no_penalties:
+        return logits
     out = logits.clone()
     if meta.logit_bias_rows is not None:
         assert meta.logit_bias_tokens is not None and meta.logit_bias_values is not None
@@ -122,6 +128,17 @@ def target_probs(
     return apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` (the first maximum, NaN counting as one), faster on CPU.
+
+    torch's CPU argmax is scalar code: 5.5 ms for 64 x 49,152 float32 logits (one
+    thread) against 0.7 ms for numpy's SIMD argmax, same indices.
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1).astype(np.int64))
+    return x.argmax(dim=-1)
+
+
 def rejection_sample(
     logits: torch.Tensor,
     num_drafts: npt.NDArray[np.int64],
@@ -152,10 +169,14 @@ def rejection_sample(
     processed = processed_logits(logits, meta, pos_to_req, start, width)
 
     max_k = int(num_drafts.max()) if num_reqs else 0
-    drafts = torch.zeros((num_reqs, max(max_k, 1)), dtype=torch.int64)
-    for i, ids in enumerate(draft_token_ids):
-        drafts[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    drafts = drafts.to(device)
+    # [R, max_k] drafts, zero-padded: a row-major mask fills request i's first k_i columns.
+    drafts_np = np.zeros((num_reqs, max(max_k, 1)), dtype=np.int64)
+    if max_k:
+        filled = np.arange(drafts_np.shape[1])[None, :] < num_drafts[:, None]
+        drafts_np[filled] = np.fromiter(
+            itertools.chain.from_iterable(draft_token_ids), np.int64, int(num_drafts.sum())
+        )
+    drafts = torch.from_numpy(drafts_np).to(device)
     col = torch.arange(drafts.shape[1], device=device)
     k_dev = torch.from_numpy(num_drafts.astype(np.int64)).to(device)
     valid = col.unsqueeze(0) < k_dev.unsqueeze(1)
@@ -163,7 +184,7 @@ def rejection_sample(
     # Flat position scoring draft j of request i: start_i + j (clamped for padding).
     draft_pos = torch.minimum(start_dev.unsqueeze(1) + col, start_dev.unsqueeze(1) + k_dev[:, None])
 
-    greedy_tok = None if meta.all_random else processed.argmax(dim=-1)
+    greedy_tok = None if meta.all_random else row_argmax(processed)
     probs = None if meta.all_greedy else target_probs(processed, meta, pos_to_req)
     accept = torch.zeros_like(valid)
     if greedy_tok is not None:
@@ -199,10 +220,16 @@ def rejection_sample(
     logprobs = None
     if raw_logprobs is not None:
         assert meta.max_num_logprobs is not None
-        chosen = torch.zeros(num_positions, dtype=torch.int64)
-        for i, ids in enumerate(tokens):
-            chosen[int(start[i]) : int(start[i]) + len(ids)] = torch.tensor(ids)
-        logprobs = compute_logprobs_tensors(raw_logprobs, meta.max_num_logprobs, chosen.to(device))
+        # Each request's tokens at its first positions (the rest of its rows unused).
+        chosen = np.zeros(num_positions, dtype=np.int64)
+        lengths = np.asarray(accepted, dtype=np.int64) + 1
+        flat = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        chosen[np.repeat(start, lengths) + flat] = np.fromiter(
+            itertools.chain.from_iterable(tokens), np.int64, int(lengths.sum())
+        )
+        logprobs = compute_logprobs_tensors(
+            raw_logprobs, meta.max_num_logprobs, torch.from_numpy(chosen).to(device)
+        )
     nans = nans_per_pos.cpu().numpy()
     nan_per_req = np.add.reduceat(nans, start).tolist() if num_reqs else []
     return RejectionOutput(
