@@ -177,7 +177,9 @@ class QGemmMatmul:
         self.gemm = gemm
         self.outlier_ratio = OUTLIER_RATIO
         levels = (
-            "one level" if OUTLIER_RATIO is None else f"2 levels where amax > {OUTLIER_RATIO:g} mean"
+            "one level"
+            if OUTLIER_RATIO is None
+            else f"2 levels where amax > {OUTLIER_RATIO:g} mean"
         )
         self.out_features, self.in_features = gemm.out_features, gemm.in_features
         self.report = QuantReport(
