@@ -124,7 +124,11 @@ class Server:
 
 
 def start_paged(
-    model: str | None, threads: int, log_dir: Path, trace: Path | None = None
+    model: str | None,
+    threads: int,
+    log_dir: Path,
+    trace: Path | None = None,
+    extra_args: list[str] | None = None,
 ) -> Server:
     port = _free_port()
     log = log_dir / "paged.log"
@@ -133,6 +137,7 @@ def start_paged(
            "--max-model-len", "2048"]  # fmt: skip
     if model:
         cmd += ["--model", model]
+    cmd += extra_args or []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     if trace is not None:  # engine step timeline + API-server profile, written at exit
         env.update(PAGED_STEP_TRACE=f"{trace}.steps.json", PAGED_API_PROFILE=f"{trace}.api.txt")
@@ -271,6 +276,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--scenarios", default="abc")
     parser.add_argument(
+        "--paged-args",
+        default="",
+        help="extra `paged serve` arguments, one string (e.g. '--max-num-batched-tokens 512')",
+    )
+    parser.add_argument(
         "--trace-dir",
         type=Path,
         help="write paged's engine step trace and API-server cProfile here (one server per "
@@ -300,6 +310,7 @@ def main() -> None:
                         args.threads,
                         Path(tmp),
                         args.trace_dir / f"run{run}-{args.scenarios}" if args.trace_dir else None,
+                        args.paged_args.split(),
                     )
                     if side == "paged"
                     else start_llamacpp(args.llama_server, gguf, args.threads, Path(tmp))
@@ -317,7 +328,8 @@ def main() -> None:
     keys = {"a": ["ttft_s", "decode_tok_s"], "b": ["output_tok_s"],
             "c": ["output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s"]}  # fmt: skip
     summary: dict[str, Any] = {"bench": "cpu_vs_llamacpp", "gguf": Path(gguf).name,
-                               "runs": args.runs, "threads": args.threads}  # fmt: skip
+                               "runs": args.runs, "threads": args.threads,
+                               "paged_args": args.paged_args}  # fmt: skip
     for sc in args.scenarios:
         for side in sides:
             runs = results[side].get(sc, [])

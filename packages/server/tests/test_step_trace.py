@@ -34,9 +34,9 @@ def test_summary_splits_prefill_and_decode_steps(tmp_path: Path) -> None:
     trace.begin_step()
     trace.end_step(_outputs(scheduled=40, running=2, tokens=1))  # a prefill chunk + 1 decode
     trace.add_idle(0.25)
-    for _ in range(3):
+    for running in (2, 2, 1):  # the last one finished a request
         trace.begin_step()
-        trace.end_step(_outputs(scheduled=2, running=2, tokens=2))
+        trace.end_step(_outputs(scheduled=2, running=running, tokens=2))
     trace.begin_step()
     trace.end_step({})  # nothing came out: not a step
     trace.add_sent(0.001, 100)

@@ -124,9 +124,7 @@ def run_server(
             "required" if api_key else "not required",
         )
         with maybe_profile():  # PAGED_API_PROFILE=PATH; off by default
-            uvicorn.run(
-                app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
-            )
+            uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         client.shutdown()
 

@@ -9,8 +9,9 @@ its encode time and the bytes it sent. At exit one JSON document is written
 to PATH: a summary (pure-decode vs prefill-carrying steps, idle time, encode
 cost) and the steps themselves.
 
-A step is "pure decode" when it scheduled exactly one token per running
-request; anything else carried a prefill chunk (or speculative tokens).
+A step is "pure decode" when every token it scheduled came back as a new
+token (one per request); a prefill chunk schedules many tokens and returns
+at most one. `running` / `waiting` are the scheduler's counts after the step.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ class StepRecord:
     cpu: float  # the loop thread's CPU time over the step
     idle_before: float  # blocked waiting for input right before this step
     scheduled_tokens: int
-    running: int
+    running: int  # after the step (requests that finished in it are gone)
     waiting: int
     outputs: int
     new_tokens: int
 
     @property
     def pure_decode(self) -> bool:
-        return self.scheduled_tokens == self.running
+        return self.scheduled_tokens == self.new_tokens
 
 
 class StepTrace:
@@ -129,7 +130,7 @@ class StepTrace:
             "prefill_wall_s": round(sum(s.wall for s in prefill), 3),
             "idle_between_steps_s": round(sum(s.idle_before for s in steps[1:]), 3),
             "decode_step_wall_p50_s": med([s.wall for s in decode]),
-            "decode_batch_p50": med([float(s.running) for s in decode]),
+            "decode_batch_p50": med([float(s.scheduled_tokens) for s in decode]),
             "prefill_step_wall_p50_s": med([s.wall for s in prefill]),
             "prefill_tokens_per_step_p50": med([float(s.scheduled_tokens) for s in prefill]),
             "new_tokens": new_tokens,
