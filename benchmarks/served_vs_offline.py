@@ -21,20 +21,34 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import importlib.util
 import json
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-sys.path.insert(0, str(Path(__file__).parent))
-from cpu_vs_llamacpp import _prompt
+from typing import Any, cast
 
 from paged.scheduler import SamplingParams
 from paged.server.engine.step_trace import StepTrace
 from paged.server.llm import LLM
+
+
+def _served_prompt_fn() -> Callable[[int, int], str]:
+    """cpu_vs_llamacpp's own prompt builder (same words, same seeds), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(
+        "cpu_vs_llamacpp", Path(__file__).with_name("cpu_vs_llamacpp.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return cast(Callable[[int, int], str], module._prompt)
+
+
+_prompt = _served_prompt_fn()
 
 
 def prompts_for(scenario: str) -> list[str]:

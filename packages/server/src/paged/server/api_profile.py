@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import io
+import logging
 import os
 import pstats
 import time
 from collections.abc import Iterator
 
+logger = logging.getLogger(__name__)
 ENV_VAR = "PAGED_API_PROFILE"
 _TOP = 60
 
@@ -30,6 +32,7 @@ def maybe_profile() -> Iterator[None]:
     if not path:
         yield
         return
+    logger.warning("API server profile on (cProfile of the event loop): written to %s", path)
     profiler = cProfile.Profile()
     cpu0, wall0 = time.process_time(), time.monotonic()
     profiler.enable()

@@ -101,6 +101,8 @@ class EngineCoreProc:
         self._parent_watch = ParentDeathWatcher(self._on_parent_death)
         # PAGED_STEP_TRACE=PATH: a per-step timeline written at exit (off: None).
         self._trace = StepTrace.from_env()
+        if self._trace is not None:
+            logger.warning("engine step trace on: written to %s at exit", self._trace.path)
 
     @property
     def parent_died(self) -> bool:
