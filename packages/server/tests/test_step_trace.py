@@ -51,6 +51,14 @@ def test_summary_splits_prefill_and_decode_steps(tmp_path: Path) -> None:
     assert len(doc["steps"]) == 4 and doc["summary"] == s
 
 
+def test_unwritable_path_is_logged_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trace = StepTrace(str(tmp_path / "missing-dir" / "t.json"))
+    trace.write()
+    assert "cannot write the step trace" in caplog.text
+
+
 def test_from_env_is_off_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert StepTrace.from_env() is None

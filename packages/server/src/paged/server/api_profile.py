@@ -7,6 +7,11 @@ the server's lifetime and writes, at exit, the functions sorted by own time
 and by cumulative time (text, `pstats` format) plus the raw stats beside it
 (`PATH.pstats`). cProfile makes Python calls slower (roughly 1.5-2x on this
 code), so use it for where the time goes, and process CPU for how much.
+
+The report is written when `uvicorn.run()` returns or raises: stop the server
+with SIGINT (Ctrl-C; uvicorn re-raises it as KeyboardInterrupt), as
+`benchmarks/cpu_vs_llamacpp.py` does. SIGTERM's re-raise ends the process
+before any `finally` runs, so no report is written then.
 """
 
 from __future__ import annotations

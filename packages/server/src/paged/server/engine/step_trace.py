@@ -9,6 +9,10 @@ its encode time and the bytes it sent. At exit one JSON document is written
 to PATH: a summary (pure-decode vs prefill-carrying steps, idle time, encode
 cost) and the steps themselves.
 
+Meant for benchmark runs: every step is kept in memory (~200 bytes each) until
+exit; a trace that cannot be written is logged, never raised (the engine's
+shutdown must go on).
+
 A step is "pure decode" when every token it scheduled came back as a new
 token (one per request); a prefill chunk schedules many tokens and returns
 at most one. `running` / `waiting` are the scheduler's counts after the step.
@@ -17,6 +21,7 @@ at most one. `running` / `waiting` are the scheduler's counts after the step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import threading
@@ -26,6 +31,7 @@ from typing import Any
 
 from paged.scheduler.boundary import EngineCoreOutputs
 
+logger = logging.getLogger(__name__)
 ENV_VAR = "PAGED_STEP_TRACE"
 
 
@@ -141,6 +147,10 @@ class StepTrace:
         }
 
     def write(self) -> None:
+        """Write the trace to `path`; an error is logged (shutdown goes on regardless)."""
         doc = {"summary": self.summary(), "steps": [asdict(s) for s in self._steps]}
-        with open(self.path, "w") as f:
-            json.dump(doc, f)
+        try:
+            with open(self.path, "w") as f:
+                json.dump(doc, f)
+        except OSError as exc:
+            logger.error("cannot write the step trace to %s: %s", self.path, exc)
