@@ -21,7 +21,7 @@ import torch
 
 from paged.runner.attention.metadata import AttentionMetadata, ForwardContext
 from paged.runner.config import ModelConfig
-from paged.runner.cpu_step import fused, fused_build
+from paged.runner.cpu_step import build, fused, fused_build
 from paged.runner.layers.linear import QKVParallelLinear, ShardedLinear
 from paged.runner.layers.quantized_linear import QGemmMatmul, RowSplitMatmul
 from paged.runner.loader import load_model
@@ -176,6 +176,11 @@ def test_switched_off_or_unquantised_models_take_the_per_op_path(
     monkeypatch.setenv(fused_build.ENABLE_ENV, "off")
     inner.cpu_fused = fused.FusedLayers()
     assert inner._fused_stack() is None
+    monkeypatch.delenv(fused_build.ENABLE_ENV)
+    monkeypatch.setenv(build.ENABLE_ENV, "off")  # every C step op off: no fusion either
+    inner.cpu_fused = fused.FusedLayers()
+    assert inner._fused_stack() is None
+    monkeypatch.delenv(build.ENABLE_ENV)
     monkeypatch.setenv(fused_build.ENABLE_ENV, "maybe")
     inner.cpu_fused = fused.FusedLayers()
     with pytest.raises(ValueError, match=fused_build.ENABLE_ENV):
@@ -222,3 +227,12 @@ def test_steps_above_the_scratch_limit_run_per_op(
     monkeypatch.setattr(fused.FusedDecoderStack, "forward", counting)
     _run(model, STEPS, fused_on=True)
     assert calls == [2, 2, 2]  # the 8-row prefill ran per op
+
+
+def test_a_missing_compiler_logs_and_keeps_the_per_op_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc-for-paged-tests")
+    with caplog.at_level("WARNING"):
+        assert fused_build.load_fused() is None
+    assert "fused CPU layers unavailable" in caplog.text
