@@ -7,9 +7,9 @@
     final norm -> hidden [T, H] bf16 (a fresh tensor: the caller may keep it)
 
 The maths is the per-op path's, call for call (fused_layer.c): a layer's output
-equals the unfused forward's bit for bit (tests/test_cpu_fused_layers.py). What
-the fusion removes is Python: at batch 1 the per-op forward of SmolLM2-135M made
-~300 module calls, ~300 tensor allocations and ~1,100 data_ptr reads a step.
+equals the unfused forward's bit for bit (packages/runner/tests/test_cpu_fused_layers.py).
+What the fusion removes is Python: at batch 1 the per-op forward of SmolLM2-135M
+made ~300 module calls, ~300 tensor allocations and ~1,100 data_ptr reads a step.
 
 `LayerPlan`s are built once from the loaded layers (`layer_spec` says whether a
 layer qualifies: every projection on paged's C qgemm kernel without a bias, a
@@ -279,7 +279,8 @@ class FusedDecoderStack:
             out = specs[i].attn(q, k, v, kv_caches[i] if kv_caches else None, ctx.metadata_for(i))
             if out.dtype is not BF16 or out.shape != (m, self.q_size):
                 raise RuntimeError(f"attention returned {out.dtype} {tuple(out.shape)}")
-            _check(post(plans[i], m, out.contiguous().data_ptr()))
+            out = out.contiguous()  # bound to a name: it must outlive the C call
+            _check(post(plans[i], m, out.data_ptr()))
             ctx.save_kv_layer(i)
             pending = mlp_ptr
         norm = self.final_norm
