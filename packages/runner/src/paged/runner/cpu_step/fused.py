@@ -145,6 +145,18 @@ def layer_spec(
         return None
     if not (rotary.is_neox_style and rotary.rotary_dim == rotary.head_size == head_dim):
         return None
+    # The C code trusts these shapes (its buffers are sized from them): check them once.
+    hidden, inter = input_norm.weight.shape[0], down.weight.shape[1]
+    expected = {
+        id(qkv): (q_size + 2 * kv_size, hidden), id(o): (hidden, q_size),
+        id(gate_up): (2 * inter, hidden), id(down): (hidden, inter),
+    }  # fmt: skip
+    for p in projections:
+        parts = _parts(p) or []
+        if (sum(k.out_features for k in parts), parts[0].in_features) != expected[id(p)]:
+            return None
+        if any(k.in_features != parts[0].in_features for k in parts):
+            return None
     return LayerSpec(
         qkv, o, gate_up, down, act_kind, rotary, attn, q_size, kv_size, head_dim,
         input_norm, post_attn_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm,
