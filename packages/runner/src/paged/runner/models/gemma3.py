@@ -266,12 +266,17 @@ class Gemma3TextModel(nn.Module):
         self.cpu_fused = fused.FusedLayers()
 
     def _fused_stack(self) -> fused.FusedDecoderStack | None:
-        layers = [layer for layer in self.layers if isinstance(layer, Gemma3DecoderLayer)]
+        first = self.layers[0]
+        assert isinstance(first, Gemma3DecoderLayer)
 
         def build() -> fused.FusedDecoderStack | None:
-            return fused.build_stack([layer.fused_spec() for layer in layers], self.norm)
+            specs = [
+                layer.fused_spec() if isinstance(layer, Gemma3DecoderLayer) else None
+                for layer in self.layers
+            ]
+            return fused.build_stack(specs, self.norm)
 
-        return self.cpu_fused.stack(layers[0].self_attn.qkv_proj.quant, build)
+        return self.cpu_fused.stack(first.self_attn.qkv_proj.quant, build)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.embed_tokens(input_ids) * self.embed_scale
