@@ -1,16 +1,19 @@
-"""Decode attention on CPU in one C call per layer (bf16 KV cache): cache write + attention.
+"""Attention on CPU in one C call per layer for steps of short query runs (bf16 KV cache).
 
-A pure-decode step (one new token per request) on the torch backend with a
-bfloat16 cache costs ~40 torch ops per layer through `torch_attention`
-(slot checks, two index_copy_, two block gathers, casts to float32, a key
-mask, SDPA, reshapes). `paged_decode_attention` in cpu_step/step_ops.c
-writes the step's K/V rows and attends each query straight from the paged
-blocks in float32, in one call.
+A step whose requests all have short query runs -- decode rows (one new token)
+and speculative-verification rows (the bonus position plus the drafts, at most
+`MAX_QUERY_ROWS` per request), no prefill chunk -- goes through
+`paged_attention_rows` in cpu_step/attention.c: the step's K/V rows are written
+to their slots and every query row attends straight from the paged blocks,
+causally within its request, in float32. The same code path serves one-row and
+multi-row requests, so a verification row gives the bits a plain decode row at
+that position gives (greedy speculation then equals plain greedy decoding on the
+bf16 path too). Steps with a prefill chunk keep the torch SDPA path.
 
 What does not change per layer is worked out once per step: `DecodePlan`
-holds the step's slot mapping, block table and sequence lengths, checked
-for the C call, and is kept for the metadata object it was made from, so
-the 29 layers after the first reuse it (hybrid models pass a second
+holds the step's slot mapping, block table, query starts and sequence lengths,
+checked for the C call, and is kept for the metadata object it was made from,
+so the 29 layers after the first reuse it (hybrid models pass a second
 metadata object per KV cache group and get a second plan).
 """
 
@@ -19,10 +22,15 @@ from __future__ import annotations
 import torch
 
 from paged.runner.attention.metadata import AttentionMetadata
-from paged.runner.cpu_step import ops
+from paged.runner.cpu_step import attention_ops
 
-# The step's slot mapping, block table and sequence lengths, checked for the C call.
-DecodePlan = ops.DecodeStep
+# The step's layout, checked for the C call.
+DecodePlan = attention_ops.RowsStep
+
+# Longest query run per request the C call takes. Verification rows are
+# 1 + num_speculative_tokens (<= 16 in practice); a longer run is a prefill
+# chunk, where SDPA's blocked matmuls win over per-row scoring.
+MAX_QUERY_ROWS = 16
 
 
 # The plans of the latest metadata objects, newest last; a step holds one per
@@ -34,8 +42,9 @@ _MAX_PLANS = 4
 def decode_plan(meta: AttentionMetadata, num_tokens: int) -> DecodePlan | None:
     """The plan for `meta`, or None when the step is not one the C kernel takes.
 
-    It takes a step of R requests with one query each (max_query_len 1, R
-    tokens, no padding rows) on CPU with the C library loaded.
+    It takes a step of R requests with 1..MAX_QUERY_ROWS query rows each (no
+    padding rows, no bidirectional spans over several rows) on CPU with the C
+    library loaded.
     """
     for seen, plan in reversed(_plans):
         if seen is meta:
@@ -49,22 +58,26 @@ def decode_plan(meta: AttentionMetadata, num_tokens: int) -> DecodePlan | None:
 def _make_plan(meta: AttentionMetadata, num_tokens: int) -> DecodePlan | None:
     num_reqs = meta.num_reqs
     if (
-        meta.max_query_len != 1
+        not 1 <= meta.max_query_len <= MAX_QUERY_ROWS
         or num_reqs == 0
-        or num_tokens != num_reqs
-        or meta.num_actual_tokens != num_reqs
+        or num_tokens != meta.num_actual_tokens
         or meta.seq_lens.device.type != "cpu"
-        or not ops.available()
+        or (meta.bidirectional_ranges is not None and meta.max_query_len > 1)
+        or not attention_ops.available()
     ):
         return None
-    slot_mapping = meta.slot_mapping[:num_reqs].to(torch.int64).contiguous()
+    query_start_loc = meta.query_start_loc[: num_reqs + 1].to(torch.int32).contiguous()
+    if int(query_start_loc[-1]) != num_tokens:
+        return None
     seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if bool((seq_lens < 1).any()) or bool((q_lens > seq_lens).any()):
+        return None  # an empty sequence: the torch path's zero rows
+    slot_mapping = meta.slot_mapping[:num_tokens].to(torch.int64).contiguous()
     block_table = meta.block_table.to(torch.int32)
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    if bool((seq_lens < 1).any()):
-        return None  # an empty sequence: the torch path's zero rows
-    return ops.decode_step(slot_mapping, block_table, seq_lens)
+    return attention_ops.rows_step(slot_mapping, block_table, query_start_loc, seq_lens)
 
 
 def native_decode_ok(kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
@@ -87,7 +100,7 @@ def decode_attention(
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> torch.Tensor:
-    """query [R, Hq*D], key/value [R, Hkv*D] -> [R, Hq*D]; this step's K/V land in kv_cache."""
-    return ops.decode_attention_step(
+    """query [T, Hq*D], key/value [T, Hkv*D] -> [T, Hq*D]; this step's K/V land in kv_cache."""
+    return attention_ops.attention_rows_step(
         plan, query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window, soft_cap
     )
