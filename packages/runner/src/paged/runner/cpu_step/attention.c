@@ -75,6 +75,63 @@ static inline float exp_f32(float x) {
     return p * scale;
 }
 
+#if defined(__AVX512F__)
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* r[i][j] <- r[j][i] for a 16x16 float tile: 2x2, 4x4 (in 128-bit lanes), then
+ * 128-bit blocks across registers (64 shuffles, no gathers). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+        r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+/* exp_f32's operations on 16 lanes (the same Cephes steps). */
+static inline __m512 exp_f32x16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+    const __m512 shifter = _mm512_set1_ps(12582912.0f);
+    __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shifter),
+                             shifter);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 /* One chunk of <= 16 keys and values of one KV head, float32. Lanes >= count are 0. */
 typedef struct {
     float kt[/* d */ 256 * LANES]; /* kt[i * LANES + t] = key t's i-th component */
@@ -87,37 +144,17 @@ static void load_chunk(const uint16_t *ksrc, const uint16_t *vsrc, int64_t row, 
                        int64_t count, Chunk *c) {
 #if defined(__AVX512F__)
     if (d % LANES == 0) {
-        /* keys: per 16-component slab, gather component i of the 16 keys with one
-         * 16-bit gather per lane would be slow; instead convert each key's slab to a
-         * float vector and transpose 16x16 through a small buffer. */
-        float tile[LANES][LANES];
         for (int64_t i0 = 0; i0 < d; i0 += LANES) {
-            for (int64_t t = 0; t < LANES; t++) {
-                __m512 x = _mm512_setzero_ps();
-                if (t < count) {
-                    __m256i b = _mm256_loadu_si256((const __m256i *)(ksrc + t * row + i0));
-                    x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-                }
-                _mm512_storeu_ps(tile[t], x);
-            }
-            /* column i of the tile -> kt row i0 + i: 16 strided loads, by gather */
-            const __m512i idx = _mm512_set_epi32(15 * LANES, 14 * LANES, 13 * LANES, 12 * LANES,
-                                                 11 * LANES, 10 * LANES, 9 * LANES, 8 * LANES,
-                                                 7 * LANES, 6 * LANES, 5 * LANES, 4 * LANES,
-                                                 3 * LANES, 2 * LANES, 1 * LANES, 0);
-            for (int64_t i = 0; i < LANES; i++)
-                _mm512_storeu_ps(c->kt + (i0 + i) * LANES,
-                                 _mm512_i32gather_ps(idx, &tile[0][i], 4));
+            __m512 tile[LANES];
+            for (int64_t t = 0; t < LANES; t++)
+                tile[t] = t < count ? load_bf16x16(ksrc + t * row + i0) : _mm512_setzero_ps();
+            transpose16(tile);
+            for (int64_t i = 0; i < LANES; i++) _mm512_store_ps(c->kt + (i0 + i) * LANES, tile[i]);
         }
         for (int64_t t = 0; t < LANES; t++)
-            for (int64_t i0 = 0; i0 < d; i0 += LANES) {
-                __m512 x = _mm512_setzero_ps();
-                if (t < count) {
-                    __m256i b = _mm256_loadu_si256((const __m256i *)(vsrc + t * row + i0));
-                    x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-                }
-                _mm512_storeu_ps(c->v + t * d + i0, x);
-            }
+            for (int64_t i0 = 0; i0 < d; i0 += LANES)
+                _mm512_store_ps(c->v + t * d + i0,
+                                t < count ? load_bf16x16(vsrc + t * row + i0) : _mm512_setzero_ps());
         return;
     }
 #endif
@@ -128,36 +165,66 @@ static void load_chunk(const uint16_t *ksrc, const uint16_t *vsrc, int64_t row, 
         }
 }
 
-/* s[t] = (q . key t) * scale for the chunk's 16 lanes (lanes past the chunk score 0). */
-static inline void chunk_scores(const float *q, const Chunk *c, int64_t d, float scale,
-                                float *s) {
+/* s[n][t] = (q_n . key t) * scale for the chunk's 16 lanes, for n query vectors at q
+ * (d floats apart). Each vector's sum runs in the same order whatever n is (two
+ * chains, even and odd components), so batching vectors changes no bit; up to four
+ * vectors share each key load, eight independent fma chains. */
+static void chunk_scores(const float *q, int64_t n, const Chunk *c, int64_t d, float scale,
+                         float *s) {
 #if defined(__AVX512F__)
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 1 < d; i += 2) { /* two chains: the fma latency, not its throughput */
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_loadu_ps(c->kt + i * LANES), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(q[i + 1]),
-                             _mm512_loadu_ps(c->kt + (i + 1) * LANES), a1);
-    }
-    if (i < d)
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_loadu_ps(c->kt + i * LANES), a0);
-    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_add_ps(a0, a1), _mm512_set1_ps(scale)));
-#else
-    float a0[LANES] = {0}, a1[LANES] = {0};
-    int64_t i = 0;
-    for (; i + 1 < d; i += 2) {
-#pragma omp simd
-        for (int t = 0; t < LANES; t++) {
-            a0[t] += q[i] * c->kt[i * LANES + t];
-            a1[t] += q[i + 1] * c->kt[(i + 1) * LANES + t];
+    for (int64_t n0 = 0; n0 < n; n0 += 4) {
+        int64_t m = n - n0 < 4 ? n - n0 : 4;
+        const float *q0 = q + n0 * d;
+        const float *q1 = q0 + (m > 1 ? d : 0), *q2 = q0 + (m > 2 ? 2 * d : 0);
+        const float *q3 = q0 + (m > 3 ? 3 * d : 0); /* repeats of q0 past m: discarded */
+        __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;
+        __m512 o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+        int64_t i = 0;
+        for (; i + 1 < d; i += 2) {
+            __m512 ke = _mm512_load_ps(c->kt + i * LANES);
+            __m512 ko = _mm512_load_ps(c->kt + (i + 1) * LANES);
+            e0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[i]), ke, e0);
+            e1 = _mm512_fmadd_ps(_mm512_set1_ps(q1[i]), ke, e1);
+            e2 = _mm512_fmadd_ps(_mm512_set1_ps(q2[i]), ke, e2);
+            e3 = _mm512_fmadd_ps(_mm512_set1_ps(q3[i]), ke, e3);
+            o0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[i + 1]), ko, o0);
+            o1 = _mm512_fmadd_ps(_mm512_set1_ps(q1[i + 1]), ko, o1);
+            o2 = _mm512_fmadd_ps(_mm512_set1_ps(q2[i + 1]), ko, o2);
+            o3 = _mm512_fmadd_ps(_mm512_set1_ps(q3[i + 1]), ko, o3);
         }
+        if (i < d) {
+            __m512 ke = _mm512_load_ps(c->kt + i * LANES);
+            e0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[i]), ke, e0);
+            e1 = _mm512_fmadd_ps(_mm512_set1_ps(q1[i]), ke, e1);
+            e2 = _mm512_fmadd_ps(_mm512_set1_ps(q2[i]), ke, e2);
+            e3 = _mm512_fmadd_ps(_mm512_set1_ps(q3[i]), ke, e3);
+        }
+        const __m512 sc = _mm512_set1_ps(scale);
+        __m512 r[4] = {_mm512_mul_ps(_mm512_add_ps(e0, o0), sc),
+                       _mm512_mul_ps(_mm512_add_ps(e1, o1), sc),
+                       _mm512_mul_ps(_mm512_add_ps(e2, o2), sc),
+                       _mm512_mul_ps(_mm512_add_ps(e3, o3), sc)};
+        for (int64_t k = 0; k < m; k++) _mm512_storeu_ps(s + (n0 + k) * LANES, r[k]);
     }
-    if (i < d) {
+#else
+    for (int64_t v = 0; v < n; v++) {
+        const float *qv = q + v * d;
+        float a0[LANES] = {0}, a1[LANES] = {0};
+        int64_t i = 0;
+        for (; i + 1 < d; i += 2) {
 #pragma omp simd
-        for (int t = 0; t < LANES; t++) a0[t] += q[i] * c->kt[i * LANES + t];
+            for (int t = 0; t < LANES; t++) {
+                a0[t] += qv[i] * c->kt[i * LANES + t];
+                a1[t] += qv[i + 1] * c->kt[(i + 1) * LANES + t];
+            }
+        }
+        if (i < d) {
+#pragma omp simd
+            for (int t = 0; t < LANES; t++) a0[t] += qv[i] * c->kt[i * LANES + t];
+        }
+#pragma omp simd
+        for (int t = 0; t < LANES; t++) s[v * LANES + t] = (a0[t] + a1[t]) * scale;
     }
-#pragma omp simd
-    for (int t = 0; t < LANES; t++) s[t] = (a0[t] + a1[t]) * scale;
 #endif
 }
 
@@ -169,33 +236,60 @@ typedef struct {
 /* Fold lanes [lo, hi) of the chunk's scores s into (state, acc[d]). */
 static void fold_chunk(float *s, int64_t lo, int64_t hi, float soft_cap, const Chunk *c,
                        int64_t d, Running *st, float *acc) {
-    float m = -INFINITY;
-    for (int t = 0; t < LANES; t++) {
-        float x = s[t];
-        if (soft_cap > 0.0f) x = soft_cap * tanhf(x / soft_cap);
-        x = (t >= lo && t < hi) ? x : -INFINITY;
-        s[t] = x;
-        m = x > m ? x : m;
-    }
-    float new_max = m > st->max ? m : st->max;
-    float correction = st->max == -INFINITY ? 0.0f : exp_f32(st->max - new_max);
-    float p[LANES];
-#pragma omp simd
-    for (int t = 0; t < LANES; t++) p[t] = exp_f32(s[t] - new_max);
-    /* a fixed pairwise order over the 16 lanes (masked lanes are +0: no effect) */
-    float total = 0.0f;
+    if (soft_cap > 0.0f)
+        for (int64_t t = lo; t < hi; t++) s[t] = soft_cap * tanhf(s[t] / soft_cap);
+    float p[LANES], total, new_max;
+#if defined(__AVX512F__)
     {
+        __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+        __m512 x = _mm512_maskz_loadu_ps(valid, s);
+        float m = _mm512_mask_reduce_max_ps(valid, x);
+        new_max = m > st->max ? m : st->max;
+        __m512 e = _mm512_maskz_mov_ps(valid, exp_f32x16(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
+        _mm512_storeu_ps(p, e);
+        total = _mm512_reduce_add_ps(e);
+    }
+#else
+    {
+        float m = -INFINITY;
+        for (int64_t t = lo; t < hi; t++) m = s[t] > m ? s[t] : m;
+        new_max = m > st->max ? m : st->max;
+#pragma omp simd
+        for (int t = 0; t < LANES; t++)
+            p[t] = (t >= lo && t < hi) ? exp_f32(s[t] - new_max) : 0.0f;
+        /* a fixed pairwise order over the 16 lanes (masked lanes are +0: no effect) */
         float h8[8], h4[4];
         for (int t = 0; t < 8; t++) h8[t] = p[t] + p[t + 8];
         for (int t = 0; t < 4; t++) h4[t] = h8[t] + h8[t + 4];
         total = (h4[0] + h4[2]) + (h4[1] + h4[3]);
     }
+#endif
+    float correction = st->max == -INFINITY ? 0.0f : exp_f32(st->max - new_max);
     st->sum = st->sum * correction + total;
     st->max = new_max;
 #if defined(__AVX512F__)
     if (d % LANES == 0) {
         __m512 corr = _mm512_set1_ps(correction);
-        for (int64_t i0 = 0; i0 < d; i0 += LANES) {
+        int64_t i0 = 0;
+        for (; i0 + 4 * LANES <= d; i0 += 4 * LANES) { /* four independent chains */
+            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + i0), corr);
+            __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + i0 + LANES), corr);
+            __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + i0 + 2 * LANES), corr);
+            __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + i0 + 3 * LANES), corr);
+            for (int64_t t = lo; t < hi; t++) {
+                const float *vt = c->v + t * d + i0;
+                __m512 pt = _mm512_set1_ps(p[t]);
+                a0 = _mm512_fmadd_ps(pt, _mm512_load_ps(vt), a0);
+                a1 = _mm512_fmadd_ps(pt, _mm512_load_ps(vt + LANES), a1);
+                a2 = _mm512_fmadd_ps(pt, _mm512_load_ps(vt + 2 * LANES), a2);
+                a3 = _mm512_fmadd_ps(pt, _mm512_load_ps(vt + 3 * LANES), a3);
+            }
+            _mm512_storeu_ps(acc + i0, a0);
+            _mm512_storeu_ps(acc + i0 + LANES, a1);
+            _mm512_storeu_ps(acc + i0 + 2 * LANES, a2);
+            _mm512_storeu_ps(acc + i0 + 3 * LANES, a3);
+        }
+        for (; i0 < d; i0 += LANES) {
             __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + i0), corr);
             for (int64_t t = lo; t < hi; t++)
                 a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(c->v + t * d + i0), a);
@@ -269,7 +363,11 @@ int paged_attention_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k,
         return -1;
     }
     float *acc = qf + nvec * d;
-    float s[LANES];
+    float *scores = malloc((size_t)(nvec * LANES) * sizeof(float));
+    if (!scores) {
+        free(chunk), free(qf), free(state);
+        return -1;
+    }
     for (int64_t r = 0; r < num_reqs; r++) {
         int64_t q0 = query_start_loc[r], q_len = query_start_loc[r + 1] - q0, seq = seq_lens[r];
         if (q_len == 0) continue;
@@ -298,16 +396,24 @@ int paged_attention_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                     const int64_t slot0 = base + off;
                     load_chunk(key_cache + slot0 * row + h * d, value_cache + slot0 * row + h * d,
                                row, d, count, chunk);
-                    for (int64_t i = 0; i < q_len; i++) {
+                    /* the rows that see some key of this chunk, a contiguous run: row
+                     * i sees it from k0 <= p0 + i on (causality), and, with a window,
+                     * while its first key p0 + i - window + 1 is inside the chunk */
+                    int64_t i_lo = k0 > p0 ? k0 - p0 : 0, i_hi = q_len;
+                    if (window > 0 && k0 + count + window - 1 - p0 < i_hi)
+                        i_hi = k0 + count + window - 1 - p0;
+                    if (i_lo >= i_hi) continue;
+                    chunk_scores(qf + i_lo * group * d, (i_hi - i_lo) * group, chunk, d, scale,
+                                 scores);
+                    for (int64_t i = i_lo; i < i_hi; i++) {
                         int64_t p = p0 + i;
                         int64_t first = window > 0 ? p - window + 1 : 0;
-                        if (k0 > p || k0 + count <= first) continue;
                         int64_t lo = first > k0 ? first - k0 : 0;
                         int64_t hi = p - k0 + 1 < count ? p - k0 + 1 : count;
                         for (int64_t g = 0; g < group; g++) {
                             int64_t n = i * group + g;
-                            chunk_scores(qf + n * d, chunk, d, scale, s);
-                            fold_chunk(s, lo, hi, soft_cap, chunk, d, state + n, acc + n * d);
+                            fold_chunk(scores + (n - i_lo * group) * LANES, lo, hi, soft_cap,
+                                       chunk, d, state + n, acc + n * d);
                         }
                     }
                 }
@@ -322,6 +428,6 @@ int paged_attention_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                 }
         }
     }
-    free(chunk), free(qf), free(state);
+    free(chunk), free(qf), free(state), free(scores);
     return 0;
 }
