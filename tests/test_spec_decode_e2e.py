@@ -306,3 +306,59 @@ def test_drafting_policies_keep_greedy_output(target: Path, baseline: Run) -> No
     assert fixed.tokens == cost.tokens == off.tokens == baseline.tokens
     assert fixed.spec.num_draft_tokens > 0 and cost.spec.num_draft_tokens > 0
     assert off.spec.num_draft_tokens == 0
+
+
+def test_bf16_c_attention_greedy_identical_with_ngram(tmp_path: Path) -> None:
+    """bf16 on CPU: plain decode rows and verification rows go through one C attention
+    call (cpu_step/attention.c, the same code for one row or several), so n-gram
+    speculation gives the plain greedy tokens there too, not only in float32.
+
+    Head size 64 (the kernel's vector path) and a 64-token step budget, so that
+    verification steps, decode steps and short prefill chunks all take the C call
+    and the 23-30-token prompts go through SDPA as whole prefills.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged.runner.attention import cpu_decode
+    from paged.runner.cpu_step import attention_ops
+
+    if not attention_ops.available():
+        pytest.skip("no C compiler: the torch attention path")
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=MAX_LEN,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+
+    def bf16_config(spec: SpeculativeConfig | None) -> EngineConfig:
+        model = ModelConfig.from_pretrained(str(tmp_path), dtype="bfloat16", max_model_len=MAX_LEN)
+        return EngineConfig(
+            model_config=model,
+            cache_config=CacheConfig(block_size=16, kv_cache_memory_bytes=1 << 22),
+            scheduler_limits=SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64),
+            speculative_config=spec,
+        )
+
+    calls: list[int] = []
+    real = cpu_decode.decode_attention
+
+    def counting(plan: cpu_decode.DecodePlan, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(plan.max_query_len)
+        return real(plan, *args, **kwargs)  # type: ignore[arg-type]
+
+    cpu_decode.decode_attention = counting  # type: ignore[assignment]
+    try:
+        plain = run(bf16_config(None), greedy_requests(1, max_tokens=40), num_blocks=64)
+        plain_calls = len(calls)
+        spec = run(
+            bf16_config(SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)),
+            greedy_requests(1, max_tokens=40),
+            num_blocks=64,
+        )
+    finally:
+        cpu_decode.decode_attention = real  # type: ignore[assignment]
+    assert plain_calls > 0 and max(calls[plain_calls:]) > 1, "verification rows took the C call"
+    assert spec.spec.num_accepted_tokens > 0
+    assert spec.tokens == plain.tokens

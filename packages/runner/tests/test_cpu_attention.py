@@ -142,6 +142,19 @@ def test_verification_rows_are_decode_rows_bit_for_bit(
             assert torch.equal(case.one_row(req, row, window, cap)[0], got[t]), (req, row)
 
 
+def test_the_portable_c_path_matches_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled without AVX-512 (the plain loops): the same promises."""
+    lib = attention_ops._build_and_load("cc", [*attention_ops._FLAGS, "-mno-avx512f"])
+    assert lib is not None
+    monkeypatch.setattr(attention_ops, "_lib", lambda: lib)
+    case = Case([1, 4, 8, 1], [1, 20, 100, 250], 16, 9, 3, 64, seed=11)
+    got, want = case.run(30, None)
+    _within_one_rounding(got, want)
+    for req, row in [(1, 2), (2, 0), (2, 7), (3, 0)]:
+        t = int(case.qsl[req]) + row
+        assert torch.equal(case.one_row(req, row, 30, None)[0], got[t])
+
+
 def test_padding_slots_are_skipped_and_bad_layouts_raise() -> None:
     case = Case([1, 2], [5, 9], 4, 2, 1, 64, seed=3)
 

@@ -66,9 +66,10 @@ def available() -> bool:
     return load_attention_ops() is not None
 
 
-def _build_and_load(cc: str) -> ctypes.CDLL | None:
+def _build_and_load(cc: str, flags: list[str] | None = None) -> ctypes.CDLL | None:
+    """Compile (cached) and load; `flags` replaces the defaults (tests: -mno-avx512f)."""
     try:
-        path = _compiled(cc)
+        path = _compiled(cc, _FLAGS if flags is None else flags)
         lib = ctypes.CDLL(str(path))
         lib.paged_attention_abi.restype = ctypes.c_int
         if lib.paged_attention_abi() != _ABI:
@@ -89,9 +90,9 @@ def _build_and_load(cc: str) -> ctypes.CDLL | None:
     return lib
 
 
-def _compiled(cc: str) -> Path:
+def _compiled(cc: str, flags: list[str]) -> Path:
     source = package_source("paged.runner.cpu_step", "attention.c")
-    return compiled_library(cc, source, "attention.c", "attention", _FLAGS)
+    return compiled_library(cc, source, "attention.c", "attention", flags)
 
 
 def _lib() -> ctypes.CDLL:
