@@ -23,6 +23,7 @@ Replaying a call rewrites the same K/V into the same slots: the cache is unchang
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -145,11 +146,11 @@ def main() -> None:
                     "load_avg_before": round(os.getloadavg()[0], 2),
                 }  # fmt: skip
                 impls: dict[str, Callable[[], object]] = {
-                    "torch": lambda case=case: _torch_path(case),
-                    "sdpa": lambda case=case: _bare_sdpa(case),
+                    "torch": functools.partial(_torch_path, case),
+                    "sdpa": functools.partial(_bare_sdpa, case),
                 }
                 if c_fn is not None and (q_rows == 1 or c_name == "c_rows"):
-                    impls[c_name] = lambda case=case, c_fn=c_fn: c_fn(case)
+                    impls[c_name] = functools.partial(c_fn, case)
                 for name, fn in impls.items():
                     line[f"{name}_us"] = round(1e6 * _time(fn, args.calls, args.rounds), 1)
                 if f"{c_name}_us" in line:

@@ -308,7 +308,9 @@ def test_drafting_policies_keep_greedy_output(target: Path, baseline: Run) -> No
     assert off.spec.num_draft_tokens == 0
 
 
-def test_bf16_c_attention_greedy_identical_with_ngram(tmp_path: Path) -> None:
+def test_bf16_c_attention_greedy_identical_with_ngram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16 on CPU: plain decode rows and verification rows go through one C attention
     call (cpu_step/attention.c, the same code for one row or several), so n-gram
     speculation gives the plain greedy tokens there too, not only in float32.
@@ -348,17 +350,14 @@ def test_bf16_c_attention_greedy_identical_with_ngram(tmp_path: Path) -> None:
         calls.append(plan.max_query_len)
         return real(plan, *args, **kwargs)  # type: ignore[arg-type]
 
-    cpu_decode.decode_attention = counting  # type: ignore[assignment]
-    try:
-        plain = run(bf16_config(None), greedy_requests(1, max_tokens=40), num_blocks=64)
-        plain_calls = len(calls)
-        spec = run(
-            bf16_config(SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)),
-            greedy_requests(1, max_tokens=40),
-            num_blocks=64,
-        )
-    finally:
-        cpu_decode.decode_attention = real  # type: ignore[assignment]
+    monkeypatch.setattr(cpu_decode, "decode_attention", counting)
+    plain = run(bf16_config(None), greedy_requests(1, max_tokens=40), num_blocks=64)
+    plain_calls = len(calls)
+    spec = run(
+        bf16_config(SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)),
+        greedy_requests(1, max_tokens=40),
+        num_blocks=64,
+    )
     assert plain_calls > 0 and max(calls[plain_calls:]) > 1, "verification rows took the C call"
     assert spec.spec.num_accepted_tokens > 0
     assert spec.tokens == plain.tokens
