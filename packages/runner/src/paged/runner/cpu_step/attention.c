@@ -8,10 +8,11 @@
  *
  * Layout: the cache is [num_blocks, block_size, hkv, d], so one block holds
  * block_size slots of hkv * d values each. Keys are taken in chunks of up to 16
- * (LANES) consecutive positions inside one block; a chunk is converted to float32
- * once per KV head (keys transposed to [d][16] so that one vector holds the
- * chunk's 16 scores) and then used by every query vector that needs it: the
- * GQA group's heads times the request's query rows.
+ * (LANES) consecutive positions inside one block, chunks in order and every KV
+ * head of a chunk in turn (the block's bytes are read once, sequentially); each
+ * head's part is converted to float32 (keys transposed to [d][16] so that one
+ * vector holds the chunk's 16 scores) and then used by every query vector that
+ * needs it: the GQA group's heads times the request's query rows.
  *
  * Exactness across batch layouts (why the loops look the way they do): a query row
  * at position p sees the keys max(0, p - window + 1) .. p. Its result depends only
@@ -354,7 +355,7 @@ int paged_attention_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k,
         memcpy(value_cache + slot * row, v + t * v_stride, (size_t)row * sizeof(uint16_t));
     }
     if (max_q == 0) return 0;
-    int64_t nvec = max_q * group;
+    int64_t nvec = max_q * hq; /* every head of the longest request */
     Chunk *chunk = aligned_alloc(64, sizeof(Chunk));
     float *qf = malloc((size_t)(nvec * d * 2) * sizeof(float));
     Running *state = malloc((size_t)nvec * sizeof(Running));
@@ -375,58 +376,61 @@ int paged_attention_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k,
         int64_t lo_key = window > 0 ? p0 - window + 1 : 0;
         if (lo_key < 0) lo_key = 0;
         const int32_t *table = block_table + r * bt_stride;
-        for (int64_t h = 0; h < hkv; h++) {
-            /* query vector n = row i, group member g: n = i * group + g */
+        /* query vector n = (h * q_len + i) * group + g: KV head h, row i, group member g.
+         * Chunks outer, heads inner: a block's slots (all heads) are read once, in order. */
+        const int64_t per_head = q_len * group;
+        for (int64_t h = 0; h < hkv; h++)
             for (int64_t i = 0; i < q_len; i++)
                 for (int64_t g = 0; g < group; g++) {
                     const uint16_t *src = q + (q0 + i) * q_stride + (h * group + g) * d;
-                    float *dst = qf + (i * group + g) * d;
+                    float *dst = qf + (h * per_head + i * group + g) * d;
                     for (int64_t e = 0; e < d; e++) dst[e] = bf16_to_f32(src[e]);
                 }
-            memset(acc, 0, (size_t)(q_len * group * d) * sizeof(float));
-            for (int64_t n = 0; n < q_len * group; n++) state[n] = (Running){-INFINITY, 0.0f};
-            for (int64_t b = lo_key / block_size; b * block_size < seq; b++) {
-                const int64_t base = (int64_t)table[b] * block_size;
-                for (int64_t off = 0; off < block_size && b * block_size + off < seq;
-                     off += LANES) {
-                    int64_t k0 = b * block_size + off; /* position of lane 0 */
-                    int64_t count = block_size - off < LANES ? block_size - off : LANES;
-                    if (seq - k0 < count) count = seq - k0;
-                    if (k0 + count <= lo_key) continue;
-                    const int64_t slot0 = base + off;
+        memset(acc, 0, (size_t)(hkv * per_head * d) * sizeof(float));
+        for (int64_t n = 0; n < hkv * per_head; n++) state[n] = (Running){-INFINITY, 0.0f};
+        for (int64_t b = lo_key / block_size; b * block_size < seq; b++) {
+            const int64_t base = (int64_t)table[b] * block_size;
+            for (int64_t off = 0; off < block_size && b * block_size + off < seq; off += LANES) {
+                int64_t k0 = b * block_size + off; /* position of lane 0 */
+                int64_t count = block_size - off < LANES ? block_size - off : LANES;
+                if (seq - k0 < count) count = seq - k0;
+                if (k0 + count <= lo_key) continue;
+                /* the rows that see some key of this chunk, a contiguous run: row i
+                 * sees it from k0 <= p0 + i on (causality), and, with a window, while
+                 * its first key p0 + i - window + 1 is inside the chunk */
+                int64_t i_lo = k0 > p0 ? k0 - p0 : 0, i_hi = q_len;
+                if (window > 0 && k0 + count + window - 1 - p0 < i_hi)
+                    i_hi = k0 + count + window - 1 - p0;
+                if (i_lo >= i_hi) continue;
+                const int64_t slot0 = base + off;
+                for (int64_t h = 0; h < hkv; h++) {
                     load_chunk(key_cache + slot0 * row + h * d, value_cache + slot0 * row + h * d,
                                row, d, count, chunk);
-                    /* the rows that see some key of this chunk, a contiguous run: row
-                     * i sees it from k0 <= p0 + i on (causality), and, with a window,
-                     * while its first key p0 + i - window + 1 is inside the chunk */
-                    int64_t i_lo = k0 > p0 ? k0 - p0 : 0, i_hi = q_len;
-                    if (window > 0 && k0 + count + window - 1 - p0 < i_hi)
-                        i_hi = k0 + count + window - 1 - p0;
-                    if (i_lo >= i_hi) continue;
-                    chunk_scores(qf + i_lo * group * d, (i_hi - i_lo) * group, chunk, d, scale,
-                                 scores);
+                    const int64_t n0 = h * per_head + i_lo * group;
+                    chunk_scores(qf + n0 * d, (i_hi - i_lo) * group, chunk, d, scale, scores);
                     for (int64_t i = i_lo; i < i_hi; i++) {
                         int64_t p = p0 + i;
                         int64_t first = window > 0 ? p - window + 1 : 0;
                         int64_t lo = first > k0 ? first - k0 : 0;
                         int64_t hi = p - k0 + 1 < count ? p - k0 + 1 : count;
                         for (int64_t g = 0; g < group; g++) {
-                            int64_t n = i * group + g;
-                            fold_chunk(scores + (n - i_lo * group) * LANES, lo, hi, soft_cap,
-                                       chunk, d, state + n, acc + n * d);
+                            int64_t n = h * per_head + i * group + g;
+                            fold_chunk(scores + (n - n0) * LANES, lo, hi, soft_cap, chunk, d,
+                                       state + n, acc + n * d);
                         }
                     }
                 }
             }
+        }
+        for (int64_t h = 0; h < hkv; h++)
             for (int64_t i = 0; i < q_len; i++)
                 for (int64_t g = 0; g < group; g++) {
-                    int64_t n = i * group + g;
+                    int64_t n = h * per_head + i * group + g;
                     float inv = 1.0f / state[n].sum;
                     const float *a = acc + n * d;
                     uint16_t *o = out + (q0 + i) * hq * d + (h * group + g) * d;
                     for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(a[e] * inv);
                 }
-        }
     }
     free(chunk), free(qf), free(state), free(scores);
     return 0;
