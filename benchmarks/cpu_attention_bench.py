@@ -6,7 +6,8 @@ q rows per request (1: plain decode; 8: a speculative verification step of
 7 drafts + the bonus). Implementations, each timed per call (median of
 rounds, each round the mean of `--calls` calls):
 
-    c        paged's C call, cache write + attention (cpu_step/attention.c);
+    c        paged's C call, cache write + attention (cpu_step/attention.c), the
+             step's layout checked once outside the timing (as the model's layers share it);
              on a checkout before it (PYTHONPATH=<checkout>/packages/runner/src)
              the older one-query kernel (ops.decode_attention, q == 1 only)
     torch    the torch backend's fallback path: reshape_and_cache + paged_attention
@@ -49,9 +50,13 @@ def _c_impl() -> tuple[str, Callable[..., torch.Tensor] | None]:
         def old(case: dict[str, Any]) -> torch.Tensor:
             if case["q_rows"] != 1:
                 raise NotImplementedError
-            return old_ops.decode_attention(  # type: ignore[attr-defined, no-any-return]
-                case["q"], case["k"], case["v"], case["kc"], case["vc"], case["slots"],
-                case["table"], case["seq_lens"], 0.125, None, None,
+            if "old_step" not in case:  # checked once per step, as the model does
+                case["old_step"] = old_ops.decode_step(  # type: ignore[attr-defined]
+                    case["slots"], case["table"], case["seq_lens"]
+                )
+            return old_ops.decode_attention_step(  # type: ignore[attr-defined, no-any-return]
+                case["old_step"], case["q"], case["k"], case["v"], case["kc"], case["vc"],
+                0.125, None, None,
             )  # fmt: skip
 
         return "c_one_query_kernel", old
@@ -59,9 +64,13 @@ def _c_impl() -> tuple[str, Callable[..., torch.Tensor] | None]:
         return "c", None
 
     def new(case: dict[str, Any]) -> torch.Tensor:
-        return attention_ops.attention_rows(
-            case["q"], case["k"], case["v"], case["kc"], case["vc"], case["slots"],
-            case["table"], case["qsl"], case["seq_lens"], 0.125, None, None,
+        if "step" not in case:  # checked once per step, as the model does
+            case["step"] = attention_ops.rows_step(
+                case["slots"], case["table"], case["qsl"], case["seq_lens"]
+            )
+        return attention_ops.attention_rows_step(
+            case["step"], case["q"], case["k"], case["v"], case["kc"], case["vc"],
+            0.125, None, None,
         )  # fmt: skip
 
     return "c_rows", new
