@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -361,3 +362,53 @@ def test_bf16_c_attention_greedy_identical_with_ngram(
     assert plain_calls > 0 and max(calls[plain_calls:]) > 1, "verification rows took the C call"
     assert spec.spec.num_accepted_tokens > 0
     assert spec.tokens == plain.tokens
+
+
+def test_bf16_hybrid_sliding_window_spec_equals_plain_with_mixed_prefill_steps(
+    tmp_path: Path,
+) -> None:
+    """A random bf16 Gemma 3 (sliding and full layers, head size 64): with n-gram drafts,
+    greedy tokens equal plain greedy tokens although verification rows share steps with
+    prefill chunks (64-token budget, prompts up to 50). Those steps are split: short runs
+    through the C attention, chunks through SDPA. Before the split, a step with a chunk
+    sent every row to SDPA, whose multi-row and one-row kernels round differently, and
+    one of these four requests diverged."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from paged.runner.cpu_step import attention_ops
+    from paged.server.llm import LLM
+
+    if not attention_ops.available():
+        pytest.skip("no C compiler: the torch attention path")
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=24, sliding_window=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(1)
+    model: Any = Gemma3ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn_like(param) * 0.3)
+    model.save_pretrained(str(tmp_path))
+    prompts = [
+        [2] + [(7 * i + j * 3) % 120 + 3 for j in range(n)] for i, n in enumerate([5, 30, 12, 50])
+    ]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4,
+                        "prompt_lookup_min": 1, "prompt_lookup_max": 3}):  # fmt: skip
+        llm = LLM(
+            str(tmp_path), dtype="bfloat16", max_model_len=256, max_num_batched_tokens=64,
+            max_num_seqs=4, speculative_config=spec,
+        )  # fmt: skip
+        try:
+            outs = llm.generate(prompts, params)
+        finally:
+            llm.shutdown()
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    assert tokens[1] == tokens[0]

@@ -226,11 +226,33 @@ def test_the_layer_takes_the_c_call_for_short_runs_and_shares_one_plan(q_lens: l
     _within_one_rounding(got, want.reshape(t, -1))
 
 
-def test_prefill_runs_and_bidirectional_spans_keep_the_sdpa_path() -> None:
-    long = Case([17, 1], [40, 9], 16, 9, 3, 64, seed=6)
-    assert cpu_decode.decode_plan(_metadata(long), 18) is None
+def test_a_step_with_a_prefill_chunk_is_split_and_its_short_rows_stay_exact() -> None:
+    """Short runs of a mixed step take the C call (same bits as alone), the rest SDPA."""
+    case = Case([20, 1, 3], [40, 9, 30], 16, 9, 3, 64, seed=6)
+    meta = _metadata(case)
+    plan = cpu_decode.decode_plan(meta, 24)
+    assert isinstance(plan, cpu_decode.SplitPlan)
+    assert plan.long_rows.tolist() == list(range(20))
+    layer = Attention(9, 64, 0.125, 3, backend=AttentionBackend("torch"))
+    kv = torch.stack([case.key_cache, case.value_cache])
+    got = layer(case.q, case.k, case.v, kv, meta)
+    case.key_cache, case.value_cache = kv[0], kv[1]  # written by the layer
+    _, want = case.run(None, None)  # the reference (rewrites the same cache bytes)
+    _within_one_rounding(got[20:], want[20:])  # the C rows
+    diff = (got[:20].float() - want[:20]).abs()  # the bf16 SDPA chunk: coarser
+    assert bool((diff <= want[:20].abs() * 2**-6 + 2e-2).all())
+    for req, row in [(1, 0), (2, 0), (2, 2)]:
+        t = int(case.qsl[req]) + row
+        assert torch.equal(case.one_row(req, row, None, None)[0], got[t])
+
+
+def test_only_prefill_runs_and_bidirectional_spans_keep_the_sdpa_path() -> None:
+    long = Case([17, 20], [40, 29], 16, 9, 3, 64, seed=6)
+    assert cpu_decode.decode_plan(_metadata(long), 37) is None
     short = Case([2, 1], [40, 9], 16, 9, 3, 64, seed=7)
     ranges = torch.zeros(3, 2, dtype=torch.int32)
-    assert cpu_decode.decode_plan(_metadata(short, bidirectional_ranges=ranges), 3) is None
+    image_step = cpu_decode.decode_plan(_metadata(short, bidirectional_ranges=ranges), 3)
+    assert isinstance(image_step, cpu_decode.SplitPlan)  # only the one-row request in C
+    assert image_step.short_rows.tolist() == [2]
     assert cpu_decode.decode_plan(_metadata(short), 4) is None  # padding rows: not this call
     assert cpu_decode.decode_plan(_metadata(short), 3) is not None
