@@ -389,7 +389,8 @@ def test_bf16_hybrid_sliding_window_spec_equals_plain_with_mixed_prefill_steps(
     )  # fmt: skip
     config.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(1)
-    model: Any = Gemma3ForCausalLM(config).float()
+    model: Any = Gemma3ForCausalLM(config)
+    model = model.float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
