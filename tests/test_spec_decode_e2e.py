@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -306,3 +307,109 @@ def test_drafting_policies_keep_greedy_output(target: Path, baseline: Run) -> No
     assert fixed.tokens == cost.tokens == off.tokens == baseline.tokens
     assert fixed.spec.num_draft_tokens > 0 and cost.spec.num_draft_tokens > 0
     assert off.spec.num_draft_tokens == 0
+
+
+def test_bf16_c_attention_greedy_identical_with_ngram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 on CPU: plain decode rows and verification rows go through one C attention
+    call (cpu_step/attention.c, the same code for one row or several), so n-gram
+    speculation gives the plain greedy tokens there too, not only in float32.
+
+    Head size 64 (the kernel's vector path) and a 64-token step budget, so that
+    verification steps, decode steps and short prefill chunks all take the C call
+    and the 23-30-token prompts go through SDPA as whole prefills.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged.runner.attention import cpu_decode
+    from paged.runner.cpu_step import attention_ops
+
+    if not attention_ops.available():
+        pytest.skip("no C compiler: the torch attention path")
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=MAX_LEN,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+
+    def bf16_config(spec: SpeculativeConfig | None) -> EngineConfig:
+        model = ModelConfig.from_pretrained(str(tmp_path), dtype="bfloat16", max_model_len=MAX_LEN)
+        return EngineConfig(
+            model_config=model,
+            cache_config=CacheConfig(block_size=16, kv_cache_memory_bytes=1 << 22),
+            scheduler_limits=SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64),
+            speculative_config=spec,
+        )
+
+    calls: list[int] = []
+    real = cpu_decode.decode_attention
+
+    def counting(plan: cpu_decode.DecodePlan, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(plan.max_query_len)
+        return real(plan, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_decode, "decode_attention", counting)
+    plain = run(bf16_config(None), greedy_requests(1, max_tokens=40), num_blocks=64)
+    plain_calls = len(calls)
+    spec = run(
+        bf16_config(SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)),
+        greedy_requests(1, max_tokens=40),
+        num_blocks=64,
+    )
+    assert plain_calls > 0 and max(calls[plain_calls:]) > 1, "verification rows took the C call"
+    assert spec.spec.num_accepted_tokens > 0
+    assert spec.tokens == plain.tokens
+
+
+def test_bf16_hybrid_sliding_window_spec_equals_plain_with_mixed_prefill_steps(
+    tmp_path: Path,
+) -> None:
+    """A random bf16 Gemma 3 (sliding and full layers, head size 64): with n-gram drafts,
+    greedy tokens equal plain greedy tokens although verification rows share steps with
+    prefill chunks (64-token budget, prompts up to 50). Those steps are split: short runs
+    through the C attention, chunks through SDPA. Before the split, a step with a chunk
+    sent every row to SDPA, whose multi-row and one-row kernels round differently, and
+    one of these four requests diverged."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from paged.runner.cpu_step import attention_ops
+    from paged.server.llm import LLM
+
+    if not attention_ops.available():
+        pytest.skip("no C compiler: the torch attention path")
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=24, sliding_window=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(1)
+    model: Any = Gemma3ForCausalLM(config)
+    model = model.float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn_like(param) * 0.3)
+    model.save_pretrained(str(tmp_path))
+    prompts = [
+        [2] + [(7 * i + j * 3) % 120 + 3 for j in range(n)] for i, n in enumerate([5, 30, 12, 50])
+    ]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4,
+                        "prompt_lookup_min": 1, "prompt_lookup_max": 3}):  # fmt: skip
+        llm = LLM(
+            str(tmp_path), dtype="bfloat16", max_model_len=256, max_num_batched_tokens=64,
+            max_num_seqs=4, speculative_config=spec,
+        )  # fmt: skip
+        try:
+            outs = llm.generate(prompts, params)
+        finally:
+            llm.shutdown()
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    assert tokens[1] == tokens[0]

@@ -1,9 +1,10 @@
 """The fused C ops of the CPU decode step (paged.runner.cpu_step) against paged.kernels.reference.
 
-Norms and rotary are bit-identical to the reference; the gated activations and
-the decode attention are float32 maths rounded once to bfloat16, bounded here
-by one bfloat16 rounding step. Also: bad inputs raise ValueError before any C
-code runs, and everything falls back to torch when the library is off.
+Norms and rotary are bit-identical to the reference; the gated activations are
+float32 maths rounded once to bfloat16, bounded here by one bfloat16 rounding
+step (the attention is tested in test_cpu_attention.py). Also: bad inputs raise
+ValueError before any C code runs, and everything falls back to torch when the
+library is off.
 """
 
 from __future__ import annotations
@@ -14,11 +15,7 @@ import torch.nn.functional as F
 
 from paged.kernels import ops as kernel_ops
 from paged.kernels import reference
-from paged.runner.attention import cpu_decode, torch_attention
-from paged.runner.attention.backends import AttentionBackend
-from paged.runner.attention.layer import Attention
-from paged.runner.attention.metadata import AttentionMetadata
-from paged.runner.cpu_step import build, ops
+from paged.runner.cpu_step import attention_ops, build, ops
 from paged.runner.layers.layernorm import RMSNorm
 from paged.runner.layers.rotary import RotaryEmbedding
 
@@ -104,117 +101,6 @@ def test_rotary_is_the_reference_bit_for_bit_on_strided_qkv_views() -> None:
     assert torch.equal(got_module[0], want[0]) and torch.equal(got_module[1], want[1])
 
 
-def _paged_case(
-    seq_lens: list[int], block_size: int, hq: int, hkv: int, d: int = 64, seed: int = 10
-) -> dict[str, torch.Tensor]:
-    r = len(seq_lens)
-    width = max(-(-s // block_size) for s in seq_lens) + 1
-    num_blocks = r * width + 3
-    gen = torch.Generator().manual_seed(seed)
-    table = torch.randperm(num_blocks, generator=gen)[: r * width].view(r, width).to(torch.int32)
-    slots = torch.tensor(
-        [int(table[i, (s - 1) // block_size]) * block_size + (s - 1) % block_size
-         for i, s in enumerate(seq_lens)]
-    )  # fmt: skip
-    return {
-        "key_cache": _randn(num_blocks, block_size, hkv, d, seed=seed + 1).to(BF16),
-        "value_cache": _randn(num_blocks, block_size, hkv, d, seed=seed + 2).to(BF16),
-        "q": _randn(r, hq * d, seed=seed + 3).to(BF16),
-        "k": _randn(r, hkv * d, seed=seed + 4).to(BF16),
-        "v": _randn(r, hkv * d, seed=seed + 5).to(BF16),
-        "table": table,
-        "slots": slots,
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-    }
-
-
-@pytest.mark.parametrize(
-    ("hq", "hkv", "block_size", "window", "cap"),
-    [(9, 3, 16, None, None), (4, 4, 5, None, None), (9, 3, 16, 40, None), (8, 2, 16, None, 30.0)],
-)
-def test_decode_attention_matches_reference_cache_write_and_attention(
-    hq: int, hkv: int, block_size: int, window: int | None, cap: float | None
-) -> None:
-    seq_lens = [1, 17, 100, 250]
-    c = _paged_case(seq_lens, block_size, hq, hkv)
-    r, d = len(seq_lens), 64
-    ref_k, ref_v = c["key_cache"].clone(), c["value_cache"].clone()
-    reference.reshape_and_cache(
-        c["k"].view(r, hkv, d), c["v"].view(r, hkv, d), ref_k, ref_v, c["slots"]
-    )
-    want = reference.paged_attention(
-        c["q"].view(r, hq, d), ref_k, ref_v, c["table"], torch.arange(r + 1, dtype=torch.int32),
-        c["seq_lens"], 0.125, max_query_len=1, max_seq_len=max(seq_lens),
-        sliding_window=window, soft_cap=cap,
-    )  # fmt: skip
-    got_k, got_v = c["key_cache"].clone(), c["value_cache"].clone()
-    got = ops.decode_attention(
-        c["q"], c["k"], c["v"], got_k, got_v, c["slots"], c["table"], c["seq_lens"],
-        0.125, window, cap,
-    )  # fmt: skip
-    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)  # the same cache bytes
-    assert got.shape == (r, hq * d)
-    assert _within_one_bf16_step(got, want.reshape(r, -1))
-
-
-def test_decode_attention_skips_padding_slots_and_rejects_bad_tables() -> None:
-    c = _paged_case([5, 9], 4, 2, 1)
-    slots = c["slots"].clone()
-    slots[1] = -1
-    before = c["key_cache"].clone()
-    args = (c["q"], c["k"], c["v"], c["key_cache"], c["value_cache"])
-    ops.decode_attention(*args, slots, c["table"], c["seq_lens"], 0.125, None, None)
-    flat_before, flat_after = before.view(-1, 64), c["key_cache"].view(-1, 64)
-    assert torch.equal(flat_after[int(c["slots"][1])], flat_before[int(c["slots"][1])])
-    assert torch.equal(flat_after[int(slots[0])], c["k"][0])
-    with pytest.raises(ValueError, match="slot"):
-        bad = c["slots"].clone()
-        bad[0] = c["key_cache"].shape[0] * 4
-        ops.decode_attention(*args, bad, c["table"], c["seq_lens"], 0.125, None, None)
-    with pytest.raises(ValueError, match="block"):
-        table = c["table"].clone()
-        table[0, 0] = 10_000
-        ops.decode_attention(*args, c["slots"], table, c["seq_lens"], 0.125, None, None)
-    with pytest.raises(ValueError, match="block"):  # seq_len needs more columns than the table has
-        long = torch.tensor([5, 4 * c["table"].shape[1] + 1], dtype=torch.int32)
-        ops.decode_attention(*args, c["slots"], c["table"], long, 0.125, None, None)
-    with pytest.raises(ValueError, match="query"):
-        ops.decode_attention(c["q"].float(), *args[1:], c["slots"], c["table"], c["seq_lens"],
-                             0.125, None, None)  # fmt: skip
-
-
-def _metadata(c: dict[str, torch.Tensor], max_query_len: int = 1) -> AttentionMetadata:
-    r = c["seq_lens"].shape[0]
-    return AttentionMetadata(
-        num_actual_tokens=r, query_start_loc=torch.arange(r + 1, dtype=torch.int32),
-        seq_lens=c["seq_lens"], block_table=c["table"], slot_mapping=c["slots"],
-        max_query_len=max_query_len, max_seq_len=int(c["seq_lens"].max()),
-    )  # fmt: skip
-
-
-def test_attention_layer_takes_the_c_path_for_bf16_decode_and_shares_one_plan() -> None:
-    c = _paged_case([3, 40, 77], 16, 9, 3)
-    meta = _metadata(c)
-    layer = Attention(9, 64, 0.125, 3, backend=AttentionBackend("torch"))
-    kv = torch.stack([c["key_cache"], c["value_cache"]])
-    torch_kv = kv.clone()
-    got = layer(c["q"], c["k"], c["v"], kv, meta)
-    plan = cpu_decode.decode_plan(meta, 3)
-    assert plan is not None and cpu_decode.decode_plan(meta, 3) is plan  # once per step
-    r = 3
-    torch_attention.reshape_and_cache(
-        c["k"].view(r, 3, 64), c["v"].view(r, 3, 64), torch_kv[0], torch_kv[1], c["slots"]
-    )
-    want = torch_attention.paged_attention(
-        c["q"].view(r, 9, 64), torch_kv[0], torch_kv[1], c["table"], meta.query_start_loc,
-        c["seq_lens"], 0.125, max_query_len=1, max_seq_len=77,
-    )  # fmt: skip
-    assert torch.equal(kv, torch_kv)
-    assert _within_one_bf16_step(got, want.reshape(r, -1))
-    # Not a pure decode step (or float32): the torch path, no plan.
-    assert cpu_decode.decode_plan(_metadata(c, max_query_len=2), 3) is None
-
-
 def test_everything_falls_back_to_torch_when_the_library_is_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -226,8 +112,7 @@ def test_everything_falls_back_to_torch_when_the_library_is_off(
     norm.load_weight("weight", _randn(32, seed=11), None)
     x = _randn(2, 32, seed=12).to(BF16)
     assert torch.equal(norm(x), reference.rms_norm(x, norm.weight, 1e-6))
-    c = _paged_case([4, 9], 16, 2, 1)
-    assert cpu_decode._make_plan(_metadata(c), 2) is None
+    assert not attention_ops.available()  # the attention library is off with them
     monkeypatch.setenv(build.ENABLE_ENV, "maybe")
     with pytest.raises(ValueError, match=build.ENABLE_ENV):
         build.enabled()

@@ -1,41 +1,73 @@
-"""Decode attention on CPU in one C call per layer (bf16 KV cache): cache write + attention.
+"""Attention on CPU in one C call per layer for steps of short query runs (bf16 KV cache).
 
-A pure-decode step (one new token per request) on the torch backend with a
-bfloat16 cache costs ~40 torch ops per layer through `torch_attention`
-(slot checks, two index_copy_, two block gathers, casts to float32, a key
-mask, SDPA, reshapes). `paged_decode_attention` in cpu_step/step_ops.c
-writes the step's K/V rows and attends each query straight from the paged
-blocks in float32, in one call.
+Requests with short query runs -- decode rows (one new token) and
+speculative-verification rows (the bonus position plus the drafts, at most
+`MAX_QUERY_ROWS` per request) -- go through
+`paged_attention_rows` in cpu_step/attention.c: the step's K/V rows are written
+to their slots and every query row attends straight from the paged blocks,
+causally within its request, in float32. The same code path serves one-row and
+multi-row requests, so a verification row gives the bits a plain decode row at
+that position gives (greedy speculation then equals plain greedy decoding on the
+bf16 path too). In a step that also holds longer runs (prefill chunks) the
+short-run requests still go through the C call -- so a decode row gives the
+same bits whatever else its step holds -- and the long ones through the torch
+SDPA path (`SplitPlan`).
 
 What does not change per layer is worked out once per step: `DecodePlan`
-holds the step's slot mapping, block table and sequence lengths, checked
-for the C call, and is kept for the metadata object it was made from, so
-the 29 layers after the first reuse it (hybrid models pass a second
+holds the step's slot mapping, block table, query starts and sequence lengths,
+checked for the C call, and is kept for the metadata object it was made from,
+so the 29 layers after the first reuse it (hybrid models pass a second
 metadata object per KV cache group and get a second plan).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from paged.runner.attention import torch_attention
 from paged.runner.attention.metadata import AttentionMetadata
-from paged.runner.cpu_step import ops
+from paged.runner.cpu_step import attention_ops
 
-# The step's slot mapping, block table and sequence lengths, checked for the C call.
-DecodePlan = ops.DecodeStep
+# The step's layout, checked for the C call.
+DecodePlan = attention_ops.RowsStep
 
+# Longest query run per request the C call takes. Verification rows are
+# 1 + num_speculative_tokens (<= 16 in practice); a longer run is a prefill
+# chunk, where SDPA's blocked matmuls win over per-row scoring.
+MAX_QUERY_ROWS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """A step with short and long query runs: the short requests' rows go to the C call."""
+
+    short: DecodePlan  # the short-run requests, as their own step
+    short_rows: torch.Tensor  # [T_short] int64: their token rows in the step
+    long_rows: torch.Tensor  # [T_long] int64: the other requests' token rows
+    long_meta: AttentionMetadata  # the other requests, as their own step (torch path)
+
+    @property
+    def max_query_len(self) -> int:
+        return self.short.max_query_len
+
+
+Plan = DecodePlan | SplitPlan
 
 # The plans of the latest metadata objects, newest last; a step holds one per
 # KV cache group (hybrid models), so a few are kept.
-_plans: list[tuple[AttentionMetadata, DecodePlan | None]] = []
+_plans: list[tuple[AttentionMetadata, Plan | None]] = []
 _MAX_PLANS = 4
 
 
-def decode_plan(meta: AttentionMetadata, num_tokens: int) -> DecodePlan | None:
-    """The plan for `meta`, or None when the step is not one the C kernel takes.
+def decode_plan(meta: AttentionMetadata, num_tokens: int) -> Plan | None:
+    """The plan for `meta`, or None when no request of the step is one the C call takes.
 
-    It takes a step of R requests with one query each (max_query_len 1, R
-    tokens, no padding rows) on CPU with the C library loaded.
+    A request is taken when it has 1..MAX_QUERY_ROWS query rows (and, with
+    bidirectional image spans in the step, exactly one); the step must have no
+    padding rows, a CPU layout and the C library loaded. All requests taken: a
+    `DecodePlan`; some: a `SplitPlan`.
     """
     for seen, plan in reversed(_plans):
         if seen is meta:
@@ -46,25 +78,68 @@ def decode_plan(meta: AttentionMetadata, num_tokens: int) -> DecodePlan | None:
     return plan
 
 
-def _make_plan(meta: AttentionMetadata, num_tokens: int) -> DecodePlan | None:
+def _make_plan(meta: AttentionMetadata, num_tokens: int) -> Plan | None:
     num_reqs = meta.num_reqs
     if (
-        meta.max_query_len != 1
-        or num_reqs == 0
-        or num_tokens != num_reqs
-        or meta.num_actual_tokens != num_reqs
+        num_reqs == 0
+        or meta.max_query_len < 1
+        or num_tokens != meta.num_actual_tokens
         or meta.seq_lens.device.type != "cpu"
-        or not ops.available()
+        or not attention_ops.available()
     ):
         return None
-    slot_mapping = meta.slot_mapping[:num_reqs].to(torch.int64).contiguous()
+    query_start_loc = meta.query_start_loc[: num_reqs + 1].to(torch.int32).contiguous()
+    if int(query_start_loc[-1]) != num_tokens:
+        return None
     seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if bool((seq_lens < 1).any()) or bool((q_lens > seq_lens).any()):
+        return None  # an empty sequence: the torch path's zero rows
+    most_rows = 1 if meta.bidirectional_ranges is not None else MAX_QUERY_ROWS
+    short = (q_lens >= 1) & (q_lens <= most_rows)
     block_table = meta.block_table.to(torch.int32)
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    if bool((seq_lens < 1).any()):
-        return None  # an empty sequence: the torch path's zero rows
-    return ops.decode_step(slot_mapping, block_table, seq_lens)
+    slot_mapping = meta.slot_mapping[:num_tokens].to(torch.int64).contiguous()
+    if bool(short.all()):
+        return attention_ops.rows_step(slot_mapping, block_table, query_start_loc, seq_lens)
+    if not bool(short.any()):
+        return None
+    return _split(meta, short, q_lens, query_start_loc, seq_lens, block_table, slot_mapping)
+
+
+def _split(
+    meta: AttentionMetadata, short: torch.Tensor, q_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> SplitPlan:  # fmt: skip
+    """The step's requests in two sub-steps: short runs (C) and the rest (torch)."""
+    token_short = torch.repeat_interleave(short, q_lens.long())  # [T] bool
+    short_rows = token_short.nonzero().flatten()
+    long_rows = (~token_short).nonzero().flatten()
+
+    def starts(mask: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(int(mask.sum()) + 1, dtype=torch.int32)
+        out[1:] = torch.cumsum(q_lens[mask], 0)
+        return out
+
+    long_req = ~short
+    ranges = meta.bidirectional_ranges
+    long_meta = AttentionMetadata(
+        num_actual_tokens=int(long_rows.shape[0]),
+        query_start_loc=starts(long_req),
+        seq_lens=seq_lens[long_req],
+        block_table=block_table[long_req],
+        slot_mapping=slot_mapping[long_rows],
+        max_query_len=int(q_lens[long_req].max()),
+        max_seq_len=int(seq_lens[long_req].max()),
+        bidirectional_ranges=None if ranges is None else ranges[long_rows],
+    )
+    short_step = attention_ops.rows_step(
+        slot_mapping[short_rows].contiguous(), block_table[short].contiguous(),
+        starts(short), seq_lens[short].contiguous(),
+    )  # fmt: skip
+    return SplitPlan(short_step, short_rows, long_rows, long_meta)
 
 
 def native_decode_ok(kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
@@ -78,7 +153,7 @@ def native_decode_ok(kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
 
 
 def decode_attention(
-    plan: DecodePlan,
+    plan: Plan,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -87,7 +162,31 @@ def decode_attention(
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> torch.Tensor:
-    """query [R, Hq*D], key/value [R, Hkv*D] -> [R, Hq*D]; this step's K/V land in kv_cache."""
-    return ops.decode_attention_step(
-        plan, query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window, soft_cap
-    )
+    """query [T, Hq*D], key/value [T, Hkv*D] -> [T, Hq*D]; this step's K/V land in kv_cache."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if isinstance(plan, attention_ops.RowsStep):
+        return attention_ops.attention_rows_step(
+            plan, query, key, value, key_cache, value_cache, scale, sliding_window, soft_cap
+        )
+    out = torch.empty(query.shape, dtype=query.dtype)
+    rows = plan.short_rows
+    out[rows] = attention_ops.attention_rows_step(
+        plan.short, query[rows], key[rows], value[rows], key_cache, value_cache,
+        scale, sliding_window, soft_cap,
+    )  # fmt: skip
+    rows, meta = plan.long_rows, plan.long_meta
+    _, _, hkv, d = key_cache.shape
+    n, hq = rows.shape[0], query.shape[1] // d
+    torch_attention.reshape_and_cache(
+        key[rows].view(n, hkv, d), value[rows].view(n, hkv, d), key_cache, value_cache,
+        meta.slot_mapping,
+    )  # fmt: skip
+    long_out = torch_attention.paged_attention(
+        query[rows].view(n, hq, d), key_cache, value_cache, meta.block_table,
+        meta.query_start_loc, meta.seq_lens, scale,
+        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+        bidirectional_ranges=meta.bidirectional_ranges,
+    )  # fmt: skip
+    out[rows] = long_out.reshape(n, hq * d)
+    return out

@@ -102,12 +102,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         "paged_add_rms_norm": [ptr, i64, ptr, ptr, f32, ptr, i64, i64],
         "paged_gated_act": [ptr, i64, ptr, i64, i64, c_int],
         "paged_rotary_neox": [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64],
-        "paged_decode_attention": [
-            ptr, i64, ptr, i64, ptr, i64,  # q, k, v and their row strides
-            ptr, ptr, ptr, i64,  # slot_mapping, key_cache, value_cache, num_slots
-            ptr, i64, i64, i64, ptr,  # block_table, its stride and width, block_size, seq_lens
-            i64, i64, i64, i64, f32, i64, f32, ptr,  # R, hq, hkv, d, scale, window, cap, out
-        ],
     }  # fmt: skip
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -14,7 +14,6 @@ read or write outside a tensor instead of raising. They are attribute reads
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import torch
 
@@ -23,8 +22,6 @@ from paged.runner.cpu_step.build import load_step_ops
 BF16 = torch.bfloat16
 _ERRORS = {
     -1: "out of memory",
-    -2: "slot_mapping holds a slot outside the KV cache",
-    -3: "block_table holds a block id outside the KV cache (or too few columns for seq_lens)",
 }
 
 
@@ -198,101 +195,6 @@ def rotary_neox(
     if code != 0:
         raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]})")
     return q_out, k_out
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeStep:
-    """One decode step's layout for `decode_attention_step`, checked once for every layer."""
-
-    slot_mapping: torch.Tensor  # [R] int64, contiguous (-1 skips the write)
-    block_table: torch.Tensor  # [R, M] int32, rows contiguous
-    seq_lens: torch.Tensor  # [R] int32, contiguous, each >= 1
-    # (num_reqs, slot ptr, table ptr, table row stride, table width, seq_lens ptr)
-    raw: tuple[int, int, int, int, int, int]
-
-
-def decode_step(
-    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
-) -> DecodeStep:
-    """Check the step's tensors (dtypes, shapes, contiguity) and keep their addresses."""
-    r = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (r,):
-        raise ValueError(f"slot_mapping: expected int64 [{r}], got {slot_mapping.dtype}")
-    if seq_lens.dtype != torch.int32 or r < 1:
-        raise ValueError(f"seq_lens: expected int32 [R >= 1], got {seq_lens.dtype}")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != r:
-        raise ValueError(f"block_table: expected int32 [{r}, M], got {block_table.dtype}")
-    if block_table.stride(1) != 1 or not slot_mapping.is_contiguous():
-        raise ValueError("block_table rows and slot_mapping must be contiguous")
-    if not seq_lens.is_contiguous():
-        raise ValueError("seq_lens must be contiguous")
-    if bool((seq_lens < 1).any()):
-        raise ValueError("seq_lens: every request needs at least its new token")
-    raw = (
-        r, slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-        block_table.shape[1], seq_lens.data_ptr(),
-    )  # fmt: skip
-    return DecodeStep(slot_mapping, block_table, seq_lens, raw)
-
-
-def decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    key_cache: torch.Tensor, value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, sliding_window: int | None, soft_cap: float | None,
-) -> torch.Tensor:  # fmt: skip
-    """Write one new token per request into the cache, then attend; [R, Hq*D] bf16.
-
-    query [R, Hq*D], key/value [R, Hkv*D] bf16 rows; caches [N, B, Hkv, D]
-    bf16, contiguous; slot_mapping [R] int64 (-1 skips the write);
-    block_table [R, M] int32 (row-contiguous); seq_lens [R] int32, each >= 1.
-    Same maths as reshape_and_cache + paged_attention with max_query_len 1.
-    """
-    step = decode_step(slot_mapping, block_table, seq_lens)
-    return decode_attention_step(
-        step, query, key, value, key_cache, value_cache, scale, sliding_window, soft_cap
-    )
-
-
-def decode_attention_step(
-    step: DecodeStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    key_cache: torch.Tensor, value_cache: torch.Tensor,
-    scale: float, sliding_window: int | None, soft_cap: float | None,
-) -> torch.Tensor:  # fmt: skip
-    """decode_attention with the step's layout checked already (one layer's call)."""
-    r = step.raw[0]
-    num_blocks, block_size, hkv, d = key_cache.shape
-    if not (
-        query.dtype is BF16 and key.dtype is BF16 and value.dtype is BF16
-        and query.dim() == 2 and key.dim() == 2 and value.dim() == 2
-        and query.stride(1) == 1 and key.stride(1) == 1 and value.stride(1) == 1
-        and query.shape[0] == r and key.shape == (r, hkv * d) and value.shape == (r, hkv * d)
-        and query.shape[1] % (hkv * d) == 0
-    ):  # fmt: skip
-        raise ValueError(
-            f"query/key/value: expected bf16 rows [{r}, Hq*{d}] / [{r}, {hkv * d}] with "
-            f"contiguous columns, got {query.dtype} {tuple(query.shape)}, "
-            f"{key.dtype} {tuple(key.shape)}, {value.dtype} {tuple(value.shape)}"
-        )
-    if not (
-        key_cache.dtype is BF16 and value_cache.dtype is BF16
-        and value_cache.shape == key_cache.shape
-        and key_cache.is_contiguous() and value_cache.is_contiguous()
-    ):  # fmt: skip
-        raise ValueError(f"key/value cache: expected contiguous bf16 {tuple(key_cache.shape)}")
-    hq = query.shape[1] // d
-    out = torch.empty(r, hq * d, dtype=BF16)
-    _, slots, table, table_stride, table_width, seq = step.raw
-    code = _lib().paged_decode_attention(
-        query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
-        value.data_ptr(), value.stride(0),
-        slots, key_cache.data_ptr(), value_cache.data_ptr(), num_blocks * block_size,
-        table, table_stride, table_width, block_size,
-        seq, r, hq, hkv, d, scale, sliding_window or 0, soft_cap or 0.0,
-        out.data_ptr(),
-    )  # fmt: skip
-    _check(code, "decode_attention")
-    return out
 
 
 def _vector(name: str, w: torch.Tensor, n: int) -> None:

@@ -3,16 +3,14 @@
  * Each function replaces a chain of 5-40 small torch ops whose cost at batch 1
  * is dispatch, not arithmetic (benchmarks/profile_step.py). Called through
  * ctypes from paged/runner/cpu_step/ops.py, which checks shapes, dtypes and
- * strides; nothing here allocates memory the caller does not free, except the
- * attention's score scratch (malloc/free inside the call).
+ * strides; nothing here allocates memory the caller does not free.
  *
  * bfloat16 values travel as uint16_t bit patterns. float32 -> bfloat16 rounds
  * to nearest even, NaN stays NaN: what torch's .to(torch.bfloat16) does.
  * Compiled with -ffp-contract=off so that a*b - c*d is never fused into an
  * fma: the rotary then computes exactly paged.kernels.reference's products
  * and sums. -fopenmp-simd (no OpenMP runtime) lets the loops marked
- * `omp simd` reassociate (the attention's dot products and softmax sum) and
- * vectorise the inline exp; the norm's sum keeps torch's exact order.
+ * `omp simd` vectorise the inline exp; the norm's sum keeps torch's exact order.
  */
 #include <math.h>
 #include <stdint.h>
@@ -233,95 +231,4 @@ int paged_rotary_neox(const uint16_t *q, int64_t q_stride, int64_t nq, const uin
     return 0;
 }
 
-static inline float dot_f32_bf16(const float *q, const uint16_t *k, int64_t d) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < d; i++) s += q[i] * bf16_to_f32(k[i]);
-    return s;
-}
-
-/* One decode query per request: write this step's k/v rows into the paged cache at
- * slot_mapping (slot -1 = skip), then attend each request's query over its keys.
- *
- *   q [R, hq*d], k/v [R, hkv*d] bf16 rows (strides given); caches [num_slots, hkv, d] bf16
- *   block_table [R, bt_width] int32 (row stride bt_stride); seq_lens [R] int32 (keys 0..seq_len-1 incl. this one)
- *   window > 0: only keys >= seq_len - window; soft_cap > 0: s = cap * tanh(s / cap)
- *   out [R, hq*d] bf16; query head h reads KV head h / (hq / hkv).
- *
- * Scores, softmax and the weighted sum are float32. Returns 0, or -1 (memory),
- * -2 (a slot outside the cache), -3 (a block id outside the cache). */
-int paged_decode_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k,
-                           int64_t k_stride, const uint16_t *v, int64_t v_stride,
-                           const int64_t *slot_mapping, uint16_t *key_cache,
-                           uint16_t *value_cache, int64_t num_slots, const int32_t *block_table,
-                           int64_t bt_stride, int64_t bt_width, int64_t block_size,
-                           const int32_t *seq_lens,
-                           int64_t num_reqs, int64_t hq, int64_t hkv, int64_t d, float scale,
-                           int64_t window, float soft_cap, uint16_t *out) {
-    int64_t row = hkv * d, group = hq / hkv, max_keys = 1;
-    for (int64_t r = 0; r < num_reqs; r++) {
-        int64_t slot = slot_mapping[r];
-        if (slot == -1) continue;
-        if (slot < 0 || slot >= num_slots) return -2;
-        memcpy(key_cache + slot * row, k + r * k_stride, (size_t)row * sizeof(uint16_t));
-        memcpy(value_cache + slot * row, v + r * v_stride, (size_t)row * sizeof(uint16_t));
-    }
-    for (int64_t r = 0; r < num_reqs; r++)
-        if (seq_lens[r] > max_keys) max_keys = seq_lens[r];
-    float *scores = malloc((size_t)(group * max_keys + group * d * 2) * sizeof(float));
-    if (!scores) return -1;
-    float *qf = scores + group * max_keys, *acc = qf + group * d;
-    int64_t num_blocks = num_slots / block_size;
-    for (int64_t r = 0; r < num_reqs; r++) {
-        int64_t seq = seq_lens[r];
-        int64_t first = (window > 0 && seq > window) ? seq - window : 0, n = seq - first;
-        const int32_t *table = block_table + r * bt_stride;
-        for (int64_t j = first / block_size; j * block_size < seq; j++)
-            if (j >= bt_width || table[j] < 0 || table[j] >= num_blocks) {
-                free(scores);
-                return -3;
-            }
-        for (int64_t h = 0; h < hkv; h++) {
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t i = 0; i < d; i++)
-                    qf[g * d + i] = bf16_to_f32(q[r * q_stride + (h * group + g) * d + i]);
-            for (int64_t j = 0; j < n; j++) {
-                int64_t pos = first + j;
-                int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
-                const uint16_t *kp = key_cache + slot * row + h * d;
-                for (int64_t g = 0; g < group; g++) {
-                    float s = dot_f32_bf16(qf + g * d, kp, d) * scale;
-                    if (soft_cap > 0.0f) s = soft_cap * tanhf(s / soft_cap);
-                    scores[g * n + j] = s;
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * n, m = -INFINITY, total = 0.0f;
-                for (int64_t j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;
-#pragma omp simd reduction(+ : total)
-                for (int64_t j = 0; j < n; j++) {
-                    sg[j] = exp_f32(sg[j] - m);
-                    total += sg[j];
-                }
-                float inv = n > 0 ? 1.0f / total : 0.0f;
-                for (int64_t j = 0; j < n; j++) sg[j] *= inv;
-            }
-            memset(acc, 0, (size_t)(group * d) * sizeof(float));
-            for (int64_t j = 0; j < n; j++) {
-                int64_t pos = first + j;
-                int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
-                const uint16_t *vp = value_cache + slot * row + h * d;
-                for (int64_t g = 0; g < group; g++) {
-                    float p = scores[g * n + j];
-                    float *a = acc + g * d;
-                    for (int64_t i = 0; i < d; i++) a[i] += p * bf16_to_f32(vp[i]);
-                }
-            }
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t i = 0; i < d; i++)
-                    out[r * hq * d + (h * group + g) * d + i] = f32_to_bf16(acc[g * d + i]);
-        }
-    }
-    free(scores);
-    return 0;
-}
+/* The decode attention moved to attention.c (its own library: attention_ops.py). */
