@@ -97,6 +97,14 @@ def kernels(
     }
 
 
+KERNELS = ("qgemm", "qgemm_1lvl", "int4pack", "bf16_mm")
+
+
+def gops(m: int, out: int, inp: int, ms: float) -> float:
+    """Integer/float operations per second (2 M N K per call), in GOP/s."""
+    return 2.0 * m * out * inp / (ms * 1e-3) / 1e9
+
+
 def time_burst(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_s: float) -> float:
     """Mean seconds per call over a burst lasting about min_s."""
     calls, start = 0, time.perf_counter()
@@ -115,14 +123,24 @@ def main() -> None:
     ap.add_argument("--burst-s", type=float, default=0.05)
     ap.add_argument("--layers", nargs="+", default=[name for name, *_ in LAYERS])
     ap.add_argument("--isa", default="native", choices=["native", "avx2", "scalar"])
+    ap.add_argument(
+        "--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),
+        help="which kernels to time (ratios need qgemm and the other one)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--head-max-rows", type=int, default=256,
+        help="skip lm_head above this M (prefill takes logits at sampled rows only)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     totals: dict[int, dict[str, float]] = {}
     for name, out, inp, fmt in LAYERS:
         if name not in args.layers:
             continue
-        ks = kernels(out, inp, fmt, args.isa)
+        ks = {k: v for k, v in kernels(out, inp, fmt, args.isa).items() if k in args.kernels}
         for m in args.rows:
+            if name == "lm_head" and m > args.head_max_rows:
+                continue
             x = torch.randn(m, inp)
             x[:, ::151] *= 30.0
             x = x.to(torch.bfloat16)
@@ -141,9 +159,11 @@ def main() -> None:
             print(json.dumps({
                 "layer": name, "shape": [out, inp], "format": fmt, "rows": m,
                 "ms_median": {k: round(v, 4) for k, v in med.items()},
-                "int4pack_over_qgemm": round(med["int4pack"] / med["qgemm"], 2),
-                "bf16_over_qgemm": round(med["bf16_mm"] / med["qgemm"], 2),
-                "qgemm_1lvl_over_qgemm": round(med["qgemm_1lvl"] / med["qgemm"], 2),
+                "gops": {k: round(gops(m, out, inp, v), 1) for k, v in med.items()},
+                **{
+                    f"{k}_over_qgemm": round(med[k] / med["qgemm"], 2)
+                    for k in med if k != "qgemm" and "qgemm" in med
+                },
                 "threads": torch.get_num_threads(), "isa": args.isa,
                 "load_avg_before": round(load_before, 2),
                 "load_avg_after": round(os.getloadavg()[0], 2),
