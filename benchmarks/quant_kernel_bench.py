@@ -26,15 +26,18 @@ and thread count recorded on every line.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from paged.runner.cpu_kernels import QGemm, load_qgemm
+from paged.runner.c_compile import compiled_library
+from paged.runner.cpu_kernels import QGemm, QGemmLibrary, build, load_qgemm
 from paged.runner.layers.quantized_linear import OUTLIER_RATIO
 
 # (name, out, in, format): SmolLM2-135M-Instruct's Q4_1 projections and its tied Q8_0 head.
@@ -60,8 +63,20 @@ def _int4pack(
     return run
 
 
+def baseline_library(source: Path, isa: str) -> QGemmLibrary:
+    """Another qgemm.c (e.g. main's) built like this one, for before/after in one run.
+
+    It must read the same packed layout (packing.py) and export the same ABI.
+    """
+    flags = [*build._BASE_FLAGS, *build._FORCE[isa]]
+    path = compiled_library("cc", source.read_text(), "qgemm.c", f"qgemm-base-{isa}", flags)
+    lib = ctypes.CDLL(str(path))
+    build._declare(lib)
+    return QGemmLibrary(lib, f"baseline-{isa}", path)
+
+
 def kernels(
-    out: int, inp: int, fmt: str, isa: str
+    out: int, inp: int, fmt: str, isa: str, base: QGemmLibrary | None = None
 ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     gen = torch.Generator().manual_seed(out * 7 + inp)
     groups = inp // 32
@@ -74,12 +89,14 @@ def kernels(
         offset = -8 * scale + torch.randn(out, groups, generator=gen) * 1e-3
         weight = codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
         q = QGemm.int4(lib, codes, scale, offset)
+        qb = QGemm.int4(base, codes, scale, offset) if base is not None else None
         torch_int4 = _int4pack(codes, scale, offset + 8 * scale)
     else:
         codes8 = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=gen)
         scale = torch.rand(out, groups, generator=gen) * 0.001
         weight = codes8.float() * scale.repeat_interleave(32, 1)
         q = QGemm.int8(lib, codes8, scale)
+        qb = QGemm.int8(base, codes8, scale) if base is not None else None
         high = _int4pack(
             ((codes8 >> 4) + 8).to(torch.uint8), 16 * scale, -128 * scale + 8 * 16 * scale
         )
@@ -89,15 +106,19 @@ def kernels(
             return high(x).float() + low(x).float()
 
     dense_t = weight.to(torch.bfloat16).t().contiguous()
-    return {
+    found: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "qgemm": lambda x: q.matmul(x, outlier_ratio=OUTLIER_RATIO),
         "qgemm_1lvl": lambda x: q.matmul(x),
         "int4pack": torch_int4,
         "bf16_mm": lambda x: x @ dense_t,
     }
+    if qb is not None:
+        found["qgemm_base"] = lambda x: qb.matmul(x, outlier_ratio=OUTLIER_RATIO)
+        found["qgemm_base_1lvl"] = lambda x: qb.matmul(x)
+    return found
 
 
-KERNELS = ("qgemm", "qgemm_1lvl", "int4pack", "bf16_mm")
+KERNELS = ("qgemm", "qgemm_1lvl", "int4pack", "bf16_mm", "qgemm_base", "qgemm_base_1lvl")
 
 
 def gops(m: int, out: int, inp: int, ms: float) -> float:
@@ -105,13 +126,16 @@ def gops(m: int, out: int, inp: int, ms: float) -> float:
     return 2.0 * m * out * inp / (ms * 1e-3) / 1e9
 
 
-def time_burst(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_s: float) -> float:
-    """Mean seconds per call over a burst lasting about min_s."""
-    calls, start = 0, time.perf_counter()
+def time_burst(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:  # fmt: skip
+    """Mean seconds per call over a burst lasting about min_s (of `clock`)."""
+    calls, start = 0, clock()
     while True:
         fn(x)
         calls += 1
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if elapsed >= min_s and calls >= 3:
             return elapsed / calls
 
@@ -131,13 +155,24 @@ def main() -> None:
         "--head-max-rows", type=int, default=256,
         help="skip lm_head above this M (prefill takes logits at sampled rows only)",
     )  # fmt: skip
+    ap.add_argument(
+        "--baseline-source", type=Path, default=None,
+        help="another qgemm.c (same packed layout) timed alongside as qgemm_base[_1lvl]",
+    )  # fmt: skip
+    ap.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="cpu: this thread's CPU time (one torch thread: every kernel runs on it), "
+        "which moves less than wall time when other processes share the cores",
+    )  # fmt: skip
     args = ap.parse_args()
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    base = baseline_library(args.baseline_source, args.isa) if args.baseline_source else None
     torch.manual_seed(0)
     totals: dict[int, dict[str, float]] = {}
     for name, out, inp, fmt in LAYERS:
         if name not in args.layers:
             continue
-        ks = {k: v for k, v in kernels(out, inp, fmt, args.isa).items() if k in args.kernels}
+        ks = {k: v for k, v in kernels(out, inp, fmt, args.isa, base).items() if k in args.kernels}
         for m in args.rows:
             if name == "lm_head" and m > args.head_max_rows:
                 continue
@@ -150,7 +185,7 @@ def main() -> None:
             times: dict[str, list[float]] = {k: [] for k in ks}
             for _ in range(args.rounds):
                 for k, fn in ks.items():
-                    times[k].append(time_burst(fn, x, args.burst_s))
+                    times[k].append(time_burst(fn, x, args.burst_s, clock))
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             for k, v in med.items():
                 totals.setdefault(m, {}).setdefault(k, 0.0)
@@ -164,7 +199,7 @@ def main() -> None:
                     f"{k}_over_qgemm": round(med[k] / med["qgemm"], 2)
                     for k in med if k != "qgemm" and "qgemm" in med
                 },
-                "threads": torch.get_num_threads(), "isa": args.isa,
+                "threads": torch.get_num_threads(), "isa": args.isa, "clock": args.clock,
                 "load_avg_before": round(load_before, 2),
                 "load_avg_after": round(os.getloadavg()[0], 2),
             }), flush=True)  # fmt: skip

@@ -148,11 +148,17 @@ static void quantize_group(const float *v, int flip, int8_t *qo, float *xs, floa
 }
 
 /* The int8 activations of one chunk of rows: level 1 for every row, level 2
- * (the residual) sparse, for the listed groups only. */
+ * (the residual) for the groups mask2 marks. Stored block-interleaved, in
+ * blocks of MB_ROWS rows (the tile kernels' row blocks): a block's rows'
+ * codes for one group are 32-byte neighbours, so the kernels reach all of
+ * them at constant offsets from one pointer and walk memory in order. */
+#define QOFF(r, g) \
+    (((r) / MB_ROWS) * (MB_ROWS * k) + (g) * (MB_ROWS * GROUP) + ((r) % MB_ROWS) * GROUP)
+#define SOFF(r, g) (((r) / MB_ROWS) * (MB_ROWS * groups) + (g) * MB_ROWS + ((r) % MB_ROWS))
 typedef struct {
-    int8_t *q, *q2;          /* [rows, k] */
-    float *xs, *xsum;        /* [rows, groups] */
-    float *xs2, *xsum2;      /* [rows, groups] */
+    int8_t *q, *q2;          /* [blocks, groups, MB_ROWS, 32] (QOFF) */
+    float *xs, *xsum;        /* [blocks, groups, MB_ROWS] (SOFF) */
+    float *xs2, *xsum2;      /* [blocks, groups, MB_ROWS] */
     uint8_t *mask2;          /* [rows / MB_ROWS blocks, groups]: bit r, row r of the block
                                 has a residual in that group */
 } QRows;
@@ -167,8 +173,8 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64
             for (int i = 0; i < GROUP; i++)
                 buf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i])
                                 : ((const float *)x)[base + i];
-            const int64_t at = r * groups + g;
-            int8_t *qo = o->q + r * k + g * GROUP;
+            const int64_t at = SOFF(r, g);
+            int8_t *qo = o->q + QOFF(r, g);
             quantize_group(buf, flip, qo, o->xs + at, o->xsum + at);
             if (levels != 2) continue;
             const float d = o->xs[at];
@@ -186,7 +192,7 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64
                 const float coarse = d * (float)q1;
                 buf[i] = buf[i] - coarse;
             }
-            quantize_group(buf, flip, o->q2 + r * k + g * GROUP, o->xs2 + at, o->xsum2 + at);
+            quantize_group(buf, flip, o->q2 + QOFF(r, g), o->xs2 + at, o->xsum2 + at);
             /* an all-zero residual adds nothing: leave it out, as the dense pass would skip it */
             if (o->xs2[at] != 0.0f)
                 o->mask2[(r / MB_ROWS) * groups + g] |= (uint8_t)(1u << (r % MB_ROWS));
@@ -217,9 +223,9 @@ static void store_row(const float *acc, void *y, int y_bf16, int64_t y_stride, i
  * at the end: the same operations in the same order on every path.
  */
 
-/* Rows of the activation chunk as the kernels index them. */
-#define QX(o, r, g) ((o)->q + (r) * k + (g) * GROUP)
-#define QX2(o, r, g) ((o)->q2 + (r) * k + (g) * GROUP)
+/* Row r (of the chunk) and group g's int8 codes / scales (see QOFF, SOFF). */
+#define QX(o, r, g) ((o)->q + QOFF(r, g))
+#define QX2(o, r, g) ((o)->q2 + QOFF(r, g))
 
 /* ------------------------------------------------------------ scalar path */
 
@@ -245,7 +251,7 @@ __attribute__((unused)) static void q4_tile_scalar(const uint8_t *wt, int64_t gr
         const uint8_t *blk = wt + g * Q4_BLOCK;
         const float *d = (const float *)(blk + 256), *mn = (const float *)(blk + 320);
         for (int r = 0; r < mb; r++) {
-            const int64_t at = (r0 + r) * groups + g;
+            const int64_t at = SOFF(r0 + r, g);
             for (int l = 0; l < TILE; l++) {
                 acc[r][l] += (float)q4_dot_scalar(blk, l, QX(o, r0 + r, g)) * (d[l] * o->xs[at]);
                 acc[r][l] += mn[l] * o->xsum[at];
@@ -253,7 +259,7 @@ __attribute__((unused)) static void q4_tile_scalar(const uint8_t *wt, int64_t gr
         }
         for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
             const int r = __builtin_ctz(bits);
-            const int64_t at = (r0 + r) * groups + g;
+            const int64_t at = SOFF(r0 + r, g);
             for (int l = 0; l < TILE; l++) {
                 res[r][l] += (float)q4_dot_scalar(blk, l, QX2(o, r0 + r, g)) * (d[l] * o->xs2[at]);
                 res[r][l] += mn[l] * o->xsum2[at];
@@ -288,14 +294,14 @@ __attribute__((unused)) static void q8_tile_scalar(const uint8_t *wt, int64_t gr
             const float *d = (const float *)(blk + Q8_CODES + sub * 64 + s * 64);
             const int c0 = s * chunks, c1 = (s + 1) * chunks;
             for (int r = 0; r < mb; r++) {
-                const float sx = o->xs[(r0 + r) * groups + g];
+                const float sx = o->xs[SOFF(r0 + r, g)];
                 for (int l = 0; l < TILE; l++)
                     acc[r][l] +=
                         (float)q8_dot_scalar(codes, l, c0, c1, QX(o, r0 + r, g)) * (d[l] * sx);
             }
             for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
                 const int r = __builtin_ctz(bits);
-                const float sx = o->xs2[(r0 + r) * groups + g];
+                const float sx = o->xs2[SOFF(r0 + r, g)];
                 for (int l = 0; l < TILE; l++)
                     res[r][l] +=
                         (float)q8_dot_scalar(codes, l, c0, c1, QX2(o, r0 + r, g)) * (d[l] * sx);
@@ -339,14 +345,14 @@ QG_INLINE void q4_tile_avx2(const uint8_t *wt, int64_t groups, const QRows *o, i
             const __m256 d = _mm256_loadu_ps((const float *)(blk + 256) + h * 8);
             const __m256 mn = _mm256_loadu_ps((const float *)(blk + 320) + h * 8);
             for (int r = 0; r < MB; r++) {
-                const int64_t at = (r0 + r) * groups + g;
+                const int64_t at = SOFF(r0 + r, g);
                 const __m256 f = q4_dot_avx2(w, QX(o, r0 + r, g));
                 a[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(o->xs[at])), a[r]);
                 a[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(o->xsum[at]), a[r]);
             }
             for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
                 const int r = __builtin_ctz(bits);
-                const int64_t at = (r0 + r) * groups + g;
+                const int64_t at = SOFF(r0 + r, g);
                 const __m256 f = q4_dot_avx2(w, QX2(o, r0 + r, g));
                 __m256 v = _mm256_loadu_ps(res[r] + h * 8);
                 v = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(o->xs2[at])), v);
@@ -397,13 +403,13 @@ QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, co
                     _mm256_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64) + h * 8);
                 const int c0 = s * chunks, c1 = (s + 1) * chunks;
                 for (int r = 0; r < MB; r++) {
-                    const __m256 sx = _mm256_set1_ps(o->xs[(r0 + r) * groups + g]);
+                    const __m256 sx = _mm256_set1_ps(o->xs[SOFF(r0 + r, g)]);
                     const __m256 f = q8_dot_avx2(w, aw, c0, c1, QX(o, r0 + r, g));
                     a[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, sx), a[r]);
                 }
                 for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
                     const int r = __builtin_ctz(bits);
-                    const __m256 sx = _mm256_set1_ps(o->xs2[(r0 + r) * groups + g]);
+                    const __m256 sx = _mm256_set1_ps(o->xs2[SOFF(r0 + r, g)]);
                     const __m256 f = q8_dot_avx2(w, aw, c0, c1, QX2(o, r0 + r, g));
                     __m256 v = _mm256_loadu_ps(res[r] + h * 8);
                     _mm256_storeu_ps(res[r] + h * 8, _mm256_fmadd_ps(f, _mm256_mul_ps(d, sx), v));
@@ -421,12 +427,15 @@ QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, co
 /* ---------------------------------------------------------- AVX512-VNNI */
 #if defined(QG_VNNI)
 
-/* One 4-bit group x one row, for the sparse residual rows (two chains: latency). */
-QG_INLINE __m512 q4_dot_vnni(const __m512i *w, const int8_t *xr) {
+/* One 4-bit group (packed at blk) x one row, for the residual rows (two chains: latency). */
+QG_INLINE __m512 q4_dot_vnni(const uint8_t *blk, const int8_t *xr) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-    for (int c = 0; c < 8; c += 2) {
-        i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(ld32(xr + 4 * c)));
-        i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(ld32(xr + 4 * c + 4)));
+    for (int c = 0; c < 4; c++) {
+        const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
+        i0 = _mm512_dpbusd_epi32(i0, _mm512_and_si512(p, low4), _mm512_set1_epi32(ld32(xr + 4 * c)));
+        i1 = _mm512_dpbusd_epi32(i1, _mm512_and_si512(_mm512_srli_epi16(p, 4), low4),
+                                 _mm512_set1_epi32(ld32(xr + 4 * c + 16)));
     }
     return _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
 }
@@ -440,35 +449,39 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
         a[r] = _mm512_setzero_ps();
         if (mask2) _mm512_store_ps(res[r], _mm512_setzero_ps());
     }
-    const int8_t *x0 = QX(o, r0, 0);
+    /* r0 is a multiple of MB_ROWS: the block's codes and scales start here */
+    const int8_t *xb = o->q + r0 * k;
     const float *xs = o->xs + r0 * groups, *xsum = o->xsum + r0 * groups;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * Q4_BLOCK;
-        __m512i w[8];
-        for (int c = 0; c < 4; c++) {
-            __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
-            w[c] = _mm512_and_si512(p, low4);
-            w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
-        }
-        /* All MB rows' chains side by side: each row's 8 dot products are one
-         * dependent chain, the MB chains hide each other's latency. */
+        const int8_t *xg = xb + g * (MB_ROWS * GROUP);
+        /* All MB rows' chains side by side (they hide each other's latency);
+         * each 64-byte code vector is unpacked into its two nibble vectors
+         * just before use, so that only two of them are live. */
         __m512i i[MB_ROWS];
         for (int r = 0; r < MB; r++) i[r] = _mm512_setzero_si512();
-        for (int c = 0; c < 8; c++)
-            for (int r = 0; r < MB; r++)
-                i[r] = _mm512_dpbusd_epi32(i[r], w[c],
-                                           _mm512_set1_epi32(ld32(x0 + r * k + g * GROUP + 4 * c)));
+        for (int c = 0; c < 4; c++) {
+            const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
+            const __m512i lo = _mm512_and_si512(p, low4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+            for (int r = 0; r < MB; r++) {
+                i[r] = _mm512_dpbusd_epi32(i[r], lo, _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c)));
+                i[r] = _mm512_dpbusd_epi32(i[r], hi,
+                                           _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c + 16)));
+            }
+        }
         const __m512 d = _mm512_loadu_ps((const float *)(blk + 256));
         const __m512 mn = _mm512_loadu_ps((const float *)(blk + 320));
+        const float *sx = xs + g * MB_ROWS, *sm = xsum + g * MB_ROWS;
         for (int r = 0; r < MB; r++) {
             const __m512 f = _mm512_cvtepi32_ps(i[r]);
-            a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(xs[r * groups + g])), a[r]);
-            a[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * groups + g]), a[r]);
+            a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(sx[r])), a[r]);
+            a[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sm[r]), a[r]);
         }
         for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
             const int r = __builtin_ctz(bits);
-            const int64_t at = (r0 + r) * groups + g;
-            const __m512 f = q4_dot_vnni(w, QX2(o, r0 + r, g));
+            const int64_t at = SOFF(r0 + r, g);
+            const __m512 f = q4_dot_vnni(blk, QX2(o, r0 + r, g));
             __m512 v = _mm512_load_ps(res[r]);
             v = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs2[at])), v);
             v = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum2[at]), v);
@@ -481,12 +494,15 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
     }
 }
 
-/* Chunks c0..c1 of an 8-bit group x one (flipped, unsigned) row, from corr. */
-QG_INLINE __m512 q8_dot_vnni(const __m512i *w, __m512i corr, int c0, int c1, const int8_t *xr) {
+/* Chunks c0..c1 of an 8-bit group (codes at blk) x one (flipped, unsigned) row, from corr. */
+QG_INLINE __m512 q8_dot_vnni(const uint8_t *blk, __m512i corr, int c0, int c1,
+                             const int8_t *xr) {
     __m512i i0 = corr, i1 = _mm512_setzero_si512();
     for (int c = c0; c < c1; c += 2) {
-        i0 = _mm512_dpbusd_epi32(i0, _mm512_set1_epi32(ld32(xr + 4 * c)), w[c]);
-        i1 = _mm512_dpbusd_epi32(i1, _mm512_set1_epi32(ld32(xr + 4 * c + 4)), w[c + 1]);
+        i0 = _mm512_dpbusd_epi32(i0, _mm512_set1_epi32(ld32(xr + 4 * c)),
+                                 _mm512_loadu_si512((const void *)(blk + c * 64)));
+        i1 = _mm512_dpbusd_epi32(i1, _mm512_set1_epi32(ld32(xr + 4 * c + 4)),
+                                 _mm512_loadu_si512((const void *)(blk + c * 64 + 64)));
     }
     return _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
 }
@@ -502,32 +518,33 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
         a[r] = _mm512_setzero_ps();
         if (mask2) _mm512_store_ps(res[r], _mm512_setzero_ps());
     }
-    const int8_t *x0 = QX(o, r0, 0);
+    const int8_t *xb = o->q + r0 * k;
     const float *xs = o->xs + r0 * groups;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * block;
-        __m512i w[8];
-        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(blk + c * 64));
+        const int8_t *xg = xb + g * (MB_ROWS * GROUP);
         for (int s = 0; s < sub; s++) {
             const __m512i corr = _mm512_loadu_si512((const void *)(blk + Q8_CODES + s * 64));
             const int c0 = s * chunks, c1 = (s + 1) * chunks;
             __m512i i[MB_ROWS];
             for (int r = 0; r < MB; r++) i[r] = corr;
-            for (int c = c0; c < c1; c++)
+            for (int c = c0; c < c1; c++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(blk + c * 64));
                 for (int r = 0; r < MB; r++)
                     i[r] = _mm512_dpbusd_epi32(
-                        i[r], _mm512_set1_epi32(ld32(x0 + r * k + g * GROUP + 4 * c)), w[c]);
-            const __m512 d = _mm512_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64));
-            for (int r = 0; r < MB; r++) {
-                const __m512 sx = _mm512_set1_ps(xs[r * groups + g]);
-                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[r]), _mm512_mul_ps(d, sx), a[r]);
+                        i[r], _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c)), w);
             }
+            const __m512 d = _mm512_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64));
+            const float *sx = xs + g * MB_ROWS;
+            for (int r = 0; r < MB; r++)
+                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[r]),
+                                       _mm512_mul_ps(d, _mm512_set1_ps(sx[r])), a[r]);
             for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
                 const int r = __builtin_ctz(bits);
-                const __m512 sx = _mm512_set1_ps(o->xs2[(r0 + r) * groups + g]);
-                const __m512 f = q8_dot_vnni(w, corr, c0, c1, QX2(o, r0 + r, g));
+                const __m512 sx2 = _mm512_set1_ps(o->xs2[SOFF(r0 + r, g)]);
+                const __m512 f = q8_dot_vnni(blk, corr, c0, c1, QX2(o, r0 + r, g));
                 __m512 v = _mm512_load_ps(res[r]);
-                _mm512_store_ps(res[r], _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx), v));
+                _mm512_store_ps(res[r], _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx2), v));
             }
         }
     }
@@ -595,8 +612,9 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
     const int64_t chunk = M_CHUNK / levels;    /* input rows per pass (a multiple of MB_ROWS) */
     const int64_t rows = m < chunk ? m : chunk;
     const int64_t blocks = (rows + MB_ROWS - 1) / MB_ROWS;
-    const size_t qbytes = (size_t)(((rows * k + 63) / 64) * 64);
-    const size_t fbytes = (size_t)(rows * groups) * sizeof(float);
+    const int64_t slots = blocks * MB_ROWS; /* rows of the interleaved layout (QOFF) */
+    const size_t qbytes = (size_t)(((slots * k + 63) / 64) * 64);
+    const size_t fbytes = (size_t)(slots * groups) * sizeof(float);
     const size_t mbytes = levels == 2 ? (size_t)(blocks * groups) : 0;
     uint8_t *buf = (uint8_t *)scratch(qbytes * levels + fbytes * 2 * levels + mbytes + 64);
     if (buf == NULL) return -2;
@@ -604,9 +622,9 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
     o.q = (int8_t *)buf;
     o.q2 = levels == 2 ? (int8_t *)(buf + qbytes) : NULL;
     o.xs = (float *)(buf + qbytes * levels);
-    o.xsum = o.xs + rows * groups;
-    o.xs2 = levels == 2 ? o.xsum + rows * groups : NULL;
-    o.xsum2 = levels == 2 ? o.xs2 + rows * groups : NULL;
+    o.xsum = o.xs + slots * groups;
+    o.xs2 = levels == 2 ? o.xsum + slots * groups : NULL;
+    o.xsum2 = levels == 2 ? o.xs2 + slots * groups : NULL;
     o.mask2 = levels == 2 ? buf + qbytes * levels + fbytes * 2 * levels : NULL;
 #if defined(QG_VNNI)
     const int flip = fmt == 8;
