@@ -428,7 +428,7 @@ QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, co
 #if defined(QG_VNNI)
 
 /* One 4-bit group (packed at blk) x one row, for the residual rows (two chains: latency). */
-QG_INLINE __m512 q4_dot_vnni(const uint8_t *blk, const int8_t *xr) {
+QG_INLINE __m512i q4_dot_vnni(const uint8_t *blk, const int8_t *xr) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
@@ -437,17 +437,28 @@ QG_INLINE __m512 q4_dot_vnni(const uint8_t *blk, const int8_t *xr) {
         i1 = _mm512_dpbusd_epi32(i1, _mm512_and_si512(_mm512_srli_epi16(p, 4), low4),
                                  _mm512_set1_epi32(ld32(xr + 4 * c + 16)));
     }
-    return _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+    return _mm512_add_epi32(i0, i1);
+}
+
+/* The same from a group already unpacked into w[8] (chunk c: inputs 4c..4c+3). */
+QG_INLINE __m512i q4_dot_regs(const __m512i *w, const int8_t *xr) {
+    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(ld32(xr + 4 * c)));
+        i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(ld32(xr + 4 * c + 4)));
+    }
+    return _mm512_add_epi32(i0, i1);
 }
 
 QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
                             int64_t k, const uint8_t *mask2, const int MB, float acc[][TILE]) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512 a[MB_ROWS];
+    __m512 a[MB_ROWS], a2[2];
     float res[MB_ROWS][TILE] __attribute__((aligned(64)));
     for (int r = 0; r < MB; r++) {
         a[r] = _mm512_setzero_ps();
-        if (mask2) _mm512_store_ps(res[r], _mm512_setzero_ps());
+        if (MB <= 2) a2[r] = _mm512_setzero_ps();
+        else if (mask2) _mm512_store_ps(res[r], _mm512_setzero_ps());
     }
     /* r0 is a multiple of MB_ROWS: the block's codes and scales start here */
     const int8_t *xb = o->q + r0 * k;
@@ -458,16 +469,28 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
         /* All MB rows' chains side by side (they hide each other's latency);
          * each 64-byte code vector is unpacked into its two nibble vectors
          * just before use, so that only two of them are live. */
-        __m512i i[MB_ROWS];
-        for (int r = 0; r < MB; r++) i[r] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) {
-            const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
-            const __m512i lo = _mm512_and_si512(p, low4);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
-            for (int r = 0; r < MB; r++) {
-                i[r] = _mm512_dpbusd_epi32(i[r], lo, _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c)));
-                i[r] = _mm512_dpbusd_epi32(i[r], hi,
-                                           _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c + 16)));
+        __m512i i[MB_ROWS], w[8];
+        if (MB <= 2) {
+            /* few rows (decode): unpack the group once into 8 vectors, which the
+             * residual rows reuse; two chains per row, or vpdpbusd's latency binds */
+            for (int c = 0; c < 4; c++) {
+                const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
+                w[c] = _mm512_and_si512(p, low4);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+            }
+            for (int r = 0; r < MB; r++) i[r] = q4_dot_regs(w, xg + r * GROUP);
+        } else {
+            for (int r = 0; r < MB; r++) i[r] = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
+                const __m512i lo = _mm512_and_si512(p, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+                for (int r = 0; r < MB; r++) {
+                    i[r] = _mm512_dpbusd_epi32(i[r], lo,
+                                               _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c)));
+                    i[r] = _mm512_dpbusd_epi32(i[r], hi,
+                                               _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c + 16)));
+                }
             }
         }
         const __m512 d = _mm512_loadu_ps((const float *)(blk + 256));
@@ -478,10 +501,22 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
             a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(sx[r])), a[r]);
             a[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sm[r]), a[r]);
         }
-        for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
-            const int r = __builtin_ctz(bits);
+        const unsigned bits = mask2 ? mask2[g] : 0u;
+        if (MB <= 2) {
+            /* few rows: the residual sums stay in registers */
+            for (int r = 0; r < MB; r++) {
+                if (!(bits >> r & 1u)) continue;
+                const int64_t at = SOFF(r0 + r, g);
+                const __m512 f = _mm512_cvtepi32_ps(q4_dot_regs(w, QX2(o, r0 + r, g)));
+                a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs2[at])), a2[r]);
+                a2[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum2[at]), a2[r]);
+            }
+            continue;
+        }
+        for (unsigned left = bits; left; left &= left - 1) {
+            const int r = __builtin_ctz(left);
             const int64_t at = SOFF(r0 + r, g);
-            const __m512 f = q4_dot_vnni(blk, QX2(o, r0 + r, g));
+            const __m512 f = _mm512_cvtepi32_ps(q4_dot_vnni(blk, QX2(o, r0 + r, g)));
             __m512 v = _mm512_load_ps(res[r]);
             v = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs2[at])), v);
             v = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum2[at]), v);
@@ -489,7 +524,7 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
         }
     }
     for (int r = 0; r < MB; r++) {
-        if (mask2) a[r] = _mm512_add_ps(a[r], _mm512_load_ps(res[r]));
+        if (mask2) a[r] = _mm512_add_ps(a[r], MB <= 2 ? a2[r] : _mm512_load_ps(res[r]));
         _mm512_storeu_ps(acc[r], a[r]);
     }
 }
@@ -512,11 +547,12 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
                             float acc[][TILE]) {
     const int64_t block = Q8_CODES + sub * 128;
     const int chunks = 8 / sub;
-    __m512 a[MB_ROWS];
+    __m512 a[MB_ROWS], a2[2];
     float res[MB_ROWS][TILE] __attribute__((aligned(64)));
     for (int r = 0; r < MB; r++) {
         a[r] = _mm512_setzero_ps();
-        if (mask2) _mm512_store_ps(res[r], _mm512_setzero_ps());
+        if (MB <= 2) a2[r] = _mm512_setzero_ps();
+        else if (mask2) _mm512_store_ps(res[r], _mm512_setzero_ps());
     }
     const int8_t *xb = o->q + r0 * k;
     const float *xs = o->xs + r0 * groups;
@@ -526,21 +562,39 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
         for (int s = 0; s < sub; s++) {
             const __m512i corr = _mm512_loadu_si512((const void *)(blk + Q8_CODES + s * 64));
             const int c0 = s * chunks, c1 = (s + 1) * chunks;
-            __m512i i[MB_ROWS];
-            for (int r = 0; r < MB; r++) i[r] = corr;
+            __m512i i[MB_ROWS], j[MB_ROWS];
+            for (int r = 0; r < MB; r++) {
+                i[r] = corr;
+                j[r] = _mm512_setzero_si512();
+            }
             for (int c = c0; c < c1; c++) {
                 const __m512i w = _mm512_loadu_si512((const void *)(blk + c * 64));
-                for (int r = 0; r < MB; r++)
-                    i[r] = _mm512_dpbusd_epi32(
-                        i[r], _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c)), w);
+                for (int r = 0; r < MB; r++) {
+                    const __m512i xc = _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c));
+                    /* few rows: odd chunks in a second chain (vpdpbusd's latency) */
+                    if (MB <= 2 && (c & 1)) j[r] = _mm512_dpbusd_epi32(j[r], xc, w);
+                    else i[r] = _mm512_dpbusd_epi32(i[r], xc, w);
+                }
             }
+            if (MB <= 2)
+                for (int r = 0; r < MB; r++) i[r] = _mm512_add_epi32(i[r], j[r]);
             const __m512 d = _mm512_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64));
             const float *sx = xs + g * MB_ROWS;
             for (int r = 0; r < MB; r++)
                 a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[r]),
                                        _mm512_mul_ps(d, _mm512_set1_ps(sx[r])), a[r]);
-            for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
-                const int r = __builtin_ctz(bits);
+            const unsigned bits = mask2 ? mask2[g] : 0u;
+            if (MB <= 2) {
+                for (int r = 0; r < MB; r++) {
+                    if (!(bits >> r & 1u)) continue;
+                    const __m512 sx2 = _mm512_set1_ps(o->xs2[SOFF(r0 + r, g)]);
+                    const __m512 f = q8_dot_vnni(blk, corr, c0, c1, QX2(o, r0 + r, g));
+                    a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx2), a2[r]);
+                }
+                continue;
+            }
+            for (unsigned left = bits; left; left &= left - 1) {
+                const int r = __builtin_ctz(left);
                 const __m512 sx2 = _mm512_set1_ps(o->xs2[SOFF(r0 + r, g)]);
                 const __m512 f = q8_dot_vnni(blk, corr, c0, c1, QX2(o, r0 + r, g));
                 __m512 v = _mm512_load_ps(res[r]);
@@ -549,7 +603,7 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
         }
     }
     for (int r = 0; r < MB; r++) {
-        if (mask2) a[r] = _mm512_add_ps(a[r], _mm512_load_ps(res[r]));
+        if (mask2) a[r] = _mm512_add_ps(a[r], MB <= 2 ? a2[r] : _mm512_load_ps(res[r]));
         _mm512_storeu_ps(acc[r], a[r]);
     }
 }
