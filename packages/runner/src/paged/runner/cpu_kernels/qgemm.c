@@ -542,6 +542,16 @@ QG_INLINE __m512 q8_dot_vnni(const uint8_t *blk, __m512i corr, int c0, int c1,
     return _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
 }
 
+/* The same from codes already in registers. */
+QG_INLINE __m512 q8_dot_regs(const __m512i *w, __m512i corr, int c0, int c1, const int8_t *xr) {
+    __m512i i0 = corr, i1 = _mm512_setzero_si512();
+    for (int c = c0; c < c1; c += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, _mm512_set1_epi32(ld32(xr + 4 * c)), w[c]);
+        i1 = _mm512_dpbusd_epi32(i1, _mm512_set1_epi32(ld32(xr + 4 * c + 4)), w[c + 1]);
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+}
+
 QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, const QRows *o,
                             int64_t r0, int64_t k, const uint8_t *mask2, const int MB,
                             float acc[][TILE]) {
@@ -558,6 +568,7 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
     const float *xs = o->xs + r0 * groups;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * block;
+        __m512i w8[8]; /* few rows: the group's codes, loaded once (the residual reuses them) */
         const int8_t *xg = xb + g * (MB_ROWS * GROUP);
         for (int s = 0; s < sub; s++) {
             const __m512i corr = _mm512_loadu_si512((const void *)(blk + Q8_CODES + s * 64));
@@ -567,8 +578,10 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
                 i[r] = corr;
                 j[r] = _mm512_setzero_si512();
             }
+            if (MB <= 2 && s == 0)
+                for (int c = 0; c < 8; c++) w8[c] = _mm512_loadu_si512((const void *)(blk + c * 64));
             for (int c = c0; c < c1; c++) {
-                const __m512i w = _mm512_loadu_si512((const void *)(blk + c * 64));
+                const __m512i w = MB <= 2 ? w8[c] : _mm512_loadu_si512((const void *)(blk + c * 64));
                 for (int r = 0; r < MB; r++) {
                     const __m512i xc = _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c));
                     /* few rows: odd chunks in a second chain (vpdpbusd's latency) */
@@ -588,7 +601,7 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
                 for (int r = 0; r < MB; r++) {
                     if (!(bits >> r & 1u)) continue;
                     const __m512 sx2 = _mm512_set1_ps(o->xs2[SOFF(r0 + r, g)]);
-                    const __m512 f = q8_dot_vnni(blk, corr, c0, c1, QX2(o, r0 + r, g));
+                    const __m512 f = q8_dot_regs(w8, corr, c0, c1, QX2(o, r0 + r, g));
                     a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx2), a2[r]);
                 }
                 continue;
