@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
+import itertools
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from paged.runner.c_compile import compiled_library
-from paged.runner.cpu_kernels import QGemm, QGemmLibrary, build, load_qgemm
+from paged.runner.cpu_kernels import QGemm, build, load_qgemm
 from paged.runner.layers.quantized_linear import OUTLIER_RATIO
 
 # (name, out, in, format): SmolLM2-135M-Instruct's Q4_1 projections and its tied Q8_0 head.
@@ -63,21 +66,62 @@ def _int4pack(
     return run
 
 
-def baseline_library(source: Path, isa: str) -> QGemmLibrary:
-    """Another qgemm.c (e.g. main's) built like this one, for before/after in one run.
+class Baseline:
+    """Another version's qgemm.c and packing.py (a directory holding both, e.g. main's
+    cpu_kernels/), built like this one, for before/after in one run."""
 
-    It must read the same packed layout (packing.py) and export the same ABI.
-    """
-    flags = [*build._BASE_FLAGS, *build._FORCE[isa]]
-    path = compiled_library("cc", source.read_text(), "qgemm.c", f"qgemm-base-{isa}", flags)
-    lib = ctypes.CDLL(str(path))
-    build._declare(lib)
-    return QGemmLibrary(lib, f"baseline-{isa}", path)
+    def __init__(self, source: Path, isa: str) -> None:
+        flags = [*build._BASE_FLAGS, *build._FORCE[isa]]
+        text = (source / "qgemm.c").read_text()
+        self.lib = ctypes.CDLL(str(compiled_library("cc", text, "qgemm.c", "qgemm-base", flags)))
+        build._declare(self.lib)
+        spec = importlib.util.spec_from_file_location("baseline_packing", source / "packing.py")
+        assert spec is not None and spec.loader is not None
+        self.packing = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.packing)
+
+    def gemm(
+        self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+    ) -> Callable[[torch.Tensor, float | None], torch.Tensor]:
+        """y = x W^T through the baseline's kernel (bf16 in, bf16 out, as the layers run)."""
+        n, k = codes.shape
+        if offset is not None:
+            packed, sub, fn = self.packing.pack_q4(codes, scale, offset), 1, self.lib.paged_qgemm_q4
+        else:
+            packed, sub = self.packing.pack_q8(codes, scale)
+            fn = self.lib.paged_qgemm_q8
+
+        def run(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
+            m = x.shape[0]
+            y = torch.empty(m, n, dtype=torch.bfloat16)
+            levels, r = (1, 0.0) if ratio is None else (2, ratio)
+            lead = (packed.data_ptr(), n, k) + ((sub,) if offset is None else ())
+            rc = fn(*lead, levels, r, x.data_ptr(), m, k, 1, y.data_ptr(), n, 1)
+            if rc != 0:
+                raise RuntimeError(f"baseline qgemm failed ({rc})")
+            return y
+
+        return run
+
+
+def _bind(
+    fn: Callable[[torch.Tensor, float | None], torch.Tensor], ratio: float | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: fn(x, ratio)
+
+
+def _cycle(
+    fns: list[Callable[[torch.Tensor], torch.Tensor]],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Each call the next of fns (copies of one weight: see --copies)."""
+    turn = itertools.cycle(fns)
+    return lambda x: next(turn)(x)
 
 
 def kernels(
-    out: int, inp: int, fmt: str, isa: str, base: QGemmLibrary | None = None
-) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    out: int, inp: int, fmt: str, isa: str, base: Baseline | None = None,
+    copies: int = 1,
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:  # fmt: skip
     gen = torch.Generator().manual_seed(out * 7 + inp)
     groups = inp // 32
     lib = load_qgemm(isa)
@@ -87,16 +131,18 @@ def kernels(
         codes = torch.randint(0, 16, (out, inp), dtype=torch.uint8, generator=gen)
         scale = torch.rand(out, groups, generator=gen) * 0.01
         offset = -8 * scale + torch.randn(out, groups, generator=gen) * 1e-3
+        scale, offset = scale.half().float(), offset.half().float()  # GGUF's are float16
         weight = codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
-        q = QGemm.int4(lib, codes, scale, offset)
-        qb = QGemm.int4(base, codes, scale, offset) if base is not None else None
+        qs = [QGemm.int4(lib, codes, scale, offset) for _ in range(copies)]
+        qbs = [base.gemm(codes, scale, offset) for _ in range(copies)] if base else []
         torch_int4 = _int4pack(codes, scale, offset + 8 * scale)
     else:
         codes8 = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=gen)
         scale = torch.rand(out, groups, generator=gen) * 0.001
+        scale = scale.half().float()
         weight = codes8.float() * scale.repeat_interleave(32, 1)
-        q = QGemm.int8(lib, codes8, scale)
-        qb = QGemm.int8(base, codes8, scale) if base is not None else None
+        qs = [QGemm.int8(lib, codes8, scale) for _ in range(copies)]
+        qbs = [base.gemm(codes8, scale, None) for _ in range(copies)] if base else []
         high = _int4pack(
             ((codes8 >> 4) + 8).to(torch.uint8), 16 * scale, -128 * scale + 8 * 16 * scale
         )
@@ -107,14 +153,14 @@ def kernels(
 
     dense_t = weight.to(torch.bfloat16).t().contiguous()
     found: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "qgemm": lambda x: q.matmul(x, outlier_ratio=OUTLIER_RATIO),
-        "qgemm_1lvl": lambda x: q.matmul(x),
+        "qgemm": _cycle([partial(q.matmul, outlier_ratio=OUTLIER_RATIO) for q in qs]),
+        "qgemm_1lvl": _cycle([q.matmul for q in qs]),
         "int4pack": torch_int4,
         "bf16_mm": lambda x: x @ dense_t,
     }
-    if qb is not None:
-        found["qgemm_base"] = lambda x: qb.matmul(x, outlier_ratio=OUTLIER_RATIO)
-        found["qgemm_base_1lvl"] = lambda x: qb.matmul(x)
+    if qbs:
+        found["qgemm_base"] = _cycle([_bind(qb, OUTLIER_RATIO) for qb in qbs])
+        found["qgemm_base_1lvl"] = _cycle([_bind(qb, None) for qb in qbs])
     return found
 
 
@@ -157,22 +203,32 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--baseline-source", type=Path, default=None,
-        help="another qgemm.c (same packed layout) timed alongside as qgemm_base[_1lvl]",
+        help="a directory with another version's qgemm.c and packing.py (e.g. main's "
+        "cpu_kernels/, from git archive), timed alongside as qgemm_base[_1lvl]",
     )  # fmt: skip
     ap.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall",
         help="cpu: this thread's CPU time (one torch thread: every kernel runs on it), "
         "which moves less than wall time when other processes share the cores",
     )  # fmt: skip
+    ap.add_argument(
+        "--copies", type=int, default=1,
+        help="cycle through this many copies of each packed weight (qgemm kernels only), so "
+        "that they stream from memory as a decode step's 30 layers do, not from cache",
+    )  # fmt: skip
     args = ap.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    base = baseline_library(args.baseline_source, args.isa) if args.baseline_source else None
+    base = Baseline(args.baseline_source, args.isa) if args.baseline_source else None
     torch.manual_seed(0)
     totals: dict[int, dict[str, float]] = {}
     for name, out, inp, fmt in LAYERS:
         if name not in args.layers:
             continue
-        ks = {k: v for k, v in kernels(out, inp, fmt, args.isa, base).items() if k in args.kernels}
+        ks = {
+            k: v
+            for k, v in kernels(out, inp, fmt, args.isa, base, args.copies).items()
+            if k in args.kernels
+        }
         for m in args.rows:
             if name == "lm_head" and m > args.head_max_rows:
                 continue
@@ -200,6 +256,7 @@ def main() -> None:
                     for k in med if k != "qgemm" and "qgemm" in med
                 },
                 "threads": torch.get_num_threads(), "isa": args.isa, "clock": args.clock,
+                "copies": args.copies,
                 "load_avg_before": round(load_before, 2),
                 "load_avg_after": round(os.getloadavg()[0], 2),
             }), flush=True)  # fmt: skip
