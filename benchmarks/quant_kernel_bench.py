@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from paged.runner.c_compile import compiled_library
-from paged.runner.cpu_kernels import QGemm, build, load_qgemm
+from paged.runner.cpu_kernels import QGemm, QGemmLibrary, build, load_qgemm
 from paged.runner.layers.quantized_linear import OUTLIER_RATIO
 
 # (name, out, in, format): SmolLM2-135M-Instruct's Q4_1 projections and its tied Q8_0 head.
@@ -68,46 +68,28 @@ def _int4pack(
 
 class Baseline:
     """Another version's qgemm.c and packing.py (a directory holding both, e.g. main's
-    cpu_kernels/), built like this one, for before/after in one run."""
+    cpu_kernels/), built like this one, for before/after in one run. Its packed
+    weights are driven through this version's QGemm.matmul, so that both sides pay
+    the same Python overhead per call (it matters at one row: ~20-60 us calls)."""
 
     def __init__(self, source: Path, isa: str) -> None:
         flags = [*build._BASE_FLAGS, *build._FORCE[isa]]
         text = (source / "qgemm.c").read_text()
-        self.lib = ctypes.CDLL(str(compiled_library("cc", text, "qgemm.c", "qgemm-base", flags)))
-        build._declare(self.lib)
+        path = compiled_library("cc", text, "qgemm.c", "qgemm-base", flags)
+        lib = ctypes.CDLL(str(path))
+        build._declare(lib)
+        self.lib = QGemmLibrary(lib, f"baseline-{isa}", path)
         spec = importlib.util.spec_from_file_location("baseline_packing", source / "packing.py")
         assert spec is not None and spec.loader is not None
         self.packing = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(self.packing)
 
-    def gemm(
-        self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
-    ) -> Callable[[torch.Tensor, float | None], torch.Tensor]:
-        """y = x W^T through the baseline's kernel (bf16 in, bf16 out, as the layers run)."""
+    def gemm(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> QGemm:
         n, k = codes.shape
         if offset is not None:
-            packed, sub, fn = self.packing.pack_q4(codes, scale, offset), 1, self.lib.paged_qgemm_q4
-        else:
-            packed, sub = self.packing.pack_q8(codes, scale)
-            fn = self.lib.paged_qgemm_q8
-
-        def run(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
-            m = x.shape[0]
-            y = torch.empty(m, n, dtype=torch.bfloat16)
-            levels, r = (1, 0.0) if ratio is None else (2, ratio)
-            lead = (packed.data_ptr(), n, k) + ((sub,) if offset is None else ())
-            rc = fn(*lead, levels, r, x.data_ptr(), m, k, 1, y.data_ptr(), n, 1)
-            if rc != 0:
-                raise RuntimeError(f"baseline qgemm failed ({rc})")
-            return y
-
-        return run
-
-
-def _bind(
-    fn: Callable[[torch.Tensor, float | None], torch.Tensor], ratio: float | None
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: fn(x, ratio)
+            return QGemm(self.lib, self.packing.pack_q4(codes, scale, offset), 4, (n, k), 1)
+        packed, sub = self.packing.pack_q8(codes, scale)
+        return QGemm(self.lib, packed, 8, (n, k), sub)
 
 
 def _cycle(
@@ -159,8 +141,8 @@ def kernels(
         "bf16_mm": lambda x: x @ dense_t,
     }
     if qbs:
-        found["qgemm_base"] = _cycle([_bind(qb, OUTLIER_RATIO) for qb in qbs])
-        found["qgemm_base_1lvl"] = _cycle([_bind(qb, None) for qb in qbs])
+        found["qgemm_base"] = _cycle([partial(q.matmul, outlier_ratio=OUTLIER_RATIO) for q in qbs])
+        found["qgemm_base_1lvl"] = _cycle([q.matmul for q in qbs])
     return found
 
 
