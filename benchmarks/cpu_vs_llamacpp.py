@@ -14,7 +14,14 @@ median of `--runs` runs. Scenarios:
 
 Beside every figure: threads, the 1-minute load average before and after, and
 each server process's CPU use (CPU seconds / wall seconds over the scenario,
-from /proc, the server and all its child processes).
+from /proc, the server and all its child processes), and CPU milliseconds per
+output token by role (`server`: paged's API server or llama-server; `child`:
+paged's engine core; `client`: this script's HTTP client), which stays
+comparable when other load shares the machine.
+
+`--trace-dir DIR` also has paged write its engine step timeline
+(`PAGED_STEP_TRACE`: prefill vs decode steps, idle gaps, output bytes) and a
+cProfile of its API server (`PAGED_API_PROFILE`) into DIR when it exits.
 
 llama.cpp is found through `--llama-server PATH` or $LLAMA_SERVER; if absent
 that side is skipped with a message (CI never builds it). Build it from the
@@ -81,6 +88,18 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _role(pid: int, root: int) -> str:
+    """What a server process is: the one started (API server / llama-server) or a child."""
+    if pid == root:
+        return "server"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "child"
+    return "resource_tracker" if "resource_tracker" in cmdline else "child"
+
+
 def _cpu_seconds(pid: int) -> dict[int, float]:
     ticks = os.sysconf("SC_CLK_TCK")
     result = {}
@@ -104,7 +123,13 @@ class Server:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def start_paged(model: str | None, threads: int, log_dir: Path) -> Server:
+def start_paged(
+    model: str | None,
+    threads: int,
+    log_dir: Path,
+    trace: Path | None = None,
+    extra_args: list[str] | None = None,
+) -> Server:
     port = _free_port()
     log = log_dir / "paged.log"
     paged = shutil.which("paged") or str(Path(sys.executable).parent / "paged")
@@ -112,7 +137,10 @@ def start_paged(model: str | None, threads: int, log_dir: Path) -> Server:
            "--max-model-len", "2048"]  # fmt: skip
     if model:
         cmd += ["--model", model]
+    cmd += extra_args or []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    if trace is not None:  # engine step timeline + API-server profile, written at exit
+        env.update(PAGED_STEP_TRACE=f"{trace}.steps.json", PAGED_API_PROFILE=f"{trace}.api.txt")
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     return _wait(Server("paged", proc, f"http://127.0.0.1:{port}", log, threads))
 
@@ -192,6 +220,7 @@ async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]
     async with httpx.AsyncClient(base_url=server.base_url, timeout=1800, limits=limits) as client:
         await _complete(client, _prompt(20, 999), 4)  # warm-up
         load0, cpu0, t0 = os.getloadavg()[0], _cpu_seconds(server.process.pid), time.perf_counter()
+        client_cpu0 = time.process_time()  # this process: the benchmark's HTTP client
         result: dict[str, Any] = {}
         if name == "a":
             s = await _stream(client, _prompt(75, 1), max_tokens)  # ~100 tokens
@@ -216,8 +245,21 @@ async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]
                       "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
                       "itl_p50_s": _pct(itl, 0.5)}  # fmt: skip
         wall = time.perf_counter() - t0
+        client_cpu = time.process_time() - client_cpu0
         cpu1 = _cpu_seconds(server.process.pid)
         per_process = {str(p): round((cpu1[p] - cpu0.get(p, 0.0)) / wall, 2) for p in cpu1}
+        # CPU seconds per output token for each process (for paged: "server" is the
+        # API server, "child" the engine core): a figure that survives other load.
+        out_tokens = result.get("output_tokens") or result.get("tokens") or 1
+        roles: dict[str, float] = {}
+        for p in cpu1:
+            role = _role(p, server.process.pid)
+            roles[role] = roles.get(role, 0.0) + cpu1[p] - cpu0.get(p, 0.0)
+        roles["client"] = client_cpu
+        result["cpu_s_by_role"] = {k: round(v, 2) for k, v in roles.items()}
+        result["cpu_ms_per_output_token"] = {
+            k: round(1000 * v / out_tokens, 3) for k, v in roles.items()
+        }
         result.update(
             wall_s=round(wall, 2), threads=server.threads, load_avg_before=load0,
             load_avg_after=os.getloadavg()[0], cpu_use_by_process=per_process,
@@ -233,6 +275,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--scenarios", default="abc")
+    parser.add_argument(
+        "--paged-args",
+        default="",
+        help="extra `paged serve` arguments, one string (e.g. '--max-num-batched-tokens 512')",
+    )
+    parser.add_argument(
+        "--trace-dir",
+        type=Path,
+        help="write paged's engine step trace and API-server cProfile here (one server per "
+        "run covers all its scenarios: trace one scenario at a time; cProfile slows the API)",
+    )
     args = parser.parse_args()
     from paged.runner.config import default_model_path
 
@@ -243,6 +296,8 @@ def main() -> None:
     else:
         print(json.dumps({"skipped": "llama.cpp", "why": "no llama-server binary: pass "
                           "--llama-server PATH or set LLAMA_SERVER"}), flush=True)  # fmt: skip
+    if args.trace_dir:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {} for s in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
@@ -250,7 +305,13 @@ def main() -> None:
             for side in order:
                 t = time.perf_counter()
                 server = (
-                    start_paged(args.model, args.threads, Path(tmp))
+                    start_paged(
+                        args.model,
+                        args.threads,
+                        Path(tmp),
+                        args.trace_dir / f"run{run}-{args.scenarios}" if args.trace_dir else None,
+                        args.paged_args.split(),
+                    )
                     if side == "paged"
                     else start_llamacpp(args.llama_server, gguf, args.threads, Path(tmp))
                 )
@@ -267,7 +328,8 @@ def main() -> None:
     keys = {"a": ["ttft_s", "decode_tok_s"], "b": ["output_tok_s"],
             "c": ["output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s"]}  # fmt: skip
     summary: dict[str, Any] = {"bench": "cpu_vs_llamacpp", "gguf": Path(gguf).name,
-                               "runs": args.runs, "threads": args.threads}  # fmt: skip
+                               "runs": args.runs, "threads": args.threads,
+                               "paged_args": args.paged_args}  # fmt: skip
     for sc in args.scenarios:
         for side in sides:
             runs = results[side].get(sc, [])
@@ -280,6 +342,11 @@ def main() -> None:
                 # Ratio > 1 means paged is better (tok/s up, latencies down).
                 better = ours / theirs if k.endswith("tok_s") else theirs / ours
                 summary[f"{sc}.ratio_paged_better.{k}"] = round(better, 3)
+        for side in sides:
+            runs = results[side].get(sc, [])
+            for role in sorted({r for x in runs for r in x["cpu_ms_per_output_token"]}):
+                values = [x["cpu_ms_per_output_token"].get(role, 0.0) for x in runs]
+                summary[f"{sc}.{side}.cpu_ms_per_token.{role}"] = statistics.median(values)
     print(json.dumps(summary), flush=True)
 
 

@@ -12,7 +12,9 @@ ctypes call replaces them); the CPU time includes them.
     PYTHONPATH=<checkout>/packages/runner/src ...    # another checkout's runner
 
 Replaying a layer rewrites the same K/V into the same cache slots, so the
-cache is unchanged.
+cache is unchanged. The quantised path's fused decoder stack (cpu_step/fused.py)
+never calls the layer modules, so this benchmark turns it off
+($PAGED_CPU_FUSED_LAYERS=off unless set): it measures the per-op layer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from paged.scheduler import SamplingParams
 from paged.server.llm import LLM
+
+os.environ.setdefault("PAGED_CPU_FUSED_LAYERS", "off")  # read when the model first runs
 
 
 def _capture_layer_args(llm: LLM, layer_index: int, prompt_len: int) -> tuple[Any, Any]:

@@ -39,7 +39,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from paged.runner.config import (
 )
 from paged.runner.executor import Executor
 from paged.runner.executor.messages import CheckHealth
+from paged.runner.executor.node_wire import free_port_pair
 from paged.scheduler.boundary import CachedRequestData, NewRequestData, SchedulerOutput
 from paged.scheduler.sampling_params import SamplingParams
 
@@ -106,20 +106,6 @@ def engine_config(
         ),
         scheduler_limits=SchedulerLimits(max_num_seqs=batch, max_num_batched_tokens=2048),
     )
-
-
-def _free_port_pair() -> int:
-    """A port P with P+1 free as well (torch.distributed at P, the node link at P+1)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
 
 
 def start_node1(path: Path, tp: int, batch: int, port: int) -> subprocess.Popen[bytes]:
@@ -226,7 +212,7 @@ def run_executor_part(args: argparse.Namespace, path: Path) -> dict[str, Any]:
             if backend == "mp_2nodes":
                 if tp % 2:
                     raise SystemExit("mp_2nodes needs an even --tp (each node holds tp / 2)")
-                port = _free_port_pair()
+                port = free_port_pair()
                 node1 = start_node1(path, tp, max(batches), port)
                 config = engine_config(path, "mp", tp, max(batches), master_port=port)
             else:

@@ -22,10 +22,11 @@ import pytest
 
 from paged.runner.config import EngineConfig, ModelConfig, ParallelConfig
 from paged.runner.executor import MultiprocExecutor, WorkerDiedError
+from paged.runner.executor.node_wire import free_port_pair
 from paged.scheduler.boundary import EngineCoreRequest
 from paged.scheduler.sampling_params import SamplingParams
 from paged.server.engine.core import EngineCore
-from tests.conftest import LiveServer, _free_port, _paged_command
+from tests.conftest import LiveServer, _paged_command
 from tests.test_pipeline_parallel import PROMPTS, engine_config, generate, pp1, tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -43,22 +44,6 @@ __all__ = ["pp1", "tiny_llama"]  # fixtures shared with test_pipeline_parallel
 NODE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
               "--block-size", "4", "--kv-cache-memory", "1MiB", "--max-num-seqs", "4",
               "--max-num-batched-tokens", "12"]  # fmt: skip
-
-
-def _ports() -> int:
-    """A master port P with P+1 free too (torch.distributed at P, the node link at P+1)."""
-    for _ in range(50):
-        port = _free_port()
-        if port < 65534:
-            try:
-                import socket
-
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two free consecutive ports")
 
 
 def start_headless(model: Path, log_dir: Path, port: int, flags: list[str]) -> LiveServer:
@@ -100,7 +85,7 @@ def two_nodes(
     started: list[tuple[EngineCore | None, LiveServer]] = []
 
     def start(tp: int = 1, pp: int = 1) -> tuple[EngineCore, LiveServer]:
-        port = _ports()
+        port = free_port_pair()
         node = start_headless(
             tiny_llama, tmp_path, port, [*NODE_FLAGS, "-tp", str(tp), "-pp", str(pp)]
         )
@@ -186,7 +171,7 @@ def test_node0_that_never_gets_its_node_times_out_with_a_clear_error(tiny_llama:
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"node\(s\) \[1\] never joined at tcp://127.0.0.1:"):
         MultiprocExecutor(
-            two_node_config(model, _ports(), tp=2), link_timeouts=LinkTimeouts(join_s=2.0)
+            two_node_config(model, free_port_pair(), tp=2), link_timeouts=LinkTimeouts(join_s=2.0)
         )
     assert time.monotonic() - start < 30.0
 
@@ -218,7 +203,7 @@ def test_headless_node_exits_nonzero_when_node0_is_killed(tiny_llama: Path, tmp_
 
     from paged.runner.executor.node_wire import Fingerprint
 
-    port = _ports()
+    port = free_port_pair()
     model = ModelConfig.from_pretrained(str(tiny_llama), max_model_len=64)
     fingerprint = Fingerprint.of(two_node_config(model, port, tp=2))
     encoded = msgspec.msgpack.encode(fingerprint).hex()

@@ -10,6 +10,7 @@ and logprobs.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -103,3 +104,36 @@ def test_logprobs_rank_the_greedy_token_first(llm: LLM) -> None:
         assert position[token].rank == 1
         assert max(lp.logprob for lp in position.values()) == position[token].logprob
         assert all(lp.logprob <= 0.0 for lp in position.values())
+
+
+def test_fused_layers_give_the_per_op_paths_tokens_and_logprobs(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default model decodes through the fused CPU layers (cpu_step/fused.py); run with
+    them switched off, the same requests (chunked prefill, preemption, batches) give the
+    same tokens and the same logprobs, float for float."""
+    from paged.runner.cpu_step import fused
+
+    core: Any = llm.engine_client.core  # type: ignore[attr-defined]
+    inner = core.model_executor.worker.model_runner.model.model
+    assert inner._fused_stack() is not None
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run() -> list[tuple[list[int], list[dict[int, float]]]]:
+        assert llm.reset_prefix_cache()  # both runs compute every prompt from scratch
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        return [
+            (list(o.token_ids), [{t: lp.logprob for t, lp in p.items()} for p in o.logprobs or []])
+            for o in outs
+        ]
+
+    fused_run = run()
+    monkeypatch.setenv("PAGED_CPU_FUSED_LAYERS", "off")
+    inner.cpu_fused = fused.FusedLayers()
+    try:
+        per_op_run = run()
+        assert inner._fused_stack() is None
+    finally:
+        monkeypatch.delenv("PAGED_CPU_FUSED_LAYERS")
+        inner.cpu_fused = fused.FusedLayers()  # later tests get the fused path again
+    assert per_op_run == fused_run

@@ -4,7 +4,6 @@ headless agent that node 0 refuses or never answers."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +37,7 @@ from paged.runner.executor.node_wire import (
     Welcome,
     control_frames,
     decode_control,
+    free_port_pair,
     link_endpoint,
 )
 from paged.runner.executor.rank_layout import node_ranks
@@ -46,19 +46,6 @@ from paged.runner.executor.replies import results_in_rank_order
 from paged.scheduler.boundary import SchedulerOutput
 
 FAST = LinkTimeouts(join_s=2.0, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.8)
-
-
-def _port_pair() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
 
 
 def two_nodes(port: int = 29501, **kw: object) -> ParallelConfig:
@@ -159,7 +146,7 @@ def fingerprint(**kw: object) -> Fingerprint:
 
 @pytest.fixture
 def node0() -> Iterator[RemoteNodes]:
-    link = RemoteNodes(two_nodes(_port_pair()), fingerprint(), output_rank=0, timeouts=FAST)
+    link = RemoteNodes(two_nodes(free_port_pair()), fingerprint(), output_rank=0, timeouts=FAST)
     yield link
     link.close()
 
@@ -297,7 +284,7 @@ def test_headless_node_exits_1_when_node0_never_answers(
     tiny_config: Callable[..., EngineConfig], caplog: pytest.LogCaptureFixture
 ) -> None:
     start = time.monotonic()
-    assert run_worker_node(tiny_config(_port_pair()), LinkTimeouts(join_s=1.0)) == 1
+    assert run_worker_node(tiny_config(free_port_pair()), LinkTimeouts(join_s=1.0)) == 1
     assert time.monotonic() - start < 10.0
     assert "node 0 did not answer at tcp://127.0.0.1:" in caplog.text
 
@@ -305,7 +292,7 @@ def test_headless_node_exits_1_when_node0_never_answers(
 def test_headless_node_exits_1_when_node0_refuses_it(
     tiny_config: Callable[..., EngineConfig], caplog: pytest.LogCaptureFixture
 ) -> None:
-    port = _port_pair()
+    port = free_port_pair()
     node0_config = tiny_config(port)
     node0_fp = Fingerprint.of(node0_config)
     link = RemoteNodes(node0_config.parallel_config, node0_fp, output_rank=0, timeouts=FAST)

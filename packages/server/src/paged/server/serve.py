@@ -39,6 +39,7 @@ def run_server(
 ) -> None:
     import uvicorn
 
+    from paged.server.api_profile import maybe_profile
     from paged.server.async_llm import AsyncLLM
     from paged.server.engine.core import make_engine_core_factory
     from paged.server.metrics import PrometheusStatLogger
@@ -122,7 +123,8 @@ def run_server(
             port,
             "required" if api_key else "not required",
         )
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        with maybe_profile():  # PAGED_API_PROFILE=PATH; off by default
+            uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         client.shutdown()
 

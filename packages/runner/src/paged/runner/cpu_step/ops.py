@@ -37,6 +37,14 @@ def available() -> bool:
     return load_step_ops() is not None
 
 
+def step_library() -> ctypes.CDLL | None:
+    """The loaded library, its norm's summation width calibrated; None when unavailable.
+
+    For C code that calls these functions itself (cpu_step/fused.py).
+    """
+    return _lib() if available() else None
+
+
 def _lib() -> ctypes.CDLL:
     lib = load_step_ops()
     if lib is None:

@@ -193,3 +193,27 @@ def link_endpoint(master_addr: str, master_port: int) -> str:
     except OSError as exc:
         raise ValueError(f"master_addr: cannot resolve {master_addr!r}: {exc}") from None
     return f"tcp://{ip}:{master_port + 1}"
+
+
+def free_port_pair(host: str = "127.0.0.1", attempts: int = 100) -> int:
+    """A free port P on `host` with P+1 free as well: a master port for one machine's tests.
+
+    torch.distributed meets at P and node 0's link listens at P+1 (`link_endpoint`),
+    so both must be free. Either may be taken again before it is bound: callers
+    that start servers on it retry or accept the race, as with any free port.
+    """
+    import socket
+
+    for _ in range(attempts):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port >= 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind((host, port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no two consecutive free ports on {host} after {attempts} attempts")

@@ -31,6 +31,7 @@ from paged.runner.attention.backends import select_attention_backend
 from paged.runner.attention.layer import Attention
 from paged.runner.attention.metadata import AttentionMetadata, ForwardContext
 from paged.runner.config import ModelConfig
+from paged.runner.cpu_step import fused
 from paged.runner.layers import cpu_eager
 from paged.runner.layers.activation import get_gated_activation
 from paged.runner.layers.layernorm import GemmaRMSNorm
@@ -227,6 +228,18 @@ class Gemma3DecoderLayer(nn.Module):
         out: torch.Tensor = hidden_states + self.post_feedforward_layernorm(mlp)
         return out
 
+    def fused_spec(self) -> fused.LayerSpec | None:
+        """This layer for the fused CPU path (cpu_step/fused.py), or None if it does not fit."""
+        a, mlp = self.self_attn, self.mlp
+        return fused.layer_spec(
+            qkv=a.qkv_proj, o=a.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+            act=mlp.act_fn, rotary=a.rotary_emb, attn=a.attn, q_size=a.q_size,
+            kv_size=a.kv_size, head_dim=a.head_dim, input_norm=self.input_layernorm,
+            post_attn_norm=self.post_attention_layernorm,
+            pre_ff_norm=self.pre_feedforward_layernorm,
+            post_ff_norm=self.post_feedforward_layernorm, q_norm=a.q_norm, k_norm=a.k_norm,
+        )  # fmt: skip
+
 
 class Gemma3TextModel(nn.Module):
     """Embedding (scaled), the decoder layers, the final norm."""
@@ -249,6 +262,21 @@ class Gemma3TextModel(nn.Module):
             layers.append(Gemma3DecoderLayer(cfg, i, tp, model_config, rotary, prefix))
         self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        # The quantised CPU path's decoder stack in two C calls a layer (cpu_step/fused.py).
+        self.cpu_fused = fused.FusedLayers()
+
+    def _fused_stack(self) -> fused.FusedDecoderStack | None:
+        first = self.layers[0]
+        assert isinstance(first, Gemma3DecoderLayer)
+
+        def build() -> fused.FusedDecoderStack | None:
+            specs = [
+                layer.fused_spec() if isinstance(layer, Gemma3DecoderLayer) else None
+                for layer in self.layers
+            ]
+            return fused.build_stack(specs, self.norm)
+
+        return self.cpu_fused.stack(first.self_attn.qkv_proj.quant, build)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.embed_tokens(input_ids) * self.embed_scale
@@ -266,6 +294,9 @@ class Gemma3TextModel(nn.Module):
                 f"ctx.kv_caches has {len(ctx.kv_caches)} tensors for {len(self.layers)} layers"
             )
         hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        stack = self._fused_stack()
+        if stack is not None and stack.takes(hidden):
+            return stack.forward(hidden, positions, ctx)
         # The residual stream is float32 on CPU (layers/cpu_eager.py); the norms
         # return the model dtype, so every sub-layer still runs in it.
         hidden = cpu_eager.residual_stream(hidden)

@@ -32,6 +32,7 @@ from paged.runner.attention.backends import select_attention_backend
 from paged.runner.attention.layer import Attention
 from paged.runner.attention.metadata import AttentionMetadata, ForwardContext
 from paged.runner.config import ModelConfig
+from paged.runner.cpu_step import fused
 from paged.runner.layers.activation import get_gated_activation
 from paged.runner.layers.layernorm import RMSNorm
 from paged.runner.layers.linear import (
@@ -168,6 +169,16 @@ class LlamaDecoderLayer(nn.Module):
         )
         return self.mlp(hidden_states), residual
 
+    def fused_spec(self) -> fused.LayerSpec | None:
+        """This layer for the fused CPU path (cpu_step/fused.py), or None if it does not fit."""
+        a, mlp = self.self_attn, self.mlp
+        return fused.layer_spec(
+            qkv=a.qkv_proj, o=a.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+            act=mlp.act_fn, rotary=a.rotary_emb, attn=a.attn, q_size=a.q_size,
+            kv_size=a.kv_size, head_dim=a.head_dim, input_norm=self.input_layernorm,
+            post_attn_norm=self.post_attention_layernorm, q_norm=a.q_norm, k_norm=a.k_norm,
+        )  # fmt: skip
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -204,6 +215,24 @@ class LlamaModel(nn.Module):
             if stage.is_last
             else PPMissingLayer()
         )
+        # The quantised CPU path's decoder stack in two C calls a layer (cpu_step/fused.py).
+        self.cpu_fused = fused.FusedLayers()
+
+    def _fused_stack(self) -> fused.FusedDecoderStack | None:
+        if not (self.stage.is_first and self.stage.is_last):
+            return None
+        first = self.layers[0]
+        assert isinstance(first, LlamaDecoderLayer)  # a single stage holds every layer
+
+        def build() -> fused.FusedDecoderStack | None:
+            specs = [
+                layer.fused_spec() if isinstance(layer, LlamaDecoderLayer) else None
+                for layer in self.layers
+            ]
+            assert isinstance(self.norm, RMSNorm)
+            return fused.build_stack(specs, self.norm)
+
+        return self.cpu_fused.stack(first.self_attn.qkv_proj.quant, build)
 
     def forward(
         self,
@@ -222,8 +251,11 @@ class LlamaModel(nn.Module):
                 f"ctx.layer_metadata has {len(ctx.layer_metadata)} entries for {num_layers} layers"
             )
         residual: torch.Tensor | None
+        stack = self._fused_stack() if intermediate is None else None
         if self.stage.is_first:
             hidden_states = self.embed_tokens(input_ids)
+            if stack is not None and stack.takes(hidden_states):
+                return stack.forward(hidden_states, positions, ctx)
             residual = None
         elif intermediate is None:
             raise ValueError(

@@ -28,6 +28,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -57,6 +58,7 @@ from paged.server.engine.serial import (
     MsgpackEncoder,
     decode_add_request,
 )
+from paged.server.engine.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,10 @@ class EngineCoreProc:
         self._output_failed: BaseException | None = None
         self._loop_done = threading.Event()
         self._parent_watch = ParentDeathWatcher(self._on_parent_death)
+        # PAGED_STEP_TRACE=PATH: a per-step timeline written at exit (off: None).
+        self._trace = StepTrace.from_env()
+        if self._trace is not None:
+            logger.warning("engine step trace on: written to %s at exit", self._trace.path)
 
     @property
     def parent_died(self) -> bool:
@@ -130,6 +136,8 @@ class EngineCoreProc:
             raise
         finally:
             self._parent_watch.stop()
+            if self._trace is not None:
+                self._trace.write()
             try:
                 self.core.shutdown()
             finally:
@@ -159,7 +167,13 @@ class EngineCoreProc:
             self._process_input_queue()
             if self._shutdown_requested:
                 break
-            for client_index, outputs in self.core.run_step().items():
+            trace = self._trace
+            if trace is not None:
+                trace.begin_step()
+            step_outputs = self.core.run_step()
+            if trace is not None:
+                trace.end_step(step_outputs)
+            for client_index, outputs in step_outputs.items():
                 if client_index != 0:
                     # One frontend per engine here: outputs for other indices
                     # still go to it rather than being dropped.
@@ -171,6 +185,7 @@ class EngineCoreProc:
     def _process_input_queue(self) -> None:
         """Block while idle (checking the frontend is alive); then drain the queue."""
         if not self.core.has_work():
+            idle_from = time.monotonic()
             while True:
                 try:
                     item = self._input_queue.get(timeout=_POLL_S)
@@ -184,6 +199,8 @@ class EngineCoreProc:
                     continue
                 self._handle(*item)
                 break
+            if self._trace is not None:
+                self._trace.add_idle(time.monotonic() - idle_from)
         while not self._shutdown_requested:
             try:
                 item = self._input_queue.get_nowait()
@@ -262,6 +279,7 @@ class EngineCoreProc:
                 return
             assert isinstance(item, tuple)
             kind, payload = item
+            encode_from = time.perf_counter()
             try:
                 frames = _encode_output(encoder, payload)
             except Exception as exc:
@@ -272,6 +290,10 @@ class EngineCoreProc:
                 kind = EngineCoreOutputType.ENGINE_ERROR
                 message = f"engine core cannot encode its output: {type(exc).__name__}: {exc}"
                 frames = encoder.encode(EngineErrorMessage(message, traceback.format_exc()))
+            if self._trace is not None:
+                self._trace.add_sent(
+                    time.perf_counter() - encode_from, sum(memoryview(f).nbytes for f in frames)
+                )
             sock.send_multipart([kind.value, *frames], copy=False)
             if self._output_failed is not None:
                 return
