@@ -152,15 +152,20 @@ static void quantize_group(const float *v, int flip, int8_t *qo, float *xs, floa
  * blocks of MB_ROWS rows (the tile kernels' row blocks): a block's rows'
  * codes for one group are 32-byte neighbours, so the kernels reach all of
  * them at constant offsets from one pointer and walk memory in order. */
+/* A call of fewer rows than MB_ROWS stores them at width bw = its row count
+ * (one row: plain rows, as few cache lines as possible while the weights stream
+ * through L1); bw < MB_ROWS means one block, so r / MB_ROWS and r % MB_ROWS
+ * still index it. */
 #define QOFF(r, g) \
-    (((r) / MB_ROWS) * (MB_ROWS * k) + (g) * (MB_ROWS * GROUP) + ((r) % MB_ROWS) * GROUP)
-#define SOFF(r, g) (((r) / MB_ROWS) * (MB_ROWS * groups) + (g) * MB_ROWS + ((r) % MB_ROWS))
+    (((r) / MB_ROWS) * (o->bw * k) + (g) * (o->bw * GROUP) + ((r) % MB_ROWS) * GROUP)
+#define SOFF(r, g) (((r) / MB_ROWS) * (o->bw * groups) + (g) * o->bw + ((r) % MB_ROWS))
 typedef struct {
     int8_t *q, *q2;          /* [blocks, groups, MB_ROWS, 32] (QOFF) */
     float *xs, *xsum;        /* [blocks, groups, MB_ROWS] (SOFF) */
     float *xs2, *xsum2;      /* [blocks, groups, MB_ROWS] */
     uint8_t *mask2;          /* [rows / MB_ROWS blocks, groups]: bit r, row r of the block
                                 has a residual in that group */
+    int64_t bw;              /* rows per block in q / xs: MB_ROWS, or the call's rows if fewer */
 } QRows;
 
 static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t x_stride,
@@ -465,7 +470,7 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
     const float *xs = o->xs + r0 * groups, *xsum = o->xsum + r0 * groups;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * Q4_BLOCK;
-        const int8_t *xg = xb + g * (MB_ROWS * GROUP);
+        const int8_t *xg = xb + g * (o->bw * GROUP);
         /* All MB rows' chains side by side (they hide each other's latency);
          * each 64-byte code vector is unpacked into its two nibble vectors
          * just before use, so that only two of them are live. */
@@ -495,7 +500,7 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
         }
         const __m512 d = _mm512_loadu_ps((const float *)(blk + 256));
         const __m512 mn = _mm512_loadu_ps((const float *)(blk + 320));
-        const float *sx = xs + g * MB_ROWS, *sm = xsum + g * MB_ROWS;
+        const float *sx = xs + g * o->bw, *sm = xsum + g * o->bw;
         for (int r = 0; r < MB; r++) {
             const __m512 f = _mm512_cvtepi32_ps(i[r]);
             a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(sx[r])), a[r]);
@@ -569,7 +574,7 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * block;
         __m512i w8[8]; /* few rows: the group's codes, loaded once (the residual reuses them) */
-        const int8_t *xg = xb + g * (MB_ROWS * GROUP);
+        const int8_t *xg = xb + g * (o->bw * GROUP);
         for (int s = 0; s < sub; s++) {
             const __m512i corr = _mm512_loadu_si512((const void *)(blk + Q8_CODES + s * 64));
             const int c0 = s * chunks, c1 = (s + 1) * chunks;
@@ -592,7 +597,7 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
             if (MB <= 2)
                 for (int r = 0; r < MB; r++) i[r] = _mm512_add_epi32(i[r], j[r]);
             const __m512 d = _mm512_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64));
-            const float *sx = xs + g * MB_ROWS;
+            const float *sx = xs + g * o->bw;
             for (int r = 0; r < MB; r++)
                 a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[r]),
                                        _mm512_mul_ps(d, _mm512_set1_ps(sx[r])), a[r]);
@@ -686,6 +691,7 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
     uint8_t *buf = (uint8_t *)scratch(qbytes * levels + fbytes * 2 * levels + mbytes + 64);
     if (buf == NULL) return -2;
     QRows o;
+    o.bw = rows < MB_ROWS ? rows : MB_ROWS;
     o.q = (int8_t *)buf;
     o.q2 = levels == 2 ? (int8_t *)(buf + qbytes) : NULL;
     o.xs = (float *)(buf + qbytes * levels);
