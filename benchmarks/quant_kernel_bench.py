@@ -26,15 +26,21 @@ and thread count recorded on every line.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.util
+import itertools
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 
 import torch
 
-from paged.runner.cpu_kernels import QGemm, load_qgemm
+from paged.runner.c_compile import compiled_library
+from paged.runner.cpu_kernels import QGemm, QGemmLibrary, build, load_qgemm
 from paged.runner.layers.quantized_linear import OUTLIER_RATIO
 
 # (name, out, in, format): SmolLM2-135M-Instruct's Q4_1 projections and its tied Q8_0 head.
@@ -60,9 +66,44 @@ def _int4pack(
     return run
 
 
+class Baseline:
+    """Another version's qgemm.c and packing.py (a directory holding both, e.g. main's
+    cpu_kernels/), built like this one, for before/after in one run. Its packed
+    weights are driven through this version's QGemm.matmul, so that both sides pay
+    the same Python overhead per call (it matters at one row: ~20-60 us calls)."""
+
+    def __init__(self, source: Path, isa: str) -> None:
+        flags = [*build._BASE_FLAGS, *build._FORCE[isa]]
+        text = (source / "qgemm.c").read_text()
+        path = compiled_library("cc", text, "qgemm.c", "qgemm-base", flags)
+        lib = ctypes.CDLL(str(path))
+        build._declare(lib)
+        self.lib = QGemmLibrary(lib, f"baseline-{isa}", path)
+        spec = importlib.util.spec_from_file_location("baseline_packing", source / "packing.py")
+        assert spec is not None and spec.loader is not None
+        self.packing = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.packing)
+
+    def gemm(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> QGemm:
+        n, k = codes.shape
+        if offset is not None:
+            return QGemm(self.lib, self.packing.pack_q4(codes, scale, offset), 4, (n, k), 1)
+        packed, sub = self.packing.pack_q8(codes, scale)
+        return QGemm(self.lib, packed, 8, (n, k), sub)
+
+
+def _cycle(
+    fns: list[Callable[[torch.Tensor], torch.Tensor]],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Each call the next of fns (copies of one weight: see --copies)."""
+    turn = itertools.cycle(fns)
+    return lambda x: next(turn)(x)
+
+
 def kernels(
-    out: int, inp: int, fmt: str, isa: str
-) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    out: int, inp: int, fmt: str, isa: str, base: Baseline | None = None,
+    copies: int = 1,
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:  # fmt: skip
     gen = torch.Generator().manual_seed(out * 7 + inp)
     groups = inp // 32
     lib = load_qgemm(isa)
@@ -72,14 +113,18 @@ def kernels(
         codes = torch.randint(0, 16, (out, inp), dtype=torch.uint8, generator=gen)
         scale = torch.rand(out, groups, generator=gen) * 0.01
         offset = -8 * scale + torch.randn(out, groups, generator=gen) * 1e-3
+        scale, offset = scale.half().float(), offset.half().float()  # GGUF's are float16
         weight = codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
-        q = QGemm.int4(lib, codes, scale, offset)
+        qs = [QGemm.int4(lib, codes, scale, offset) for _ in range(copies)]
+        qbs = [base.gemm(codes, scale, offset) for _ in range(copies)] if base else []
         torch_int4 = _int4pack(codes, scale, offset + 8 * scale)
     else:
         codes8 = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=gen)
         scale = torch.rand(out, groups, generator=gen) * 0.001
+        scale = scale.half().float()
         weight = codes8.float() * scale.repeat_interleave(32, 1)
-        q = QGemm.int8(lib, codes8, scale)
+        qs = [QGemm.int8(lib, codes8, scale) for _ in range(copies)]
+        qbs = [base.gemm(codes8, scale, None) for _ in range(copies)] if base else []
         high = _int4pack(
             ((codes8 >> 4) + 8).to(torch.uint8), 16 * scale, -128 * scale + 8 * 16 * scale
         )
@@ -89,21 +134,36 @@ def kernels(
             return high(x).float() + low(x).float()
 
     dense_t = weight.to(torch.bfloat16).t().contiguous()
-    return {
-        "qgemm": lambda x: q.matmul(x, outlier_ratio=OUTLIER_RATIO),
-        "qgemm_1lvl": lambda x: q.matmul(x),
+    found: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "qgemm": _cycle([partial(q.matmul, outlier_ratio=OUTLIER_RATIO) for q in qs]),
+        "qgemm_1lvl": _cycle([q.matmul for q in qs]),
         "int4pack": torch_int4,
         "bf16_mm": lambda x: x @ dense_t,
     }
+    if qbs:
+        found["qgemm_base"] = _cycle([partial(q.matmul, outlier_ratio=OUTLIER_RATIO) for q in qbs])
+        found["qgemm_base_1lvl"] = _cycle([q.matmul for q in qbs])
+    return found
 
 
-def time_burst(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_s: float) -> float:
-    """Mean seconds per call over a burst lasting about min_s."""
-    calls, start = 0, time.perf_counter()
+KERNELS = ("qgemm", "qgemm_1lvl", "int4pack", "bf16_mm", "qgemm_base", "qgemm_base_1lvl")
+
+
+def gops(m: int, out: int, inp: int, ms: float) -> float:
+    """Integer/float operations per second (2 M N K per call), in GOP/s."""
+    return 2.0 * m * out * inp / (ms * 1e-3) / 1e9
+
+
+def time_burst(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:  # fmt: skip
+    """Mean seconds per call over a burst lasting about min_s (of `clock`)."""
+    calls, start = 0, clock()
     while True:
         fn(x)
         calls += 1
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if elapsed >= min_s and calls >= 3:
             return elapsed / calls
 
@@ -115,14 +175,45 @@ def main() -> None:
     ap.add_argument("--burst-s", type=float, default=0.05)
     ap.add_argument("--layers", nargs="+", default=[name for name, *_ in LAYERS])
     ap.add_argument("--isa", default="native", choices=["native", "avx2", "scalar"])
+    ap.add_argument(
+        "--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),
+        help="which kernels to time (ratios need qgemm and the other one)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--head-max-rows", type=int, default=256,
+        help="skip lm_head above this M (prefill takes logits at sampled rows only)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--baseline-source", type=Path, default=None,
+        help="a directory with another version's qgemm.c and packing.py (e.g. main's "
+        "cpu_kernels/, from git archive), timed alongside as qgemm_base[_1lvl]",
+    )  # fmt: skip
+    ap.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="cpu: this thread's CPU time (one torch thread: every kernel runs on it), "
+        "which moves less than wall time when other processes share the cores",
+    )  # fmt: skip
+    ap.add_argument(
+        "--copies", type=int, default=1,
+        help="cycle through this many copies of each packed weight (qgemm kernels only), so "
+        "that they stream from memory as a decode step's 30 layers do, not from cache",
+    )  # fmt: skip
     args = ap.parse_args()
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    base = Baseline(args.baseline_source, args.isa) if args.baseline_source else None
     torch.manual_seed(0)
     totals: dict[int, dict[str, float]] = {}
     for name, out, inp, fmt in LAYERS:
         if name not in args.layers:
             continue
-        ks = kernels(out, inp, fmt, args.isa)
+        ks = {
+            k: v
+            for k, v in kernels(out, inp, fmt, args.isa, base, args.copies).items()
+            if k in args.kernels
+        }
         for m in args.rows:
+            if name == "lm_head" and m > args.head_max_rows:
+                continue
             x = torch.randn(m, inp)
             x[:, ::151] *= 30.0
             x = x.to(torch.bfloat16)
@@ -132,7 +223,7 @@ def main() -> None:
             times: dict[str, list[float]] = {k: [] for k in ks}
             for _ in range(args.rounds):
                 for k, fn in ks.items():
-                    times[k].append(time_burst(fn, x, args.burst_s))
+                    times[k].append(time_burst(fn, x, args.burst_s, clock))
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             for k, v in med.items():
                 totals.setdefault(m, {}).setdefault(k, 0.0)
@@ -141,10 +232,13 @@ def main() -> None:
             print(json.dumps({
                 "layer": name, "shape": [out, inp], "format": fmt, "rows": m,
                 "ms_median": {k: round(v, 4) for k, v in med.items()},
-                "int4pack_over_qgemm": round(med["int4pack"] / med["qgemm"], 2),
-                "bf16_over_qgemm": round(med["bf16_mm"] / med["qgemm"], 2),
-                "qgemm_1lvl_over_qgemm": round(med["qgemm_1lvl"] / med["qgemm"], 2),
-                "threads": torch.get_num_threads(), "isa": args.isa,
+                "gops": {k: round(gops(m, out, inp, v), 1) for k, v in med.items()},
+                **{
+                    f"{k}_over_qgemm": round(med[k] / med["qgemm"], 2)
+                    for k in med if k != "qgemm" and "qgemm" in med
+                },
+                "threads": torch.get_num_threads(), "isa": args.isa, "clock": args.clock,
+                "copies": args.copies,
                 "load_avg_before": round(load_before, 2),
                 "load_avg_after": round(os.getloadavg()[0], 2),
             }), flush=True)  # fmt: skip

@@ -146,6 +146,69 @@ def test_every_isa_path_gives_the_same_results() -> None:
             torch.testing.assert_close(y, outs["scalar"], rtol=1e-5, atol=1e-5, msg=isa)
 
 
+def _gemms(lib: QGemmLibrary, n: int, k: int, seed: int) -> dict[str, tuple[QGemm, torch.Tensor]]:
+    """One kernel of each packed format (4-bit, 8-bit per 32, 8-bit per 16) and its weight."""
+    codes, scale, offset = _int4(n, k, seed=seed)
+    q4 = QGemm.int4(lib, codes, scale, offset)
+    c32, s32 = _int8(n, k, 32, seed=seed + 1)
+    c16, s16 = _int8(n, k, 16, seed=seed + 2)
+    return {
+        "q4": (
+            q4,
+            codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1),
+        ),
+        "q8": (QGemm.int8(lib, c32, s32), c32.float() * s32.repeat_interleave(32, 1)),
+        "q8_16": (QGemm.int8(lib, c16, s16), c16.float() * s16.repeat_interleave(16, 1)),
+    }
+
+
+# Row counts around the kernels' row blocks (8 rows on AVX512-VNNI, 4 below) and the
+# 256-row (128 with two levels) activation chunks; N around the 16-wide tiles; K of one group.
+EDGE_ROWS = (2, 5, 7, 9, 15, 17, 127, 129, 257)
+EDGE_SHAPES = ((16, 32), (17, 32), (33, 64), (47, 96))
+
+
+@needs_cc
+@pytest.mark.parametrize(("n", "k"), EDGE_SHAPES)
+def test_blocking_edges_equal_the_reference(n: int, k: int) -> None:
+    for gemm, weight in _gemms(_lib(), n, k, seed=n * k).values():
+        for m in EDGE_ROWS:
+            for ratio in (None, 0.0, 8.0):
+                _check(gemm, weight, m, torch.bfloat16, torch.float32, ratio)
+
+
+@needs_cc
+@pytest.mark.parametrize("isa", build.ISAS)
+def test_a_row_gets_the_same_bits_alone_or_in_any_batch(isa: str) -> None:
+    """Each output row's float32 sums run in the same order whatever row block, chunk or
+    neighbours it is computed with: batching (decode of many streams, prefill, spec
+    verification) never changes a row's result, on every ISA path."""
+    gen = torch.Generator().manual_seed(11)
+    for name, (gemm, _) in _gemms(_lib(isa), 33, 96, seed=4).items():
+        x = torch.randn(140, 96, generator=gen)
+        x[:, ::23] *= 30  # outlier groups: the second level covers some rows' groups only
+        x[3, 32:64] = 0.0  # an all-zero group
+        for ratio in (None, 8.0, 0.0):
+            whole = gemm.matmul(x, outlier_ratio=ratio)
+            alone = torch.cat([gemm.matmul(x[i : i + 1], outlier_ratio=ratio) for i in range(10)])
+            assert torch.equal(whole[:10], alone), (isa, name, ratio)
+            for lo, hi in ((0, 3), (5, 14), (7, 140), (130, 139)):
+                part = gemm.matmul(x[lo:hi], outlier_ratio=ratio)
+                assert torch.equal(part, whole[lo:hi]), (isa, name, ratio, lo, hi)
+
+
+@needs_cc
+def test_isa_paths_agree_at_the_blocking_edges() -> None:
+    libs = {isa: _lib(isa) for isa in build.ISAS}
+    x = torch.randn(17, 64, generator=torch.Generator().manual_seed(3))
+    x[:, ::29] *= 30
+    outs = {isa: {k: g.matmul(x, outlier_ratio=8.0) for k, (g, _) in _gemms(lib, 17, 64, 8).items()}
+            for isa, lib in libs.items()}  # fmt: skip
+    for isa, per_format in outs.items():
+        for name, y in per_format.items():
+            torch.testing.assert_close(y, outs["scalar"][name], rtol=1e-5, atol=1e-5, msg=isa)
+
+
 @needs_cc
 def test_bad_inputs_are_refused() -> None:
     codes, scale, offset = _int4(16, 64, seed=1)

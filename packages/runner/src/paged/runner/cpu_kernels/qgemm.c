@@ -56,8 +56,14 @@
 #define GROUP 32
 #define Q4_BLOCK (256 + 64 + 64)
 #define Q8_CODES 512
-#define MB_MAX 4      /* activation rows per pass over a weight tile */
-#define M_CHUNK 256   /* activation rows whose int8 copy stays in L2 */
+/* Activation rows per pass over a weight tile (MB_ROWS x 16 accumulators plus
+ * the tile's 8 weight vectors fit AVX-512's 32 registers; AVX2 has 16). */
+#if defined(QG_VNNI)
+#define MB_ROWS 8
+#else
+#define MB_ROWS 4
+#endif
+#define M_CHUNK 256   /* activation rows whose int8 copy stays in L2 (a multiple of 2 MB_ROWS) */
 
 #define QG_INLINE static inline __attribute__((always_inline))
 
@@ -116,9 +122,11 @@ static void *scratch(size_t bytes) {
 
 /* x rows [m, k] (float32 or bfloat16, row stride x_stride elements) -> int8 q,
  * per-group scale xs = amax / 127 and xsum = xs * sum(q) [m, k / 32].
- * levels 2: each row becomes two q rows, 2r (as above) and 2r + 1, the residual
- * x - xs q quantised the same way (about 14 bits of x in all); the drivers add
- * the two rows' results. flip: store q ^ 0x80 (= q + 128 as a u8), the unsigned
+ * levels 2: each row also gets a residual row (x - xs q quantised the same way:
+ * about 14 bits of x in all) in q2 / xs2 / xsum2, but only for the groups
+ * whose largest value dwarfs the rest; mask2 marks them per block of MB_ROWS
+ * rows and group, and the tile kernels multiply only those (with the weight
+ * group they already hold in registers for level 1). flip: store q ^ 0x80 (= q + 128 as a u8), the unsigned
  * operand of the 8-bit VNNI path. Scalar and identical on every path, so that
  * all paths see the same q. */
 static void quantize_group(const float *v, int flip, int8_t *qo, float *xs, float *xsum) {
@@ -139,9 +147,29 @@ static void quantize_group(const float *v, int flip, int8_t *qo, float *xs, floa
     *xsum = d * (float)sum;
 }
 
+/* The int8 activations of one chunk of rows: level 1 for every row, level 2
+ * (the residual) for the groups mask2 marks. Stored block-interleaved, in
+ * blocks of MB_ROWS rows (the tile kernels' row blocks): a block's rows'
+ * codes for one group are 32-byte neighbours, so the kernels reach all of
+ * them at constant offsets from one pointer and walk memory in order. */
+/* A call of fewer rows than MB_ROWS stores them at width bw = its row count
+ * (one row: plain rows, as few cache lines as possible while the weights stream
+ * through L1); bw < MB_ROWS means one block, so r / MB_ROWS and r % MB_ROWS
+ * still index it. */
+#define QOFF(r, g) \
+    (((r) / MB_ROWS) * (o->bw * k) + (g) * (o->bw * GROUP) + ((r) % MB_ROWS) * GROUP)
+#define SOFF(r, g) (((r) / MB_ROWS) * (o->bw * groups) + (g) * o->bw + ((r) % MB_ROWS))
+typedef struct {
+    int8_t *q, *q2;          /* [blocks, groups, MB_ROWS, 32] (QOFF) */
+    float *xs, *xsum;        /* [blocks, groups, MB_ROWS] (SOFF) */
+    float *xs2, *xsum2;      /* [blocks, groups, MB_ROWS] */
+    uint8_t *mask2;          /* [rows / MB_ROWS blocks, groups]: bit r, row r of the block
+                                has a residual in that group */
+    int64_t bw;              /* rows per block in q / xs: MB_ROWS, or the call's rows if fewer */
+} QRows;
+
 static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64_t x_stride,
-                          int levels, float ratio, int flip, int8_t *q, float *xs,
-                          float *xsum) {
+                          int levels, float ratio, int flip, const QRows *o) {
     const int64_t groups = k / GROUP;
     float buf[GROUP];
     for (int64_t r = 0; r < m; r++) {
@@ -150,34 +178,29 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int64
             for (int i = 0; i < GROUP; i++)
                 buf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[base + i])
                                 : ((const float *)x)[base + i];
-            const int64_t row = r * levels;
-            int8_t *qo = q + row * k + g * GROUP;
-            quantize_group(buf, flip, qo, xs + row * groups + g, xsum + row * groups + g);
-            if (levels == 2) {
-                const float d = xs[row * groups + g];
-                float amax = 0.0f, total = 0.0f;
-                for (int i = 0; i < GROUP; i++) {
-                    const float a = fabsf(buf[i]);
-                    amax = a > amax ? a : amax;
-                    total += a;
-                }
-                /* Only groups whose largest value dwarfs the rest (amax > ratio * mean |x|)
-                 * lose precision in one level; the others get an empty residual row,
-                 * which the tile kernels skip (xs == 0). */
-                if (!(amax > ratio * (total / GROUP))) {
-                    memset(qo + k, flip ? 0x80 : 0, GROUP);
-                    xs[(row + 1) * groups + g] = 0.0f;
-                    xsum[(row + 1) * groups + g] = 0.0f;
-                    continue;
-                }
-                for (int i = 0; i < GROUP; i++) {
-                    const int32_t q1 = flip ? (int32_t)(int8_t)(qo[i] ^ 0x80) : qo[i];
-                    const float coarse = d * (float)q1;
-                    buf[i] = buf[i] - coarse;
-                }
-                quantize_group(buf, flip, qo + k, xs + (row + 1) * groups + g,
-                               xsum + (row + 1) * groups + g);
+            const int64_t at = SOFF(r, g);
+            int8_t *qo = o->q + QOFF(r, g);
+            quantize_group(buf, flip, qo, o->xs + at, o->xsum + at);
+            if (levels != 2) continue;
+            const float d = o->xs[at];
+            float amax = 0.0f, total = 0.0f;
+            for (int i = 0; i < GROUP; i++) {
+                const float a = fabsf(buf[i]);
+                amax = a > amax ? a : amax;
+                total += a;
             }
+            /* Only groups whose largest value dwarfs the rest (amax > ratio * mean |x|)
+             * lose precision in one level; the others have no residual. */
+            if (!(amax > ratio * (total / GROUP))) continue;
+            for (int i = 0; i < GROUP; i++) {
+                const int32_t q1 = flip ? (int32_t)(int8_t)(qo[i] ^ 0x80) : qo[i];
+                const float coarse = d * (float)q1;
+                buf[i] = buf[i] - coarse;
+            }
+            quantize_group(buf, flip, o->q2 + QOFF(r, g), o->xs2 + at, o->xsum2 + at);
+            /* an all-zero residual adds nothing: leave it out, as the dense pass would skip it */
+            if (o->xs2[at] != 0.0f)
+                o->mask2[(r / MB_ROWS) * groups + g] |= (uint8_t)(1u << (r % MB_ROWS));
         }
     }
 }
@@ -194,67 +217,127 @@ static void store_row(const float *acc, void *y, int y_bf16, int64_t y_stride, i
     }
 }
 
+/* ------------------------------------------------------------ tile kernels
+ *
+ * Each computes acc[r][0..15] for the MB activation rows r0 .. r0 + MB - 1 and
+ * one tile of 16 output columns, over all groups of K. A weight group is
+ * loaded (and, 4-bit, unpacked) once into registers and multiplied by all MB
+ * rows; then, for levels 2, by the rows whose residual covers that group
+ * (mask2: usually few). Per row and output the float32 sums run over the
+ * groups in ascending order, level 1 and level 2 each in its own sum, added
+ * at the end: the same operations in the same order on every path.
+ */
+
+/* Row r (of the chunk) and group g's int8 codes / scales (see QOFF, SOFF). */
+#define QX(o, r, g) ((o)->q + QOFF(r, g))
+#define QX2(o, r, g) ((o)->q2 + QOFF(r, g))
+
 /* ------------------------------------------------------------ scalar path */
 
-__attribute__((unused)) static void q4_tile_scalar(const uint8_t *wt, int64_t groups, const int8_t *q, const float *xs,
-                           const float *xsum, int64_t k, int mb, float acc[][TILE]) {
+QG_INLINE int32_t q4_dot_scalar(const uint8_t *blk, int l, const int8_t *xr) {
+    int32_t dot = 0;
+    for (int c = 0; c < 4; c++)
+        for (int b = 0; b < 4; b++) {
+            const uint8_t byte = blk[c * 64 + l * 4 + b];
+            dot += (int32_t)(byte & 15) * xr[4 * c + b];
+            dot += (int32_t)(byte >> 4) * xr[4 * (c + 4) + b];
+        }
+    return dot;
+}
+
+__attribute__((unused)) static void q4_tile_scalar(const uint8_t *wt, int64_t groups,
+                                                   const QRows *o, int64_t r0, int64_t k,
+                                                   const uint8_t *mask2, int mb,
+                                                   float acc[][TILE]) {
+    float res[MB_ROWS][TILE];
     for (int r = 0; r < mb; r++)
-        for (int l = 0; l < TILE; l++) acc[r][l] = 0.0f;
+        for (int l = 0; l < TILE; l++) acc[r][l] = res[r][l] = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * Q4_BLOCK;
         const float *d = (const float *)(blk + 256), *mn = (const float *)(blk + 320);
         for (int r = 0; r < mb; r++) {
-            const int8_t *xr = q + r * k + g * GROUP;
-            if (xs[r * groups + g] == 0.0f) continue; /* an all-zero group or empty residual */
+            const int64_t at = SOFF(r0 + r, g);
             for (int l = 0; l < TILE; l++) {
-                int32_t dot = 0;
-                for (int c = 0; c < 4; c++)
-                    for (int b = 0; b < 4; b++) {
-                        uint8_t byte = blk[c * 64 + l * 4 + b];
-                        dot += (int32_t)(byte & 15) * xr[4 * c + b];
-                        dot += (int32_t)(byte >> 4) * xr[4 * (c + 4) + b];
-                    }
-                acc[r][l] += (float)dot * (d[l] * xs[r * groups + g]);
-                acc[r][l] += mn[l] * xsum[r * groups + g];
+                acc[r][l] += (float)q4_dot_scalar(blk, l, QX(o, r0 + r, g)) * (d[l] * o->xs[at]);
+                acc[r][l] += mn[l] * o->xsum[at];
+            }
+        }
+        for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
+            const int r = __builtin_ctz(bits);
+            const int64_t at = SOFF(r0 + r, g);
+            for (int l = 0; l < TILE; l++) {
+                res[r][l] += (float)q4_dot_scalar(blk, l, QX2(o, r0 + r, g)) * (d[l] * o->xs2[at]);
+                res[r][l] += mn[l] * o->xsum2[at];
             }
         }
     }
+    if (mask2)
+        for (int r = 0; r < mb; r++)
+            for (int l = 0; l < TILE; l++) acc[r][l] += res[r][l];
 }
 
-__attribute__((unused)) static void q8_tile_scalar(const uint8_t *wt, int64_t groups, int sub, const int8_t *q,
-                           const float *xs, int64_t k, int mb, float acc[][TILE]) {
+QG_INLINE int32_t q8_dot_scalar(const int8_t *codes, int l, int c0, int c1, const int8_t *xr) {
+    int32_t dot = 0;
+    for (int c = c0; c < c1; c++)
+        for (int b = 0; b < 4; b++) dot += (int32_t)codes[c * 64 + l * 4 + b] * xr[4 * c + b];
+    return dot;
+}
+
+__attribute__((unused)) static void q8_tile_scalar(const uint8_t *wt, int64_t groups, int sub,
+                                                   const QRows *o, int64_t r0, int64_t k,
+                                                   const uint8_t *mask2, int mb,
+                                                   float acc[][TILE]) {
     const int64_t block = Q8_CODES + sub * 128;
     const int chunks = 8 / sub;
+    float res[MB_ROWS][TILE];
     for (int r = 0; r < mb; r++)
-        for (int l = 0; l < TILE; l++) acc[r][l] = 0.0f;
+        for (int l = 0; l < TILE; l++) acc[r][l] = res[r][l] = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * block;
         const int8_t *codes = (const int8_t *)blk;
         for (int s = 0; s < sub; s++) {
             const float *d = (const float *)(blk + Q8_CODES + sub * 64 + s * 64);
+            const int c0 = s * chunks, c1 = (s + 1) * chunks;
             for (int r = 0; r < mb; r++) {
-                const int8_t *xr = q + r * k + g * GROUP;
-                if (xs[r * groups + g] == 0.0f) continue;
-                for (int l = 0; l < TILE; l++) {
-                    int32_t dot = 0;
-                    for (int c = s * chunks; c < (s + 1) * chunks; c++)
-                        for (int b = 0; b < 4; b++)
-                            dot += (int32_t)codes[c * 64 + l * 4 + b] * xr[4 * c + b];
-                    acc[r][l] += (float)dot * (d[l] * xs[r * groups + g]);
-                }
+                const float sx = o->xs[SOFF(r0 + r, g)];
+                for (int l = 0; l < TILE; l++)
+                    acc[r][l] +=
+                        (float)q8_dot_scalar(codes, l, c0, c1, QX(o, r0 + r, g)) * (d[l] * sx);
+            }
+            for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
+                const int r = __builtin_ctz(bits);
+                const float sx = o->xs2[SOFF(r0 + r, g)];
+                for (int l = 0; l < TILE; l++)
+                    res[r][l] +=
+                        (float)q8_dot_scalar(codes, l, c0, c1, QX2(o, r0 + r, g)) * (d[l] * sx);
             }
         }
     }
+    if (mask2)
+        for (int r = 0; r < mb; r++)
+            for (int l = 0; l < TILE; l++) acc[r][l] += res[r][l];
 }
 
 /* ------------------------------------------------------------- AVX2 path */
 #if defined(QG_AVX2)
 
-QG_INLINE void q4_tile_avx2(const uint8_t *wt, int64_t groups, const int8_t *q, const float *xs,
-                            const float *xsum, int64_t k, const int MB, float acc[][TILE]) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {  /* rows 0-7, then 8-15 of the tile */
-        __m256 a[MB_MAX];
+/* 8 chunks of a 4-bit group (one half of the tile) x one row: int16 sums, then int32. */
+QG_INLINE __m256 q4_dot_avx2(const __m256i *w, const int8_t *xr) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xr)));
+    for (int c = 1; c < 8; c++)
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(ld32(xr + 4 * c))));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+}
+
+QG_INLINE void q4_tile_avx2(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
+                            int64_t k, const uint8_t *mask2, const int MB, float acc[][TILE]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    float res[MB_ROWS][TILE];
+    for (int r = 0; r < MB; r++)
+        for (int l = 0; l < TILE; l++) res[r][l] = 0.0f;
+    for (int h = 0; h < 2; h++) { /* rows 0-7, then 8-15 of the tile */
+        __m256 a[MB_ROWS];
         for (int r = 0; r < MB; r++) a[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *blk = wt + g * Q4_BLOCK;
@@ -267,29 +350,51 @@ QG_INLINE void q4_tile_avx2(const uint8_t *wt, int64_t groups, const int8_t *q, 
             const __m256 d = _mm256_loadu_ps((const float *)(blk + 256) + h * 8);
             const __m256 mn = _mm256_loadu_ps((const float *)(blk + 320) + h * 8);
             for (int r = 0; r < MB; r++) {
-                if (xs[r * groups + g] == 0.0f) continue; /* zero group, empty residual */
-                const int8_t *xr = q + r * k + g * GROUP;
-                __m256i s = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xr)));
-                for (int c = 1; c < 8; c++)
-                    s = _mm256_add_epi16(
-                        s, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(ld32(xr + 4 * c))));
-                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
-                const float sx = xs[r * groups + g], sm = xsum[r * groups + g];
-                a[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(sx)), a[r]);
-                a[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sm), a[r]);
+                const int64_t at = SOFF(r0 + r, g);
+                const __m256 f = q4_dot_avx2(w, QX(o, r0 + r, g));
+                a[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(o->xs[at])), a[r]);
+                a[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(o->xsum[at]), a[r]);
+            }
+            for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
+                const int r = __builtin_ctz(bits);
+                const int64_t at = SOFF(r0 + r, g);
+                const __m256 f = q4_dot_avx2(w, QX2(o, r0 + r, g));
+                __m256 v = _mm256_loadu_ps(res[r] + h * 8);
+                v = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(o->xs2[at])), v);
+                v = _mm256_fmadd_ps(mn, _mm256_set1_ps(o->xsum2[at]), v);
+                _mm256_storeu_ps(res[r] + h * 8, v);
             }
         }
-        for (int r = 0; r < MB; r++) _mm256_storeu_ps(acc[r] + h * 8, a[r]);
+        for (int r = 0; r < MB; r++) {
+            if (mask2) a[r] = _mm256_add_ps(a[r], _mm256_loadu_ps(res[r] + h * 8));
+            _mm256_storeu_ps(acc[r] + h * 8, a[r]);
+        }
     }
 }
 
-QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, const int8_t *q,
-                            const float *xs, int64_t k, const int MB, float acc[][TILE]) {
+/* Chunks c0..c1 of an 8-bit group x one row: maddubs(|w|, sign(x, w)), int32 sums. */
+QG_INLINE __m256 q8_dot_avx2(const __m256i *w, const __m256i *aw, int c0, int c1,
+                             const int8_t *xr) {
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256i i = _mm256_setzero_si256();
+    for (int c = c0; c < c1; c++) {
+        const __m256i xb = _mm256_set1_epi32(ld32(xr + 4 * c));
+        const __m256i p = _mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(xb, w[c]));
+        i = _mm256_add_epi32(i, _mm256_madd_epi16(p, ones));
+    }
+    return _mm256_cvtepi32_ps(i);
+}
+
+QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, const QRows *o,
+                            int64_t r0, int64_t k, const uint8_t *mask2, const int MB,
+                            float acc[][TILE]) {
     const int64_t block = Q8_CODES + sub * 128;
     const int chunks = 8 / sub;
+    float res[MB_ROWS][TILE];
+    for (int r = 0; r < MB; r++)
+        for (int l = 0; l < TILE; l++) res[r][l] = 0.0f;
     for (int h = 0; h < 2; h++) {
-        __m256 a[MB_MAX];
+        __m256 a[MB_ROWS];
         for (int r = 0; r < MB; r++) a[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *blk = wt + g * block;
@@ -301,21 +406,25 @@ QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, co
             for (int s = 0; s < sub; s++) {
                 const __m256 d =
                     _mm256_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64) + h * 8);
+                const int c0 = s * chunks, c1 = (s + 1) * chunks;
                 for (int r = 0; r < MB; r++) {
-                    if (xs[r * groups + g] == 0.0f) continue;
-                    const int8_t *xr = q + r * k + g * GROUP;
-                    __m256i i = _mm256_setzero_si256();
-                    for (int c = s * chunks; c < (s + 1) * chunks; c++) {
-                        const __m256i xb = _mm256_set1_epi32(ld32(xr + 4 * c));
-                        const __m256i p = _mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(xb, w[c]));
-                        i = _mm256_add_epi32(i, _mm256_madd_epi16(p, ones));
-                    }
-                    const __m256 sx = _mm256_set1_ps(xs[r * groups + g]);
-                    a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, sx), a[r]);
+                    const __m256 sx = _mm256_set1_ps(o->xs[SOFF(r0 + r, g)]);
+                    const __m256 f = q8_dot_avx2(w, aw, c0, c1, QX(o, r0 + r, g));
+                    a[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, sx), a[r]);
+                }
+                for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
+                    const int r = __builtin_ctz(bits);
+                    const __m256 sx = _mm256_set1_ps(o->xs2[SOFF(r0 + r, g)]);
+                    const __m256 f = q8_dot_avx2(w, aw, c0, c1, QX2(o, r0 + r, g));
+                    __m256 v = _mm256_loadu_ps(res[r] + h * 8);
+                    _mm256_storeu_ps(res[r] + h * 8, _mm256_fmadd_ps(f, _mm256_mul_ps(d, sx), v));
                 }
             }
         }
-        for (int r = 0; r < MB; r++) _mm256_storeu_ps(acc[r] + h * 8, a[r]);
+        for (int r = 0; r < MB; r++) {
+            if (mask2) a[r] = _mm256_add_ps(a[r], _mm256_loadu_ps(res[r] + h * 8));
+            _mm256_storeu_ps(acc[r] + h * 8, a[r]);
+        }
     }
 }
 #endif
@@ -323,111 +432,239 @@ QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, co
 /* ---------------------------------------------------------- AVX512-VNNI */
 #if defined(QG_VNNI)
 
-QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const int8_t *q, const float *xs,
-                            const float *xsum, int64_t k, const int MB, float acc[][TILE]) {
+/* One 4-bit group (packed at blk) x one row, for the residual rows (two chains: latency). */
+QG_INLINE __m512i q4_dot_vnni(const uint8_t *blk, const int8_t *xr) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512 a[MB_MAX];
-    for (int r = 0; r < MB; r++) a[r] = _mm512_setzero_ps();
+    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
+        i0 = _mm512_dpbusd_epi32(i0, _mm512_and_si512(p, low4), _mm512_set1_epi32(ld32(xr + 4 * c)));
+        i1 = _mm512_dpbusd_epi32(i1, _mm512_and_si512(_mm512_srli_epi16(p, 4), low4),
+                                 _mm512_set1_epi32(ld32(xr + 4 * c + 16)));
+    }
+    return _mm512_add_epi32(i0, i1);
+}
+
+/* The same from a group already unpacked into w[8] (chunk c: inputs 4c..4c+3). */
+QG_INLINE __m512i q4_dot_regs(const __m512i *w, const int8_t *xr) {
+    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(ld32(xr + 4 * c)));
+        i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(ld32(xr + 4 * c + 4)));
+    }
+    return _mm512_add_epi32(i0, i1);
+}
+
+QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
+                            int64_t k, const uint8_t *mask2, const int MB, float acc[][TILE]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 a[MB_ROWS], a2[2];
+    float res[MB_ROWS][TILE] __attribute__((aligned(64)));
+    for (int r = 0; r < MB; r++) {
+        a[r] = _mm512_setzero_ps();
+        if (MB <= 2) a2[r] = _mm512_setzero_ps();
+        else if (mask2) _mm512_store_ps(res[r], _mm512_setzero_ps());
+    }
+    /* r0 is a multiple of MB_ROWS: the block's codes and scales start here */
+    const int8_t *xb = o->q + r0 * k;
+    const float *xs = o->xs + r0 * groups, *xsum = o->xsum + r0 * groups;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * Q4_BLOCK;
-        __m512i w[8];
-        for (int c = 0; c < 4; c++) {
-            __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
-            w[c] = _mm512_and_si512(p, low4);
-            w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+        const int8_t *xg = xb + g * (o->bw * GROUP);
+        /* All MB rows' chains side by side (they hide each other's latency);
+         * each 64-byte code vector is unpacked into its two nibble vectors
+         * just before use, so that only two of them are live. */
+        __m512i i[MB_ROWS], w[8];
+        if (MB <= 2) {
+            /* few rows (decode): unpack the group once into 8 vectors, which the
+             * residual rows reuse; two chains per row, or vpdpbusd's latency binds */
+            for (int c = 0; c < 4; c++) {
+                const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
+                w[c] = _mm512_and_si512(p, low4);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+            }
+            for (int r = 0; r < MB; r++) i[r] = q4_dot_regs(w, xg + r * GROUP);
+        } else {
+            for (int r = 0; r < MB; r++) i[r] = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
+                const __m512i lo = _mm512_and_si512(p, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+                for (int r = 0; r < MB; r++) {
+                    i[r] = _mm512_dpbusd_epi32(i[r], lo,
+                                               _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c)));
+                    i[r] = _mm512_dpbusd_epi32(i[r], hi,
+                                               _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c + 16)));
+                }
+            }
         }
         const __m512 d = _mm512_loadu_ps((const float *)(blk + 256));
         const __m512 mn = _mm512_loadu_ps((const float *)(blk + 320));
+        const float *sx = xs + g * o->bw, *sm = xsum + g * o->bw;
         for (int r = 0; r < MB; r++) {
-            if (xs[r * groups + g] == 0.0f) continue; /* zero group, empty residual */
-            const int8_t *xr = q + r * k + g * GROUP;
-            /* two chains: vpdpbusd's latency, not its throughput, bounds one row */
-            __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c += 2) {
-                i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(ld32(xr + 4 * c)));
-                i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(ld32(xr + 4 * c + 4)));
+            const __m512 f = _mm512_cvtepi32_ps(i[r]);
+            a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(sx[r])), a[r]);
+            a[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sm[r]), a[r]);
+        }
+        const unsigned bits = mask2 ? mask2[g] : 0u;
+        if (MB <= 2) {
+            /* few rows: the residual sums stay in registers */
+            for (int r = 0; r < MB; r++) {
+                if (!(bits >> r & 1u)) continue;
+                const int64_t at = SOFF(r0 + r, g);
+                const __m512 f = _mm512_cvtepi32_ps(q4_dot_regs(w, QX2(o, r0 + r, g)));
+                a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs2[at])), a2[r]);
+                a2[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum2[at]), a2[r]);
             }
-            const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
-            const float sx = xs[r * groups + g], sm = xsum[r * groups + g];
-            a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(sx)), a[r]);
-            a[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sm), a[r]);
+            continue;
+        }
+        for (unsigned left = bits; left; left &= left - 1) {
+            const int r = __builtin_ctz(left);
+            const int64_t at = SOFF(r0 + r, g);
+            const __m512 f = _mm512_cvtepi32_ps(q4_dot_vnni(blk, QX2(o, r0 + r, g)));
+            __m512 v = _mm512_load_ps(res[r]);
+            v = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs2[at])), v);
+            v = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum2[at]), v);
+            _mm512_store_ps(res[r], v);
         }
     }
-    for (int r = 0; r < MB; r++) _mm512_storeu_ps(acc[r], a[r]);
+    for (int r = 0; r < MB; r++) {
+        if (mask2) a[r] = _mm512_add_ps(a[r], MB <= 2 ? a2[r] : _mm512_load_ps(res[r]));
+        _mm512_storeu_ps(acc[r], a[r]);
+    }
 }
 
-QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, const int8_t *qu,
-                            const float *xs, int64_t k, const int MB, float acc[][TILE]) {
+/* Chunks c0..c1 of an 8-bit group (codes at blk) x one (flipped, unsigned) row, from corr. */
+QG_INLINE __m512 q8_dot_vnni(const uint8_t *blk, __m512i corr, int c0, int c1,
+                             const int8_t *xr) {
+    __m512i i0 = corr, i1 = _mm512_setzero_si512();
+    for (int c = c0; c < c1; c += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, _mm512_set1_epi32(ld32(xr + 4 * c)),
+                                 _mm512_loadu_si512((const void *)(blk + c * 64)));
+        i1 = _mm512_dpbusd_epi32(i1, _mm512_set1_epi32(ld32(xr + 4 * c + 4)),
+                                 _mm512_loadu_si512((const void *)(blk + c * 64 + 64)));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+}
+
+/* The same from codes already in registers. */
+QG_INLINE __m512 q8_dot_regs(const __m512i *w, __m512i corr, int c0, int c1, const int8_t *xr) {
+    __m512i i0 = corr, i1 = _mm512_setzero_si512();
+    for (int c = c0; c < c1; c += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, _mm512_set1_epi32(ld32(xr + 4 * c)), w[c]);
+        i1 = _mm512_dpbusd_epi32(i1, _mm512_set1_epi32(ld32(xr + 4 * c + 4)), w[c + 1]);
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+}
+
+QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, const QRows *o,
+                            int64_t r0, int64_t k, const uint8_t *mask2, const int MB,
+                            float acc[][TILE]) {
     const int64_t block = Q8_CODES + sub * 128;
     const int chunks = 8 / sub;
-    __m512 a[MB_MAX];
-    for (int r = 0; r < MB; r++) a[r] = _mm512_setzero_ps();
+    __m512 a[MB_ROWS], a2[2];
+    float res[MB_ROWS][TILE] __attribute__((aligned(64)));
+    for (int r = 0; r < MB; r++) {
+        a[r] = _mm512_setzero_ps();
+        if (MB <= 2) a2[r] = _mm512_setzero_ps();
+        else if (mask2) _mm512_store_ps(res[r], _mm512_setzero_ps());
+    }
+    const int8_t *xb = o->q + r0 * k;
+    const float *xs = o->xs + r0 * groups;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * block;
-        __m512i w[8];
-        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(blk + c * 64));
+        __m512i w8[8]; /* few rows: the group's codes, loaded once (the residual reuses them) */
+        const int8_t *xg = xb + g * (o->bw * GROUP);
         for (int s = 0; s < sub; s++) {
             const __m512i corr = _mm512_loadu_si512((const void *)(blk + Q8_CODES + s * 64));
-            const __m512 d = _mm512_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64));
+            const int c0 = s * chunks, c1 = (s + 1) * chunks;
+            __m512i i[MB_ROWS], j[MB_ROWS];
             for (int r = 0; r < MB; r++) {
-                if (xs[r * groups + g] == 0.0f) continue;
-                const int8_t *xr = qu + r * k + g * GROUP;
-                __m512i i0 = corr, i1 = _mm512_setzero_si512();
-                for (int c = s * chunks; c < (s + 1) * chunks; c += 2) {
-                    i0 = _mm512_dpbusd_epi32(i0, _mm512_set1_epi32(ld32(xr + 4 * c)), w[c]);
-                    i1 = _mm512_dpbusd_epi32(i1, _mm512_set1_epi32(ld32(xr + 4 * c + 4)), w[c + 1]);
+                i[r] = corr;
+                j[r] = _mm512_setzero_si512();
+            }
+            if (MB <= 2 && s == 0)
+                for (int c = 0; c < 8; c++) w8[c] = _mm512_loadu_si512((const void *)(blk + c * 64));
+            for (int c = c0; c < c1; c++) {
+                const __m512i w = MB <= 2 ? w8[c] : _mm512_loadu_si512((const void *)(blk + c * 64));
+                for (int r = 0; r < MB; r++) {
+                    const __m512i xc = _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c));
+                    /* few rows: odd chunks in a second chain (vpdpbusd's latency) */
+                    if (MB <= 2 && (c & 1)) j[r] = _mm512_dpbusd_epi32(j[r], xc, w);
+                    else i[r] = _mm512_dpbusd_epi32(i[r], xc, w);
                 }
-                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
-                const __m512 sx = _mm512_set1_ps(xs[r * groups + g]);
-                a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx), a[r]);
+            }
+            if (MB <= 2)
+                for (int r = 0; r < MB; r++) i[r] = _mm512_add_epi32(i[r], j[r]);
+            const __m512 d = _mm512_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64));
+            const float *sx = xs + g * o->bw;
+            for (int r = 0; r < MB; r++)
+                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[r]),
+                                       _mm512_mul_ps(d, _mm512_set1_ps(sx[r])), a[r]);
+            const unsigned bits = mask2 ? mask2[g] : 0u;
+            if (MB <= 2) {
+                for (int r = 0; r < MB; r++) {
+                    if (!(bits >> r & 1u)) continue;
+                    const __m512 sx2 = _mm512_set1_ps(o->xs2[SOFF(r0 + r, g)]);
+                    const __m512 f = q8_dot_regs(w8, corr, c0, c1, QX2(o, r0 + r, g));
+                    a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx2), a2[r]);
+                }
+                continue;
+            }
+            for (unsigned left = bits; left; left &= left - 1) {
+                const int r = __builtin_ctz(left);
+                const __m512 sx2 = _mm512_set1_ps(o->xs2[SOFF(r0 + r, g)]);
+                const __m512 f = q8_dot_vnni(blk, corr, c0, c1, QX2(o, r0 + r, g));
+                __m512 v = _mm512_load_ps(res[r]);
+                _mm512_store_ps(res[r], _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx2), v));
             }
         }
     }
-    for (int r = 0; r < MB; r++) _mm512_storeu_ps(acc[r], a[r]);
+    for (int r = 0; r < MB; r++) {
+        if (mask2) a[r] = _mm512_add_ps(a[r], MB <= 2 ? a2[r] : _mm512_load_ps(res[r]));
+        _mm512_storeu_ps(acc[r], a[r]);
+    }
 }
 #endif
 
 /* --------------------------------------------------------------- drivers */
 
 #if defined(QG_VNNI)
-#define Q4_TILE(MBV) q4_tile_vnni(wt, groups, q, xs, xsum, k, MBV, acc)
-#define Q8_TILE(MBV, SUB) q8_tile_vnni(wt, groups, SUB, q, xs, k, MBV, acc)
+#define Q4_TILE(MBV) q4_tile_vnni(wt, groups, o, r0, k, mask2, MBV, acc)
+#define Q8_TILE(MBV, SUB) q8_tile_vnni(wt, groups, SUB, o, r0, k, mask2, MBV, acc)
 #elif defined(QG_AVX2)
-#define Q4_TILE(MBV) q4_tile_avx2(wt, groups, q, xs, xsum, k, MBV, acc)
-#define Q8_TILE(MBV, SUB) q8_tile_avx2(wt, groups, SUB, q, xs, k, MBV, acc)
+#define Q4_TILE(MBV) q4_tile_avx2(wt, groups, o, r0, k, mask2, MBV, acc)
+#define Q8_TILE(MBV, SUB) q8_tile_avx2(wt, groups, SUB, o, r0, k, mask2, MBV, acc)
 #else
-#define Q4_TILE(MBV) q4_tile_scalar(wt, groups, q, xs, xsum, k, MBV, acc)
-#define Q8_TILE(MBV, SUB) q8_tile_scalar(wt, groups, SUB, q, xs, k, MBV, acc)
+#define Q4_TILE(MBV) q4_tile_scalar(wt, groups, o, r0, k, mask2, MBV, acc)
+#define Q8_TILE(MBV, SUB) q8_tile_scalar(wt, groups, SUB, o, r0, k, mask2, MBV, acc)
 #endif
 
-/* One call per (tile, MB rows), MB (and SUB) a constant in each case so that
- * the inlined tile kernel is unrolled and keeps its vectors in registers. */
-static void q4_tile_rows(const uint8_t *wt, int64_t groups, const int8_t *q, const float *xs,
-                         const float *xsum, int64_t k, int mb, float acc[][TILE]) {
-    switch (mb) {
-        case 4: Q4_TILE(4); break;
-        case 3: Q4_TILE(3); break;
-        case 2: Q4_TILE(2); break;
-        default: Q4_TILE(1); break;
-    }
+/* One call per (tile, block of mb rows), mb (and SUB) a constant in each case
+ * so that the inlined tile kernel is unrolled and keeps its vectors in
+ * registers. Blocks hold MB_ROWS rows but the call's last. */
+#if MB_ROWS == 8
+#define MB_CASES(T) \
+    case 8: T(8); break; case 7: T(7); break; case 6: T(6); break; case 5: T(5); break; \
+    case 4: T(4); break; case 3: T(3); break; case 2: T(2); break; default: T(1); break;
+#else
+#define MB_CASES(T) \
+    case 4: T(4); break; case 3: T(3); break; case 2: T(2); break; default: T(1); break;
+#endif
+#define Q8_SUB1(MBV) Q8_TILE(MBV, 1)
+#define Q8_SUB2(MBV) Q8_TILE(MBV, 2)
+
+static void q4_tile_rows(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
+                         int64_t k, const uint8_t *mask2, int mb, float acc[][TILE]) {
+    switch (mb) { MB_CASES(Q4_TILE) }
 }
 
-static void q8_tile_rows(const uint8_t *wt, int64_t groups, int sub, const int8_t *q,
-                         const float *xs, int64_t k, int mb, float acc[][TILE]) {
+static void q8_tile_rows(const uint8_t *wt, int64_t groups, int sub, const QRows *o, int64_t r0,
+                         int64_t k, const uint8_t *mask2, int mb, float acc[][TILE]) {
     if (sub == 2) {
-        switch (mb) {
-            case 4: Q8_TILE(4, 2); break;
-            case 3: Q8_TILE(3, 2); break;
-            case 2: Q8_TILE(2, 2); break;
-            default: Q8_TILE(1, 2); break;
-        }
-        return;
-    }
-    switch (mb) {
-        case 4: Q8_TILE(4, 1); break;
-        case 3: Q8_TILE(3, 1); break;
-        case 2: Q8_TILE(2, 1); break;
-        default: Q8_TILE(1, 1); break;
+        switch (mb) { MB_CASES(Q8_SUB2) }
+    } else {
+        switch (mb) { MB_CASES(Q8_SUB1) }
     }
 }
 
@@ -444,40 +681,48 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
     const int64_t groups = k / GROUP;
     const int64_t tiles = (n + TILE - 1) / TILE;
     const int64_t tile_bytes = groups * (fmt == 4 ? Q4_BLOCK : Q8_CODES + sub * 128);
-    const int64_t chunk = M_CHUNK / levels;                 /* input rows per pass */
-    const int64_t qrows = (m < chunk ? m : chunk) * levels; /* int8 rows per pass */
-    int8_t *qbuf = (int8_t *)scratch((size_t)(qrows * k + 2 * qrows * groups * 4 + 64));
-    if (qbuf == NULL) return -2;
-    float *xs = (float *)(qbuf + ((qrows * k + 63) / 64) * 64);
-    float *xsum = xs + qrows * groups;
+    const int64_t chunk = M_CHUNK / levels;    /* input rows per pass (a multiple of MB_ROWS) */
+    const int64_t rows = m < chunk ? m : chunk;
+    const int64_t blocks = (rows + MB_ROWS - 1) / MB_ROWS;
+    const int64_t slots = blocks * MB_ROWS; /* rows of the interleaved layout (QOFF) */
+    const size_t qbytes = (size_t)(((slots * k + 63) / 64) * 64);
+    const size_t fbytes = (size_t)(slots * groups) * sizeof(float);
+    const size_t mbytes = levels == 2 ? (size_t)(blocks * groups) : 0;
+    uint8_t *buf = (uint8_t *)scratch(qbytes * levels + fbytes * 2 * levels + mbytes + 64);
+    if (buf == NULL) return -2;
+    QRows o;
+    o.bw = rows < MB_ROWS ? rows : MB_ROWS;
+    o.q = (int8_t *)buf;
+    o.q2 = levels == 2 ? (int8_t *)(buf + qbytes) : NULL;
+    o.xs = (float *)(buf + qbytes * levels);
+    o.xsum = o.xs + slots * groups;
+    o.xs2 = levels == 2 ? o.xsum + slots * groups : NULL;
+    o.xsum2 = levels == 2 ? o.xs2 + slots * groups : NULL;
+    o.mask2 = levels == 2 ? buf + qbytes * levels + fbytes * 2 * levels : NULL;
 #if defined(QG_VNNI)
     const int flip = fmt == 8;
 #else
     const int flip = 0;
 #endif
-    float acc[MB_MAX][TILE];
+    float acc[MB_ROWS][TILE];
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t mc = m - m0 < chunk ? m - m0 : chunk;
-        const int64_t qc = mc * levels;
         const void *xc = x_bf16 ? (const void *)((const uint16_t *)x + m0 * x_stride)
                                 : (const void *)((const float *)x + m0 * x_stride);
-        quantize_rows(xc, x_bf16, mc, k, x_stride, levels, ratio, flip, qbuf, xs, xsum);
+        if (levels == 2) memset(o.mask2, 0, mbytes);
+        quantize_rows(xc, x_bf16, mc, k, x_stride, levels, ratio, flip, &o);
         for (int64_t t = 0; t < tiles; t++) {
             const uint8_t *wt = w + t * tile_bytes;
             const int64_t n0 = t * TILE, count = n - n0 < TILE ? n - n0 : TILE;
-            /* MB_MAX is even, and qc is even when levels == 2: a block never splits a pair */
-            for (int64_t r0 = 0; r0 < qc; r0 += MB_MAX) {
-                const int mb = (int)(qc - r0 < MB_MAX ? qc - r0 : MB_MAX);
-                const int8_t *q = qbuf + r0 * k;
+            for (int64_t r0 = 0; r0 < mc; r0 += MB_ROWS) {
+                const int mb = (int)(mc - r0 < MB_ROWS ? mc - r0 : MB_ROWS);
+                const uint8_t *mask2 = levels == 2 ? o.mask2 + (r0 / MB_ROWS) * groups : NULL;
                 if (fmt == 4)
-                    q4_tile_rows(wt, groups, q, xs + r0 * groups, xsum + r0 * groups, k, mb, acc);
+                    q4_tile_rows(wt, groups, &o, r0, k, mask2, mb, acc);
                 else
-                    q8_tile_rows(wt, groups, sub, q, xs + r0 * groups, k, mb, acc);
-                for (int r = 0; r < mb; r += levels) {
-                    if (levels == 2)
-                        for (int l = 0; l < TILE; l++) acc[r][l] += acc[r + 1][l];
-                    store_row(acc[r], y, y_bf16, y_stride, m0 + (r0 + r) / levels, n0, count);
-                }
+                    q8_tile_rows(wt, groups, sub, &o, r0, k, mask2, mb, acc);
+                for (int r = 0; r < mb; r++)
+                    store_row(acc[r], y, y_bf16, y_stride, m0 + r0 + r, n0, count);
             }
         }
     }
