@@ -295,6 +295,12 @@ def main() -> None:
         default="cost",
         help="speculative_config.draft_policy: cost model (default) or every match drafts k",
     )
+    ap.add_argument(
+        "--row-costs",
+        default=None,
+        help='speculative_config.row_costs as JSON, e.g. "[[1, 1.0], [8, 2.2], [64, 9.5]]" '
+        "(default: the policy's measured curve for the path)",
+    )
     ap.add_argument("--show", action="store_true", help="print each prompt's answer to stderr")
     args = ap.parse_args()
     load_before = os.getloadavg()
@@ -307,6 +313,8 @@ def main() -> None:
         "prompt_lookup_max": args.lookup_max,
         "draft_policy": args.draft_policy,
     }
+    if args.row_costs is not None:
+        spec_config["row_costs"] = json.loads(args.row_costs)
     common: dict[str, Any] = {
         "device": "cpu",
         "dtype": args.dtype,

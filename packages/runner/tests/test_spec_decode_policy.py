@@ -48,9 +48,12 @@ def test_curve_interpolates_between_points() -> None:
 
 
 def test_quantized_cpu_curve_is_its_own_and_makes_wide_steps_pay_less() -> None:
-    assert CPU_QUANTIZED != CPU
-    assert CPU_QUANTIZED.cost(64) > CPU_QGEMM.cost(64) > CPU.cost(64)
-    assert all(CPU_QGEMM.cost(m) < CPU_QUANTIZED.cost(m) for m in (2, 4, 8, 16, 32, 64))
+    assert CPU_QUANTIZED != CPU and CPU_QGEMM != CPU_QUANTIZED
+    # Costs are in one-row steps of each path. The C path's one-row step is the cheapest
+    # (fused layers), so its wide steps cost the most of them; its verification rows share
+    # one attention call across requests, so it charges nothing per drafting request.
+    assert CPU_QGEMM.cost(64) > CPU_QUANTIZED.cost(64) > CPU.cost(64)
+    assert CPU_QGEMM.request_cost == 0.0 < CPU_QUANTIZED.request_cost
     # One stream at 0.8: 4 drafts (3.4 tokens for 5 rows, cost 1.6) beat 7 (4.2 for 2.1).
     assert plan_drafts(1, [0.8], [7], CPU_QUANTIZED) == [4]
     assert expected_speedup(1, [4], [0.8], CPU_QUANTIZED) > expected_speedup(

@@ -57,18 +57,25 @@ _HISTORY_DECAY = 0.8
 
 # Measured with benchmarks/verify_cost.py (rows -> cost in one-row steps, CPU-time
 # medians). CPU, quantised GGUF (bf16 activations, 1 thread), SmolLM2-135M:
-# with paged's C kernel (cpu_kernels/, the default where it compiles): one run of
-# 5 rounds at load average 2.7-3.0 (36 ms CPU for one row). A weight tile is
-# reused over 4 activation rows, so rows are cheaper than GEMVs, but the cost
-# still grows with them.
+# with paged's C kernel (cpu_kernels/, the default where it compiles), with the
+# fused decoder layers and the C attention of decode/verification rows: one run
+# of 5 rounds at load average 0.98-0.99 (14.0 ms CPU for one row). Up to 16 rows
+# the shape is one request with M - 1 drafts; 32 and 64 rows are 8 requests x 4 / 8
+# rows (91 / 164 ms), the shape drafting takes at 8 streams: every request's rows
+# (at most 16) go through the C attention, while one request of 32 or 64 rows
+# takes SDPA and costs more (93 / 183 ms), which no default k produces. The
+# one-row step got ~2.5x cheaper with the fused layers while many rows stayed
+# matmul-bound, so the curve is about twice as steep as the third round's (8 rows
+# 1.76, 64 rows 6.1), which over-drafted free text at 8 streams (0.84x of plain in
+# spec_bench; 1.17x with this curve, copy at 8 streams 1.43x vs 1.45x).
 _CPU_QGEMM_POINTS: tuple[tuple[int, float], ...] = (
     (1, 1.0),
-    (2, 1.14),
-    (4, 1.3),
-    (8, 1.76),
-    (16, 2.4),
-    (32, 3.87),
-    (64, 6.1),
+    (2, 1.17),
+    (4, 1.47),
+    (8, 2.25),
+    (16, 3.55),
+    (32, 6.5),
+    (64, 11.69),
 )
 # Without it (no compiler, PAGED_QGEMM_ISA=off: torch's int4 kernel, a GEMV per
 # row, the tied Q8_0 LM head as two int4 passes, a bf16 copy from 64 rows): the
@@ -183,10 +190,13 @@ class RowCostModel:
             from paged.runner.cpu_kernels import load_qgemm
 
             c_kernel = load_qgemm() is not None
-        # 8 requests x 2 rows cost 3-6 ms per request more than 1 request x 16 rows.
-        return RowCostModel(
-            _CPU_QGEMM_POINTS if c_kernel else _CPU_QUANTIZED_POINTS, request_cost=0.1
-        )
+        if c_kernel:
+            # Verification rows of all requests share one C attention call per layer:
+            # 8 requests x 8 rows cost less than 1 request x 64 rows (164 vs 183 ms).
+            return RowCostModel(_CPU_QGEMM_POINTS, request_cost=0.0)
+        # torch's chunk attention runs per request: 8 requests x 2 rows cost 3-6 ms per
+        # request more than 1 request x 16 rows.
+        return RowCostModel(_CPU_QUANTIZED_POINTS, request_cost=0.1)
 
     @staticmethod
     def for_device(device_type: str) -> RowCostModel:
