@@ -318,3 +318,62 @@ def test_two_processes_compiling_at_once_both_load(tmp_path: Path) -> None:
     paths = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
     assert len(paths) == 1 and [f.name for f in tmp_path.iterdir()] == [Path(paths.pop()).name]
+
+
+def _near_threshold_groups(m: int, groups: int, ratio: float, seed: int) -> torch.Tensor:
+    """[m, groups * 32] float32 whose groups sit within a few ulps of the level-2 test
+    amax > ratio * mean |x| (either side), where a sum of |x| in another order than
+    the scalar code's could decide it the other way."""
+    gen = torch.Generator().manual_seed(seed)
+    rest = torch.rand(m, groups, 31, generator=gen) * 2 - 1
+    s = rest.abs().sum(-1, keepdim=True)
+    peak = ratio * s / (32 - ratio)  # amax = ratio * (amax + s) / 32
+    ulps = torch.randint(-4, 5, (m, groups, 1), generator=gen).float()
+    peak = peak * (1 + ulps * 2.0**-23)
+    sign = torch.where(torch.rand(m, groups, 1, generator=gen) < 0.5, -1.0, 1.0)
+    g = torch.cat([rest, sign * peak], dim=-1)
+    perm = torch.argsort(torch.rand(m, groups, 32, generator=gen), dim=-1)
+    return torch.gather(g, -1, perm).reshape(m, groups * 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_vector_quantiser_gives_the_scalar_bits(dtype: torch.dtype) -> None:
+    """The VNNI path quantises with AVX-512 (qgemm_quantize.c); its codes, scales and
+    level-2 choices must be the scalar code's bit for bit (or outputs would change)."""
+    from paged.runner.cpu_kernels.qgemm import quantized_activations
+
+    lib = _lib()
+    gen = torch.Generator().manual_seed(5)
+    plain = torch.randn(24, 192, generator=gen)
+    plain[:, ::37] *= 30
+    plain[3] = 0.0  # all-zero groups: xs 0, no residual
+    plain[4, :32] = 1e-40  # subnormal: 1 / xs overflows
+    plain[5, 32:64] = torch.arange(32) - 15.5  # halves: round to even
+    ratio = 4.0
+    cases = [plain, _near_threshold_groups(24, 6, ratio, seed=6), torch.zeros(0, 64)]
+    for x in cases:
+        x = x.to(dtype)
+        for level2 in (None, ratio, 0.0):
+            for flip in (False, True):
+                vec = quantized_activations(lib, x, level2, flip=flip)
+                ref = quantized_activations(lib, x, level2, flip=flip, scalar=True)
+                for name, a, b in zip(vec._fields, vec, ref, strict=True):
+                    assert torch.equal(a, b), (lib.isa, dtype, level2, flip, name)
+    near = quantized_activations(lib, cases[1].to(dtype), ratio, scalar=True).has2
+    assert 0 < near.float().mean() < 1  # the threshold cases fall on both sides
+
+
+def test_quantised_codes_match_the_torch_definition() -> None:
+    from paged.runner.cpu_kernels.qgemm import quantized_activations
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 96, generator=gen) * 3
+    got = quantized_activations(_lib(), x)
+    g = x.reshape(5, 3, 32)
+    xs = g.abs().amax(-1) / 127.0
+    q = torch.round(g * (1.0 / xs).unsqueeze(-1))
+    assert torch.equal(got.xs, xs)
+    assert torch.equal(got.q.float(), q.reshape(5, 96))
+    assert torch.equal(got.xsum, xs * q.sum(-1))
+    with pytest.raises(ValueError, match="x must be"):
+        quantized_activations(_lib(), torch.zeros(2, 40))

@@ -1,9 +1,10 @@
 """C kernels for CPU inference, compiled on first use (see build.py).
 
 qgemm.c      y = x W^T for group-quantised W (4-bit d·q + m, 8-bit d·q)
+qgemm_quantize.c  its activation quantiser (int8 per 32, the residual level), inlined
 build.py     compile with the system C compiler into a cache, load with ctypes
 packing.py   checkpoint codes/scales -> the kernel's tile layout, and back
-qgemm.py     QGemm: one packed weight and its matmul
+qgemm.py     QGemm: one packed weight and its matmul; quantized_activations (tests)
 """
 
 from paged.runner.cpu_kernels.build import QGemmLibrary, load_qgemm

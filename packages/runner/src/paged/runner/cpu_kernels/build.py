@@ -15,7 +15,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 ISA_ENV = "PAGED_QGEMM_ISA"
 ISAS = ("native", "avx2", "scalar")
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
-_ABI = 3  # paged_qgemm_abi() of the source this module drives
+_ABI = 4  # paged_qgemm_abi() of the source this module drives
 _FORCE = {
     "native": [],
     "avx2": ["-DPAGED_QGEMM_FORCE_AVX2"],
@@ -70,10 +72,36 @@ class QGemmLibrary:
         y_bf16)."""
         return int(self.lib.paged_qgemm_q8(*args))
 
+    def quantize(self, *args: float) -> int:
+        """paged_qgemm_quantize(x, x_bf16, m, k, levels, ratio, flip, scalar, q, xs, xsum,
+        q2, xs2, xsum2, has2): the activations' codes, for tests (see qgemm_quantize.c)."""
+        return int(self.lib.paged_qgemm_quantize(*args))
+
+
+_PART = re.compile(r'^#include "(qgemm_[a-z_]+\.c)".*$', re.MULTILINE)
+
+
+def inline_parts(text: str, read: Callable[[str], str]) -> str:
+    """qgemm.c's `#include "qgemm_*.c"` lines replaced by those files (read(name)).
+
+    c_compile builds one source text; the parts keep qgemm.c short. #line
+    directives keep the compiler's messages pointing at the right file.
+    """
+
+    def part(match: re.Match[str]) -> str:
+        line = text.count("\n", 0, match.start()) + 2
+        return f'#line 1 "{match[1]}"\n{read(match[1])}\n#line {line} "qgemm.c"'
+
+    return _PART.sub(part, text)
+
 
 def source_text() -> str:
-    """qgemm.c, shipped as package data of paged-runner."""
-    return package_source("paged.runner.cpu_kernels", "qgemm.c")
+    """qgemm.c with its parts inlined, shipped as package data of paged-runner."""
+
+    def read(name: str) -> str:
+        return package_source("paged.runner.cpu_kernels", name)
+
+    return inline_parts(read("qgemm.c"), read)
 
 
 def requested_isa() -> str:
@@ -108,6 +136,7 @@ def _build_and_load(isa: str, cc: str) -> QGemmLibrary | None:
         _declare(lib)
         if lib.paged_qgemm_abi() != _ABI:
             raise OSError(f"{path} has ABI {lib.paged_qgemm_abi()}, expected {_ABI}")
+        _declare_test_hooks(lib)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         logger.warning(
             "qgemm C kernel unavailable (%s); using torch's int4/int8 kernels", first_line(exc)
@@ -148,3 +177,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         i64,
         c_int,
     ]
+
+
+def _declare_test_hooks(lib: ctypes.CDLL) -> None:
+    """paged_qgemm_quantize (ABI 4 on): apart from _declare, which older sources'
+    libraries (quant_kernel_bench --baseline-source) also go through."""
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.paged_qgemm_quantize.restype = c_int
+    scalars = [ptr, c_int, i64, i64, c_int, ctypes.c_float, c_int, c_int]
+    lib.paged_qgemm_quantize.argtypes = [*scalars, *([ptr] * 7)]

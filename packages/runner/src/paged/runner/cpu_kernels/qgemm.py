@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from paged.runner.cpu_kernels.build import QGemmLibrary
@@ -90,3 +92,48 @@ class QGemm:
         if self.fmt == 4:
             return unpack_q4(self.packed, n, k)
         return unpack_q8(self.packed, n, k, self.sub)
+
+
+class QuantizedActivations(NamedTuple):
+    """x's int8 codes as qgemm.c's kernels multiply them (row-major).
+
+    q int8 [M, K] and xs, xsum float32 [M, K/32] (x ~ xs q per group, xsum = xs sum q);
+    the second level (zeros where a group has none): q2, xs2, xsum2, and has2 bool
+    [M, K/32], True where the group has a residual.
+    """
+
+    q: torch.Tensor
+    xs: torch.Tensor
+    xsum: torch.Tensor
+    q2: torch.Tensor
+    xs2: torch.Tensor
+    xsum2: torch.Tensor
+    has2: torch.Tensor
+
+
+def quantized_activations(
+    lib: QGemmLibrary, x: torch.Tensor, outlier_ratio: float | None = None, *,
+    flip: bool = False, scalar: bool = False,
+) -> QuantizedActivations:  # fmt: skip
+    """The activations' codes for x [M, K] (float32/bfloat16), as matmul makes them.
+
+    flip: the 8-bit VNNI path's unsigned codes (q ^ 0x80). scalar: the scalar
+    quantiser (the definition) instead of the library path's own (AVX-512 on the
+    VNNI path), so that tests can check that the two agree bit for bit.
+    """
+    if x.dim() != 2 or x.shape[1] % 32 or x.dtype not in _DTYPES or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU float32/bfloat16 [M, K], K % 32 == 0, got {x.shape}")
+    x = x.contiguous()
+    m, k = x.shape
+    levels, ratio = (1, 0.0) if outlier_ratio is None else (2, float(outlier_ratio))
+    q, q2 = torch.zeros(m, k, dtype=torch.int8), torch.zeros(m, k, dtype=torch.int8)
+    f = [torch.zeros(m, k // 32) for _ in range(4)]
+    has2 = torch.zeros(m, k // 32, dtype=torch.uint8)
+    rc = lib.quantize(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, levels, ratio, int(flip),
+        int(scalar), q.data_ptr(), f[0].data_ptr(), f[1].data_ptr(), q2.data_ptr(),
+        f[2].data_ptr(), f[3].data_ptr(), has2.data_ptr(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"paged_qgemm_quantize failed with code {rc} (x {tuple(x.shape)})")
+    return QuantizedActivations(q, f[0], f[1], q2, f[2], f[3], has2.bool())
