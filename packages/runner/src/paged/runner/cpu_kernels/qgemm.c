@@ -419,7 +419,7 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * Q4_BLOCK;
         const int8_t *xg = xb + g * (o->bw * GROUP);
-        if (pf) prefetch_block(pf + g * Q4_BLOCK, Q4_BLOCK);
+        prefetch_block(pf + g * Q4_BLOCK, Q4_BLOCK);
         /* All MB rows' chains side by side (they hide each other's latency);
          * each 64-byte code vector is unpacked into its two nibble vectors
          * just before use, so that only two of them are live. */
@@ -522,7 +522,7 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
     const float *xs = o->xs + r0 * groups;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = wt + g * block;
-        if (pf) prefetch_block(pf + g * block, block);
+        prefetch_block(pf + g * block, block);
         __m512i w8[8]; /* few rows: the group's codes, loaded once (the residual reuses them) */
         const int8_t *xg = xb + g * (o->bw * GROUP);
         for (int s = 0; s < sub; s++) {
@@ -671,8 +671,10 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
             for (int64_t r0 = 0; r0 < mc; r0 += MB_ROWS) {
                 const int mb = (int)(mc - r0 < MB_ROWS ? mc - r0 : MB_ROWS);
                 const uint8_t *mask2 = levels == 2 ? o.mask2 + (r0 / MB_ROWS) * groups : NULL;
-                /* the next tile, during the first block (see prefetch_block) */
-                const uint8_t *pf = r0 == 0 && t + 1 < tiles ? wt + tile_bytes : NULL;
+                /* the next tile during the first block (see prefetch_block), else
+                 * this one (in L1: a no-op; a prefetch under a branch cost the 4-bit
+                 * kernel 15% at many rows, code generation) */
+                const uint8_t *pf = r0 == 0 && t + 1 < tiles ? wt + tile_bytes : wt;
                 if (fmt == 4)
                     q4_tile_rows(wt, groups, &o, r0, k, mask2, mb, acc, pf);
                 else
