@@ -67,14 +67,18 @@ def _int4pack(
 
 
 class Baseline:
-    """Another version's qgemm.c and packing.py (a directory holding both, e.g. main's
-    cpu_kernels/), built like this one, for before/after in one run. Its packed
-    weights are driven through this version's QGemm.matmul, so that both sides pay
-    the same Python overhead per call (it matters at one row: ~20-60 us calls)."""
+    """Another version's qgemm.c (and its qgemm_*.c parts) and packing.py (a directory
+    holding them, e.g. main's cpu_kernels/), built like this one, for before/after in
+    one run. Its packed weights are driven through this version's QGemm.matmul, so that
+    both sides pay the same Python overhead per call (it matters at one row: ~20-60 us
+    calls)."""
 
     def __init__(self, source: Path, isa: str) -> None:
         flags = [*build._BASE_FLAGS, *build._FORCE[isa]]
-        text = (source / "qgemm.c").read_text()
+        # qgemm.c and its parts (qgemm_*.c, if it has any), one translation unit
+        text = build.inline_parts(
+            (source / "qgemm.c").read_text(), lambda name: (source / name).read_text()
+        )
         path = compiled_library("cc", text, "qgemm.c", "qgemm-base", flags)
         lib = ctypes.CDLL(str(path))
         build._declare(lib)
