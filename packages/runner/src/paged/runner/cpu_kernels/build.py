@@ -184,5 +184,7 @@ def _declare_test_hooks(lib: ctypes.CDLL) -> None:
     libraries (quant_kernel_bench --baseline-source) also go through."""
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.paged_qgemm_quantize.restype = c_int
-    scalars = [ptr, c_int, i64, i64, c_int, ctypes.c_float, c_int, c_int]
-    lib.paged_qgemm_quantize.argtypes = [*scalars, *([ptr] * 7)]
+    args: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_int | ctypes.c_float]] = [
+        ptr, c_int, i64, i64, c_int, ctypes.c_float, c_int, c_int,
+    ]  # fmt: skip
+    lib.paged_qgemm_quantize.argtypes = args + [ptr] * 7  # q, xs, xsum, q2, xs2, xsum2, has2
