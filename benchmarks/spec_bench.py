@@ -22,10 +22,13 @@ over the time from the batch's first token to its last (the frontend's
 per-request token timestamps; all prompts prefill in one step). Beside it,
 decode tokens per CPU second: the in-process engine runs on this thread and
 torch on one thread, so this thread's CPU time of a generation, less that of
-a prefill-only run of the same batch (max_tokens=1, just before), is the
-decode's compute without the time spent waiting for a core that other
-processes hold (on a shared machine wall time swings 3-8x with their load;
-CPU time far less, though memory bandwidth is still shared). Medians over
+its prefill steps (each engine step is timed; the steps until every request
+had its first token, in the same generation), is the decode's compute
+without the time spent waiting for a core that other processes hold (on a
+shared machine wall time swings 3-8x with their load; CPU time far less,
+though memory bandwidth is still shared). (Before, a separate prefill-only
+run's CPU was subtracted: the prefill is ~40% of an 8-stream generation, so
+its run-to-run spread moved the decode figure by up to ~20%.) Medians over
 `--runs` rounds with min/max, their ratio, the acceptance rate (accepted /
 drafted tokens) and the mean accepted length per verification step (1 +
 accepted / drafts, the tokens one target forward yields), whether both
@@ -33,7 +36,16 @@ engines produced identical tokens (and the fraction of tokens before the
 first difference: the quantised path is not batch-invariant, so a forward
 over several rows may round differently from one over one row), the dtype
 and quantization, the torch thread count and the load average before and
-after each case.
+after each case; per position, the fraction of drafts whose position j was
+accepted (vLLM's per-position counter over drafts).
+
+Each batched case also replays its plain outputs through
+`paged.runner.spec_decode.replay` (no model run, about a second): the
+ceilings of speculation on the policy's row-cost curve (every draft accepted;
+the proposer's drafts cut to their accepted prefix) and what the `fixed` and
+`cost` policies yield by that curve, also on the curve with many-row steps
+`--replay-scales` times cheaper. The replay's `cost` figure is the curve's
+prediction of `ngram_over_plain_cpu`: the two differ where the curve is off.
 
 Run: .venvs/all/bin/python benchmarks/spec_bench.py [--runs 3 --k 7 --streams 1 8
      --draft-policy cost|fixed --dtype auto|float32 --show]
@@ -52,15 +64,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from paged.runner.config import ModelConfig
+from paged.runner.spec_decode.ngram import NgramProposer
+from paged.runner.spec_decode.policy import RowCostModel
+from paged.runner.spec_decode.replay import ReplaySequence, ceiling_report, scaled_curve
 from paged.scheduler import SamplingParams
 from paged.server.chat_utils import apply_chat_template
 from paged.server.input_processor import TextPrompt
 from paged.server.llm import LLM
+from paged.server.outputs import RequestOutput
 
 CODE = [
     "def moving_average(values, window):\n"
@@ -122,41 +139,74 @@ def chat_prompt(llm: LLM, message: str) -> TextPrompt:
     return {"prompt": text, "add_special_tokens": False}
 
 
-class SpecCounter:
-    """Sums the engine's spec-decoding stats by wrapping its output pull."""
+class StepClock:
+    """Wraps the engine's output pull (one engine step in-process): per-step CPU and spec stats.
+
+    The in-process engine runs each step inside `get_output` on this thread, so
+    the thread's CPU time across the call is the step's compute (one torch
+    thread). `prefill_cpu` is the CPU of the steps up to the one in which the
+    last request of the batch got its first token (the prefill: one step for
+    these prompts), measured in the same generation as the decode.
+    """
 
     def __init__(self, llm: LLM) -> None:
         self.drafts = self.drafted = self.accepted = 0
+        self.accepted_per_pos: list[int] = []
+        self.step_cpu: list[tuple[float, set[str]]] = []
         original = llm.engine_client.get_output
 
         def recording() -> Any:
+            c0 = time.thread_time()
             outputs = original()
+            cpu = time.thread_time() - c0
+            self.step_cpu.append((cpu, {o.request_id for o in outputs.outputs if o.new_token_ids}))
             s = outputs.scheduler_stats
             if s is not None and s.spec_decoding_stats is not None:
-                self.drafts += s.spec_decoding_stats.num_drafts
-                self.drafted += s.spec_decoding_stats.num_draft_tokens
-                self.accepted += s.spec_decoding_stats.num_accepted_tokens
+                st = s.spec_decoding_stats
+                self.drafts += st.num_drafts
+                self.drafted += st.num_draft_tokens
+                self.accepted += st.num_accepted_tokens
+                pos = st.num_accepted_tokens_per_pos
+                if len(pos) > len(self.accepted_per_pos):
+                    self.accepted_per_pos += [0] * (len(pos) - len(self.accepted_per_pos))
+                for j, n in enumerate(pos):
+                    self.accepted_per_pos[j] += n
             return outputs
 
         llm.engine_client.get_output = recording  # type: ignore[method-assign]
 
+    def reset_spec(self) -> None:
+        self.drafts = self.drafted = self.accepted = 0
+        self.accepted_per_pos = []
+
+    def prefill_cpu(self, num_requests: int) -> float:
+        """CPU of the steps until every one of the last generation's requests had a token."""
+        seen: set[str] = set()
+        cpu = 0.0
+        for step, ids in self.step_cpu:
+            cpu += step
+            seen |= ids
+            if len(seen) >= num_requests:
+                return cpu
+        raise RuntimeError("spec_bench: a request of the batch never got a token")
+
 
 def decode_rate(
-    llm: LLM, batch: list[TextPrompt], tokens: int
-) -> tuple[float, float, list[list[int]], list[str]]:
+    llm: LLM, clock: StepClock, batch: list[TextPrompt], tokens: int
+) -> tuple[float, float, list[RequestOutput]]:
     """Decode tok/s of one batch (wall: tokens after each request's first, first -> last
-    token) and this thread's CPU seconds for the whole generation (prefill included)."""
+    token) and this thread's CPU seconds of the generation less its prefill steps."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    clock.step_cpu = []
     cpu0 = time.thread_time()
     outs = llm.generate(list(batch), params, use_tqdm=False)
-    cpu = time.thread_time() - cpu0
+    cpu = time.thread_time() - cpu0 - clock.prefill_cpu(len(batch))
     first = min(
         o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time
     )
     last = max(o.metrics.last_token_time for o in outs if o.metrics and o.metrics.last_token_time)
-    ids = [list(o.outputs[0].token_ids) for o in outs]
-    texts = [o.outputs[0].text for o in outs]
-    return sum(len(x) - 1 for x in ids) / max(last - first, 1e-9), cpu, ids, texts
+    decoded = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    return decoded / max(last - first, 1e-9), cpu, outs
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -171,8 +221,22 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
+@dataclass
+class Engines:
+    """The plain and the n-gram engine with their step clocks, and what the replay needs."""
+
+    plain: LLM
+    spec: LLM
+    plain_clock: StepClock
+    spec_clock: StepClock
+    # Replayed on each batched case's plain outputs (spec_decode/replay.py): name -> curve.
+    replay_curves: dict[str, RowCostModel]
+    proposer: NgramProposer
+    k: int
+
+
 def run_case(
-    plain: LLM, spec: LLM, counter: SpecCounter, batch: list[TextPrompt], tokens: int, runs: int
+    engines: Engines, batch: list[TextPrompt], tokens: int, runs: int
 ) -> tuple[dict[str, Any], list[str]]:
     """Alternated plain / n-gram rounds of one batch; medians, ratio, acceptance, same tokens."""
     load_before = os.getloadavg()
@@ -180,24 +244,22 @@ def run_case(
     cpu_rates: dict[str, list[float]] = {"plain": [], "ngram": []}
     same = True
     agree: list[float] = []
-    counter.drafts = counter.drafted = counter.accepted = 0
-    texts: list[str] = []
-    num_tokens = 0
+    counter = engines.spec_clock
+    counter.reset_spec()
+    outs: dict[str, list[RequestOutput]] = {}
     for _ in range(runs):
         ids: dict[str, list[list[int]]] = {}
-        for name, llm in (("plain", plain), ("ngram", spec)):
-            # CPU time of the prefill alone (one token), taken off the full run's.
-            _, prefill_cpu, _, _ = decode_rate(llm, batch, 1)
-            # (max_tokens=1 leaves no room for drafts: the spec counters do not move.)
-            rate, cpu, ids[name], out_texts = decode_rate(llm, batch, tokens)
+        for name, llm, clock in (
+            ("plain", engines.plain, engines.plain_clock),
+            ("ngram", engines.spec, engines.spec_clock),
+        ):
+            rate, cpu, outs[name] = decode_rate(llm, clock, batch, tokens)
+            ids[name] = [list(o.outputs[0].token_ids) for o in outs[name]]
             decoded = sum(len(x) - 1 for x in ids[name])
             rates[name].append(rate)
-            cpu_rates[name].append(decoded / max(cpu - prefill_cpu, 1e-9))
-            if name == "plain":
-                texts = out_texts
+            cpu_rates[name].append(decoded / max(cpu, 1e-9))
         same = same and ids["plain"] == ids["ngram"]
         agree.append(agreement(ids["plain"], ids["ngram"]))
-        num_tokens = sum(len(x) for x in ids["plain"])
     med = {name: statistics.median(r) for name, r in rates.items()}
     med_cpu = {name: statistics.median(r) for name, r in cpu_rates.items()}
     result = {
@@ -222,19 +284,30 @@ def run_case(
         "acceptance_rate": round(counter.accepted / max(counter.drafted, 1), 3),
         "mean_accepted_length": round(1 + counter.accepted / max(counter.drafts, 1), 3),
         "num_drafts": counter.drafts,
-        "output_tokens": num_tokens,
+        # Per position j: the fraction of drafts whose position j was accepted.
+        "accepted_per_pos": [
+            round(n / max(counter.drafts, 1), 3) for n in counter.accepted_per_pos
+        ],
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs["plain"]),
         "same_tokens": same,
         "prefix_agreement": round(min(agree), 3),
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
-    return result, texts
+    if len(batch) > 1:
+        sequences = [
+            ReplaySequence(tuple(o.prompt_token_ids), tuple(o.outputs[0].token_ids), tokens)
+            for o in outs["plain"]
+        ]
+        result["replay"] = {
+            name: ceiling_report(curve, sequences, engines.proposer, engines.k)
+            for name, curve in engines.replay_curves.items()
+        }
+    return result, [o.outputs[0].text for o in outs["plain"]]
 
 
 def task_cases(
-    plain: LLM,
-    spec: LLM,
-    counter: SpecCounter,
+    engines: Engines,
     task: str,
     messages: dict[str, str],
     tokens: int,
@@ -242,12 +315,12 @@ def task_cases(
     show: Callable[[str, list[str]], None],
 ) -> dict[str, Any]:
     """Per-prompt single-stream cases with their median, then the batched ones."""
-    prompts = {name: chat_prompt(plain, m) for name, m in messages.items()}
+    prompts = {name: chat_prompt(engines.plain, m) for name, m in messages.items()}
     cases: dict[str, Any] = {}
     if 1 in args.streams:
         per_prompt: dict[str, Any] = {}
         for name, prompt in prompts.items():
-            per_prompt[name], texts = run_case(plain, spec, counter, [prompt], tokens, args.runs)
+            per_prompt[name], texts = run_case(engines, [prompt], tokens, args.runs)
             show(f"{task}/{name}", texts)
         ratios = [c["ngram_over_plain"] for c in per_prompt.values()]
         cpu_ratios = [c["ngram_over_plain_cpu"] for c in per_prompt.values()]
@@ -265,10 +338,20 @@ def task_cases(
     names = list(prompts)
     for streams in (s for s in args.streams if s != 1):
         batch = [prompts[names[i % len(names)]] for i in range(streams)]
-        cases[f"{task}_{streams}_streams"], texts = run_case(
-            plain, spec, counter, batch, tokens, args.runs
-        )
+        cases[f"{task}_{streams}_streams"], texts = run_case(engines, batch, tokens, args.runs)
     return cases
+
+
+def replay_curves(
+    model_config: ModelConfig, row_costs: RowCostModel | None, scales: list[float]
+) -> dict[str, RowCostModel]:
+    """The spec engine's curve, and that curve with many-row steps `scales` times cheaper."""
+    curve = row_costs or RowCostModel.for_path("cpu", model_config.keeps_weights_quantized)
+    curves = {"policy_curve": curve}
+    for factor in scales:
+        curves[f"marginal_{factor}x_cheaper"] = scaled_curve(curve, factor, "marginal")
+        curves[f"16_plus_rows_{factor}x_cheaper"] = scaled_curve(curve, factor, "many")
+    return curves
 
 
 def main() -> None:
@@ -301,6 +384,14 @@ def main() -> None:
         help='speculative_config.row_costs as JSON, e.g. "[[1, 1.0], [8, 2.2], [64, 9.5]]" '
         "(default: the policy's measured curve for the path)",
     )
+    ap.add_argument(
+        "--replay-scales",
+        type=float,
+        nargs="*",
+        default=[1.5, 2.0],
+        help="also replay each batched case on the policy's curve with many-row steps this "
+        "many times cheaper (none: only the curve itself)",
+    )
     ap.add_argument("--show", action="store_true", help="print each prompt's answer to stderr")
     args = ap.parse_args()
     load_before = os.getloadavg()
@@ -313,8 +404,10 @@ def main() -> None:
         "prompt_lookup_max": args.lookup_max,
         "draft_policy": args.draft_policy,
     }
+    row_costs = None
     if args.row_costs is not None:
         spec_config["row_costs"] = json.loads(args.row_costs)
+        row_costs = RowCostModel.from_pairs(spec_config["row_costs"])
     common: dict[str, Any] = {
         "device": "cpu",
         "dtype": args.dtype,
@@ -324,7 +417,15 @@ def main() -> None:
     }
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config=spec_config, **common)
-    counter = SpecCounter(spec)
+    engines = Engines(
+        plain,
+        spec,
+        StepClock(plain),
+        StepClock(spec),
+        replay_curves(model_config, row_costs, args.replay_scales),
+        NgramProposer(args.lookup_min, args.lookup_max),
+        args.k,
+    )
 
     def show(label: str, texts: list[str]) -> None:
         if args.show:
@@ -333,14 +434,14 @@ def main() -> None:
     cases: dict[str, Any] = {}
     try:
         warm = [chat_prompt(plain, "Say hello.")]
-        for llm in (plain, spec):  # warm-up, not timed
-            decode_rate(llm, warm, 4)
+        for llm, clock in ((plain, engines.plain_clock), (spec, engines.spec_clock)):
+            decode_rate(llm, clock, warm, 4)  # warm-up, not timed
         for task, messages, tokens in (
             ("copy", COPY_CASES, args.copy_tokens),
             ("free", FREE_CASES, args.free_tokens),
         ):
             if task in args.tasks:
-                cases.update(task_cases(plain, spec, counter, task, messages, tokens, args, show))
+                cases.update(task_cases(engines, task, messages, tokens, args, show))
     finally:
         plain.shutdown()
         spec.shutdown()

@@ -44,8 +44,7 @@ from paged.runner.spec_decode.ngram import NgramProposer
 from paged.runner.spec_decode.policy import (
     AcceptanceHistory,
     RowCostModel,
-    estimate_acceptance,
-    plan_drafts,
+    plan_request_drafts,
 )
 from paged.runner.spec_decode.rejection_sampler import RejectionOutput, rejection_sample
 from paged.scheduler.boundary import GrammarOutput, LogprobsLists, ModelRunnerOutput
@@ -213,26 +212,14 @@ class SpecDecoder:
         must not depend on who else is in the batch: it is planned as if alone
         (its own match and history only). The others share one batch plan.
         """
-        acceptance = [
-            estimate_acceptance(n, self.histories.get(rid))
-            for rid, n in zip(req_ids, match_len, strict=True)
-        ]
-        caps = [len(d) for d in drafts]
-        seeded = [int(r) in batch.generators for r in rows.tolist()]
-        shared = [i for i, s in enumerate(seeded) if not s]
-        plan = [0] * len(drafts)
-        if shared:
-            shared_plan = plan_drafts(
-                len(req_ids),
-                [acceptance[i] for i in shared],
-                [caps[i] for i in shared],
-                self.cost_model,
-            )
-            for i, k in zip(shared, shared_plan, strict=True):
-                plan[i] = k
-        for i, s in enumerate(seeded):
-            if s:
-                plan[i] = plan_drafts(1, [acceptance[i]], [caps[i]], self.cost_model)[0]
+        plan = plan_request_drafts(
+            len(req_ids),
+            match_len,
+            [len(d) for d in drafts],
+            [self.histories.get(rid) for rid in req_ids],
+            [int(r) in batch.generators for r in rows.tolist()],
+            self.cost_model,
+        )
         return [d[:k] for d, k in zip(drafts, plan, strict=True)]
 
     def _draft_limits(

@@ -294,6 +294,43 @@ def plan_drafts(
     return [int(k) for k in chosen]
 
 
+def plan_request_drafts(
+    num_rows: int,
+    match_len: Sequence[int],
+    caps: Sequence[int],
+    histories: Sequence[AcceptanceHistory | None],
+    alone: Sequence[bool],
+    cost: RowCostModel,
+) -> list[int]:
+    """Drafts per request of one step: each request's acceptance estimate, then the plan.
+
+    `num_rows`: the step's rows without drafts (one per sampling request);
+    `match_len[r]`, `caps[r]`, `histories[r]`: request r's n-gram match, how many
+    drafts its match offers (at most k), its verification history. A request
+    with `alone[r]` (a seeded one, whose tokens must not depend on the batch) is
+    planned as if it were the only one; the others share one batch plan.
+    """
+    n = len(match_len)
+    if not len(caps) == len(histories) == len(alone) == n:
+        raise ValueError(
+            f"match_len: {n} requests but caps, histories, alone have "
+            f"{len(caps)}, {len(histories)}, {len(alone)}"
+        )
+    acceptance = [estimate_acceptance(m, h) for m, h in zip(match_len, histories, strict=True)]
+    plan = [0] * n
+    shared = [i for i in range(n) if not alone[i]]
+    if shared:
+        shared_plan = plan_drafts(
+            num_rows, [acceptance[i] for i in shared], [caps[i] for i in shared], cost
+        )
+        for i, k in zip(shared, shared_plan, strict=True):
+            plan[i] = k
+    for i in range(n):
+        if alone[i]:
+            plan[i] = plan_drafts(1, [acceptance[i]], [caps[i]], cost)[0]
+    return plan
+
+
 def expected_speedup(
     base_rows: int, plan: Sequence[int], acceptance: Sequence[float], cost: RowCostModel
 ) -> float:
