@@ -155,6 +155,20 @@ def test_the_portable_c_path_matches_too(monkeypatch: pytest.MonkeyPatch) -> Non
         assert torch.equal(case.one_row(req, row, 30, None)[0], got[t])
 
 
+def test_the_float32_avx512_path_matches_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled without AVX512-BF16 (keys widened to float32, the pair path off): the same
+    promises at the default model's shape, prefill chunks included."""
+    lib = attention_ops._build_and_load("cc", [*attention_ops._FLAGS, "-mno-avx512bf16"])
+    assert lib is not None
+    monkeypatch.setattr(attention_ops, "_lib", lambda: lib)
+    case = Case([1, 4, 40, 1], [1, 20, 100, 250], 16, 9, 3, 64, seed=12)
+    got, want = case.run(None, None)
+    _within_one_rounding(got, want)
+    for req, row in [(1, 2), (2, 0), (2, 39), (3, 0)]:
+        t = int(case.qsl[req]) + row
+        assert torch.equal(case.one_row(req, row, None, None)[0], got[t])
+
+
 def test_padding_slots_are_skipped_and_bad_layouts_raise() -> None:
     case = Case([1, 2], [5, 9], 4, 2, 1, 64, seed=3)
 
