@@ -155,6 +155,20 @@ def test_the_portable_c_path_matches_too(monkeypatch: pytest.MonkeyPatch) -> Non
         assert torch.equal(case.one_row(req, row, 30, None)[0], got[t])
 
 
+def test_the_float32_avx512_path_matches_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled without AVX512-BF16 (keys widened to float32, the pair path off): the same
+    promises at the default model's shape, prefill chunks included."""
+    lib = attention_ops._build_and_load("cc", [*attention_ops._FLAGS, "-mno-avx512bf16"])
+    assert lib is not None
+    monkeypatch.setattr(attention_ops, "_lib", lambda: lib)
+    case = Case([1, 4, 40, 1], [1, 20, 100, 250], 16, 9, 3, 64, seed=12)
+    got, want = case.run(None, None)
+    _within_one_rounding(got, want)
+    for req, row in [(1, 2), (2, 0), (2, 39), (3, 0)]:
+        t = int(case.qsl[req]) + row
+        assert torch.equal(case.one_row(req, row, None, None)[0], got[t])
+
+
 def test_padding_slots_are_skipped_and_bad_layouts_raise() -> None:
     case = Case([1, 2], [5, 9], 4, 2, 1, 64, seed=3)
 
@@ -226,29 +240,51 @@ def test_the_layer_takes_the_c_call_for_short_runs_and_shares_one_plan(q_lens: l
     _within_one_rounding(got, want.reshape(t, -1))
 
 
-def test_a_step_with_a_prefill_chunk_is_split_and_its_short_rows_stay_exact() -> None:
-    """Short runs of a mixed step take the C call (same bits as alone), the rest SDPA."""
-    case = Case([20, 1, 3], [40, 9, 30], 16, 9, 3, 64, seed=6)
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (50, None), (None, 30.0)])
+def test_a_step_with_prefill_chunks_takes_the_c_call_for_every_row(
+    window: int | None, cap: float | None
+) -> None:
+    """Prefill chunks (whole prompts, or a later chunk over cached keys) and decode rows in
+    one C call: every row the float32 reference rounded once, each row's bits its own."""
+    case = Case([64, 1, 200, 3], [64, 300, 250, 30], 16, 9, 3, 64, seed=6)
     meta = _metadata(case)
+    plan = cpu_decode.decode_plan(meta, 268)
+    assert isinstance(plan, cpu_decode.DecodePlan) and plan.max_query_len == 200
+    layer = Attention(9, 64, 0.125, 3, backend=AttentionBackend("torch"), sliding_window=window,
+                      logits_soft_cap=cap)  # fmt: skip
+    kv = torch.stack([case.key_cache, case.value_cache])
+    got = layer(case.q, case.k, case.v, kv, meta)
+    case.key_cache, case.value_cache = kv[0], kv[1]  # written by the layer
+    _, want = case.run(window, cap)  # the reference (rewrites the same cache bytes)
+    _within_one_rounding(got, want)
+    for req, row in [(0, 0), (0, 63), (1, 0), (2, 0), (2, 117), (2, 199), (3, 2)]:
+        t = int(case.qsl[req]) + row
+        assert torch.equal(case.one_row(req, row, window, cap)[0], got[t]), (req, row)
+
+
+def test_a_step_with_image_spans_keeps_sdpa_for_its_multi_row_requests() -> None:
+    """Bidirectional spans are not causal: those requests go to SDPA, one-row ones to C."""
+    case = Case([20, 1, 3], [40, 9, 30], 16, 9, 3, 64, seed=6)
+    no_span = torch.tensor([[0, 0]], dtype=torch.int32).expand(24, 2).contiguous()
+    meta = _metadata(case, bidirectional_ranges=no_span)
     plan = cpu_decode.decode_plan(meta, 24)
     assert isinstance(plan, cpu_decode.SplitPlan)
-    assert plan.long_rows.tolist() == list(range(20))
+    assert plan.long_rows.tolist() == [*range(20), 21, 22, 23]
+    assert plan.short_rows.tolist() == [20]
     layer = Attention(9, 64, 0.125, 3, backend=AttentionBackend("torch"))
     kv = torch.stack([case.key_cache, case.value_cache])
     got = layer(case.q, case.k, case.v, kv, meta)
     case.key_cache, case.value_cache = kv[0], kv[1]  # written by the layer
     _, want = case.run(None, None)  # the reference (rewrites the same cache bytes)
-    _within_one_rounding(got[20:], want[20:])  # the C rows
-    diff = (got[:20].float() - want[:20]).abs()  # the bf16 SDPA chunk: coarser
-    assert bool((diff <= want[:20].abs() * 2**-6 + 2e-2).all())
-    for req, row in [(1, 0), (2, 0), (2, 2)]:
-        t = int(case.qsl[req]) + row
-        assert torch.equal(case.one_row(req, row, None, None)[0], got[t])
+    _within_one_rounding(got[20:21], want[20:21])  # the C row
+    diff = (got.float() - want).abs()  # the bf16 SDPA rows: coarser
+    assert bool((diff <= want.abs() * 2**-6 + 2e-2).all())
+    assert torch.equal(case.one_row(1, 0, None, None)[0], got[20])
 
 
-def test_only_prefill_runs_and_bidirectional_spans_keep_the_sdpa_path() -> None:
+def test_bidirectional_spans_and_padding_rows_keep_the_torch_path() -> None:
     long = Case([17, 20], [40, 29], 16, 9, 3, 64, seed=6)
-    assert cpu_decode.decode_plan(_metadata(long), 37) is None
+    assert isinstance(cpu_decode.decode_plan(_metadata(long), 37), cpu_decode.DecodePlan)
     short = Case([2, 1], [40, 9], 16, 9, 3, 64, seed=7)
     ranges = torch.zeros(3, 2, dtype=torch.int32)
     image_step = cpu_decode.decode_plan(_metadata(short, bidirectional_ranges=ranges), 3)
