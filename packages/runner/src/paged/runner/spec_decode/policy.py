@@ -56,26 +56,25 @@ _HISTORY_DECAY = 0.8
 
 
 # Measured with benchmarks/verify_cost.py (rows -> cost in one-row steps, CPU-time
-# medians). CPU, quantised GGUF (bf16 activations, 1 thread), SmolLM2-135M:
-# with paged's C kernel (cpu_kernels/, the default where it compiles), with the
-# fused decoder layers and the C attention of decode/verification rows: one run
-# of 5 rounds at load average 0.98-0.99 (14.0 ms CPU for one row). Up to 16 rows
-# the shape is one request with M - 1 drafts; 32 and 64 rows are 8 requests x 4 / 8
-# rows (91 / 164 ms), the shape drafting takes at 8 streams: every request's rows
-# (at most 16) go through the C attention, while one request of 32 or 64 rows
-# takes SDPA and costs more (93 / 183 ms), which no default k produces. The
-# one-row step got ~2.5x cheaper with the fused layers while many rows stayed
-# matmul-bound, so the curve is about twice as steep as the third round's (8 rows
-# 1.76, 64 rows 6.1), which over-drafted free text at 8 streams (0.84x of plain in
-# spec_bench; 1.17x with this curve, copy at 8 streams 1.43x vs 1.45x).
+# medians). CPU, quantised GGUF (bf16 activations, 1 thread), SmolLM2-135M, with
+# paged's C kernel (cpu_kernels/, the default where it compiles), the fused
+# decoder layers, the C attention of decode/verification rows and the multi-row
+# kernel round: one run of 5 rounds at load average 0.08-0.44 (13.75 ms CPU for
+# one row). Up to 16 rows the shape is one request with M - 1 drafts; 32 and 64
+# rows are 8 requests x 4 / 8 rows (80 / 145 ms), the shape drafting takes at 8
+# streams (one request of 32 / 64 rows costs 75 / 139 ms, a shape no default k
+# produces). The multi-row kernel round flattened the curve below 16 rows (it was
+# 1.17 / 1.47 / 2.25 at 2 / 4 / 8 rows), so drafting is cheaper to try than the
+# previous curve said; the second round's curve (8 rows 1.76, 64 rows 6.1) was
+# steeper still at many rows, which over-drafted free text at 8 streams.
 _CPU_QGEMM_POINTS: tuple[tuple[int, float], ...] = (
     (1, 1.0),
-    (2, 1.17),
-    (4, 1.47),
-    (8, 2.25),
-    (16, 3.55),
-    (32, 6.5),
-    (64, 11.69),
+    (2, 1.03),
+    (4, 1.15),
+    (8, 1.56),
+    (16, 2.75),
+    (32, 5.79),
+    (64, 10.51),
 )
 # Without it (no compiler, PAGED_QGEMM_ISA=off: torch's int4 kernel, a GEMV per
 # row, the tied Q8_0 LM head as two int4 passes, a bf16 copy from 64 rows): the
