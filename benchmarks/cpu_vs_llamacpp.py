@@ -28,6 +28,13 @@ that side is skipped with a message (CI never builds it). Build it from the
 llama-cpp-python sdist's vendored llama.cpp:
     cmake -S vendor/llama.cpp -B build -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF
     cmake --build build --target llama-server -j2
+The build targets the CPU it was compiled on (GGML_NATIVE, llama.cpp's default):
+carried to a machine with another CPU it dies with SIGILL ("Illegal instruction")
+while loading the model; rebuild it there (`--target clean`, then the line above).
+On a VM whose CPU reports AMX but faults on tile instructions (seen here: the
+native build's `tinygemm_kernel_amx` SIGILLs at `tilezero` on its first matmul),
+configure with -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" and the
+same CMAKE_CXX_FLAGS: explicit -mno-* flags win over -march=native in gcc.
 
     LLAMA_SERVER=/work/cache/llamacpp/build/bin/llama-server \
         .venvs/all/bin/python benchmarks/cpu_vs_llamacpp.py
@@ -158,8 +165,13 @@ def start_llamacpp(binary: str, gguf: str, threads: int, log_dir: Path) -> Serve
 def _wait(server: Server, timeout: float = 600.0) -> Server:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"{server.name} exited:\n{server.log.read_text()[-3000:]}")
+        code = server.process.poll()
+        if code is not None:
+            hint = ""
+            if code == -signal.SIGILL:  # a native build carried to another CPU
+                hint = " (SIGILL: built for another CPU, or AMX on a VM: see this file's docstring)"
+            log = server.log.read_text()[-3000:]
+            raise RuntimeError(f"{server.name} exited with {code}{hint}:\n{log}")
         try:
             if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
                 models = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()

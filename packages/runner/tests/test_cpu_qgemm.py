@@ -377,3 +377,29 @@ def test_quantised_codes_match_the_torch_definition() -> None:
     assert torch.equal(got.xsum, xs * q.sum(-1))
     with pytest.raises(ValueError, match="x must be"):
         quantized_activations(_lib(), torch.zeros(2, 40))
+
+
+@needs_cc
+def test_the_cache_key_follows_what_native_means_on_this_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache shared with a machine of another CPU must not load its -march=native build."""
+    from paged.runner import c_compile
+
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(build, "_LOADED", {})
+    here = load_qgemm("native")
+    assert here is not None
+    assert "#define __STDC__ 1" in c_compile._native_target(shutil.which("cc") or "cc")
+    monkeypatch.setattr(c_compile, "_native_target", lambda compiler: "#define __other_cpu__ 1")
+    monkeypatch.setattr(build, "_LOADED", {})
+    other = load_qgemm("native")
+    assert other is not None and other.path != here.path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([here.path.name, other.path.name])
+    monkeypatch.setattr(build, "_LOADED", {})
+    scalar = load_qgemm("scalar")  # its flags carry -march=native too
+    monkeypatch.setattr(
+        c_compile, "_native_target", lambda compiler: "#define __yet_another_cpu__ 1"
+    )
+    monkeypatch.setattr(build, "_LOADED", {})
+    assert scalar is not None and load_qgemm("scalar").path != scalar.path  # type: ignore[union-attr]

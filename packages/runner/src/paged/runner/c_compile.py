@@ -1,7 +1,11 @@
 """Compile one of the runner's C sources on first use, cached; shared by cpu_kernels and cpu_step.
 
 The shared object goes to a cache directory keyed by a hash of the source, the
-compiler (its path and `--version`) and the flags:
+compiler (its path and `--version`), the flags and, with `-march=native`, what
+"native" means on this host (the compiler's predefined macros under it: a cache
+directory shared by machines with different CPUs, a home on NFS or a cache
+carried to another VM, must not hand one machine a library built for another's
+instruction set, which dies with SIGILL):
     $PAGED_KERNEL_CACHE, else $XDG_CACHE_HOME/paged/kernels, else ~/.cache/paged/kernels
 It is compiled under a temporary name and renamed into place (atomic on POSIX),
 so two processes compiling at once both end with a complete file. No torch or
@@ -10,6 +14,7 @@ Python headers are needed: a compile takes about a second.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -45,10 +50,9 @@ def compiled_library(cc: str, source: str, filename: str, stem: str, flags: list
     compiler = shutil.which(cc)
     if compiler is None:
         raise OSError(f"no C compiler {cc!r} on PATH")
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-    ).stdout
-    digest = hashlib.sha256("\0".join([source, compiler, version, *flags]).encode()).hexdigest()
+    host = [_native_target(compiler)] if "-march=native" in flags else []
+    key = [source, compiler, _version(compiler), *flags, *host]
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()
     target = cache_dir() / f"{stem}-{digest[:16]}.so"
     if target.exists():
         return target
@@ -66,6 +70,32 @@ def compiled_library(cc: str, source: str, filename: str, stem: str, flags: list
         os.replace(out, target)  # atomic: a concurrent build's rename just wins or loses
     logger.info("compiled %s", target)
     return target
+
+
+@functools.cache
+def _version(compiler: str) -> str:
+    return subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+
+
+@functools.cache
+def _native_target(compiler: str) -> str:
+    """What `-march=native` targets here: the compiler's predefined macros under it.
+
+    They name the CPU family and every instruction-set extension the build may use
+    (`__AVX512VNNI__`, `__znver4__`, ...), for gcc and clang alike.
+    """
+    done = subprocess.run(
+        [compiler, "-march=native", "-E", "-dM", "-x", "c", os.devnull],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise OSError(
+            f"{compiler} failed ({done.returncode}) resolving -march=native: "
+            f"{done.stderr.strip()[:300]}"
+        )
+    return "\n".join(sorted(done.stdout.splitlines()))
 
 
 def first_line(exc: BaseException) -> str:
