@@ -57,7 +57,7 @@ from paged.runner.config import (
     ParallelConfig,
     SchedulerLimits,
 )
-from paged.runner.executor import Executor
+from paged.runner.executor import Executor, create_executor
 from paged.runner.executor.messages import CheckHealth
 from paged.runner.executor.node_wire import free_port_pair
 from paged.scheduler.boundary import CachedRequestData, NewRequestData, SchedulerOutput
@@ -217,7 +217,7 @@ def run_executor_part(args: argparse.Namespace, path: Path) -> dict[str, Any]:
                 config = engine_config(path, "mp", tp, max(batches), master_port=port)
             else:
                 config = engine_config(path, backend, tp, max(batches))
-            executors[backend] = Executor.create(config)
+            executors[backend] = create_executor(config)
             results[backend] = {"tp": tp, "startup_s": round(time.perf_counter() - began, 1)}
             init_kv(executors[backend], max(batches), blocks_per_req)
         noop: dict[str, list[float]] = {b: [] for b in backends}

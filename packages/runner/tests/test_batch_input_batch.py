@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged.runner.input_batch import CachedRequestState, InputBatch
+from paged.runner.sampler.build import build_sampling_metadata
 from paged.scheduler.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -128,7 +129,7 @@ def test_sampling_metadata_flags_and_subset() -> None:
     batch.add_request(make_state(0, temperature=0.0))
     batch.add_request(make_state(1, temperature=0.8, top_k=5, seed=3))
     batch.add_request(make_state(2, temperature=0.0, presence_penalty=0.5, logprobs=3))
-    meta = batch.make_sampling_metadata(np.array([1, 2]))
+    meta = build_sampling_metadata(batch, np.array([1, 2]))
     assert meta.num_rows == 2 and not meta.all_greedy and not meta.all_random
     assert meta.temperature_is_greedy is not None
     assert meta.temperature_is_greedy.tolist() == [False, True]
@@ -136,6 +137,6 @@ def test_sampling_metadata_flags_and_subset() -> None:
     assert meta.top_p is None and meta.min_p is None
     assert set(meta.generators) == {0}
     assert not meta.no_penalties and meta.max_num_logprobs == 3
-    only_greedy = batch.make_sampling_metadata(np.array([0]))
+    only_greedy = build_sampling_metadata(batch, np.array([0]))
     assert only_greedy.all_greedy and only_greedy.temperature is None
     assert only_greedy.no_penalties and only_greedy.max_num_logprobs is None

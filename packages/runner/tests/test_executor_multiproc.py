@@ -18,11 +18,11 @@ from paged.runner.config import (
     SchedulerLimits,
 )
 from paged.runner.executor import (
-    Executor,
     MultiprocExecutor,
     UniProcExecutor,
     WorkerDiedError,
     WorkerError,
+    create_executor,
 )
 from paged.runner.executor.messages import CheckHealth
 
@@ -66,7 +66,7 @@ def test_tp2_matches_tp1_and_dead_worker_raises(
 def test_worker_errors_surface_and_shutdown_is_clean(tiny_checkpoint: Callable[..., Path]) -> None:
     path = tiny_checkpoint("llama")
     cfg = replace(config(path, 1), cache_config=CacheConfig(block_size=BLOCK))  # no CPU budget
-    executor = Executor.create(cfg)
+    executor = create_executor(cfg)
     assert isinstance(executor, MultiprocExecutor)
     try:
         executor.check_health()

@@ -25,7 +25,12 @@ from paged.runner.config import (
     ParallelConfig,
     SchedulerLimits,
 )
-from paged.runner.executor import Executor, UniProcExecutor, WorkerDiedError, WorkerError
+from paged.runner.executor import (
+    UniProcExecutor,
+    WorkerDiedError,
+    WorkerError,
+    create_executor,
+)
 from paged.runner.executor.messages import (
     CheckHealth,
     GetKVCacheSpec,
@@ -105,7 +110,7 @@ def test_tp2_ray_matches_tp1_then_errors_death_and_shutdown(
     prompts = {"a": [5, 6, 7, 8, 9], "b": [40, 41, 42]}
     with UniProcExecutor(config(path, 1, "uni")) as uni:
         want = executor_greedy(uni, prompts, 10)
-    executor = Executor.create(config(path, 2, "ray"))
+    executor = create_executor(config(path, 2, "ray"))
     assert isinstance(executor, RayDistributedExecutor)
     try:
         assert executor_greedy(executor, prompts, 10) == want

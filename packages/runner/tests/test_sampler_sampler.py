@@ -11,6 +11,7 @@ import torch
 from paged.kernels.ops import apply_top_k_top_p
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.sampler import Sampler, SamplingMetadata
+from paged.runner.sampler.build import build_sampling_metadata
 from paged.runner.sampler.sampler import count_nans
 from paged.scheduler.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ def batch_of(*states: CachedRequestState) -> InputBatch:
 
 
 def sample(b: InputBatch, logits: torch.Tensor) -> torch.Tensor:
-    meta = b.make_sampling_metadata(np.arange(b.num_reqs))
+    meta = build_sampling_metadata(b, np.arange(b.num_reqs))
     return Sampler()(logits, meta).sampled_token_ids
 
 
@@ -46,7 +47,7 @@ def test_greedy_is_argmax_and_nans_counted() -> None:
     logits = torch.randn(3, VOCAB)
     logits[1, :4] = float("nan")
     b = batch_of(*(state(i, temperature=0.0) for i in range(3)))
-    out = Sampler()(logits, b.make_sampling_metadata(np.arange(3)))
+    out = Sampler()(logits, build_sampling_metadata(b, np.arange(3)))
     assert out.sampled_token_ids[[0, 2]].tolist() == logits[[0, 2]].argmax(-1).tolist()
     assert out.num_nans.tolist() == [0, 4, 0]
 
@@ -150,7 +151,7 @@ def test_penalties_match_naive_reference() -> None:
     )
     s1 = state(1, prompt=[7], output=[], temperature=0.0)
     b = batch_of(s0, s1)
-    meta = b.make_sampling_metadata(np.arange(2))
+    meta = build_sampling_metadata(b, np.arange(2))
     from paged.kernels.ops import apply_penalties
 
     assert meta.prompt_mask is not None and meta.output_counts is not None
@@ -195,7 +196,7 @@ def test_logprobs_are_raw_with_rank() -> None:
         state(0, temperature=0.0, logprobs=3, presence_penalty=1.0, output=[0]),
         state(1, temperature=1.0, logprobs=1),
     )
-    out = Sampler()(logits.clone(), b.make_sampling_metadata(np.arange(2)))
+    out = Sampler()(logits.clone(), build_sampling_metadata(b, np.arange(2)))
     assert out.logprobs is not None
     lp = logits.log_softmax(-1)
     assert out.logprobs.token_ids.shape == (2, 4)
@@ -214,7 +215,7 @@ def test_logprobs_are_raw_with_rank() -> None:
 def test_bad_logits_shape() -> None:
     b = batch_of(state(0))
     with pytest.raises(ValueError, match="logits must be"):
-        Sampler()(torch.zeros(2, VOCAB), b.make_sampling_metadata(np.array([0])))
+        Sampler()(torch.zeros(2, VOCAB), build_sampling_metadata(b, np.array([0])))
 
 
 def test_sampler_does_not_mutate_logits() -> None:
@@ -226,5 +227,5 @@ def test_sampler_does_not_mutate_logits() -> None:
         state(1, temperature=0.0, repetition_penalty=1.3, logit_bias={3: 2.0}),
         state(2, temperature=1.0, min_p=0.1, min_tokens=3),
     )
-    Sampler()(logits, b.make_sampling_metadata(np.arange(3)))
+    Sampler()(logits, build_sampling_metadata(b, np.arange(3)))
     assert torch.equal(logits, before)

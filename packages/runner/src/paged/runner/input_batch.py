@@ -27,8 +27,6 @@ import torch
 from paged.multimodal.inputs import MultiModalFeatureSpec
 from paged.runner.block_table import MultiGroupBlockTable
 from paged.runner.buffers import CpuGpuBuffer
-from paged.runner.sampler.build import build_sampling_metadata
-from paged.runner.sampler.metadata import SamplingMetadata
 from paged.scheduler.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
@@ -313,9 +311,3 @@ class InputBatch:
                 assert row < len(self._req_ids) and self._req_ids[row] is not None, row
         for row in live.values():
             assert self.num_prompt_tokens[row] <= self.num_tokens[row] <= self.max_model_len
-
-    # -------------------------------------------------------------- sampling
-
-    def make_sampling_metadata(self, rows: npt.NDArray[np.int64]) -> SamplingMetadata:
-        """Gather sampling parameters of `rows` (in that order) as device tensors."""
-        return build_sampling_metadata(self, rows)

@@ -64,6 +64,7 @@ from paged.runner.pipeline.kv import stage_kv_cache_config
 from paged.runner.pipeline.stage import StageSetup
 from paged.runner.runner_output import apply_grammar_bitmask, build_output, prompt_logprobs
 from paged.runner.sampler import Sampler
+from paged.runner.sampler.build import build_sampling_metadata
 from paged.runner.spec_decode.config import SpeculativeConfig
 from paged.runner.spec_decode.decoder import SpecDecoder
 from paged.runner.state_updates import update_states
@@ -461,7 +462,7 @@ class ModelRunner:
             if grammar_output is not None and grammar_output.structured_output_request_ids:
                 sampling_ids = [inputs.req_ids[int(r)] for r in inputs.sampling_rows]
                 logits = apply_grammar_bitmask(logits, sampling_ids, grammar_output)
-            metadata = batch.make_sampling_metadata(inputs.sampling_rows)
+            metadata = build_sampling_metadata(batch, inputs.sampling_rows)
             sampler_output = self.sampler(logits, metadata)
             sampled = sampler_output.sampled_token_ids.tolist()
             for row, token in zip(inputs.sampling_rows.tolist(), sampled, strict=True):

@@ -242,7 +242,12 @@ class OutputProcessor:
         completion = state.make_completion(str(finish) if finish is not None else None, stop_reason)
         if state.parent is None:
             return state.make_request_output(completion, finished, detail)
-        return state.parent.add_child_output(state, completion, detail)
+        outputs, all_finished = state.parent.get_outputs(completion)
+        if not outputs:
+            return None
+        out = state.make_request_output(completion, all_finished, detail)
+        out.outputs = outputs
+        return out
 
     def _update_stats(
         self, state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats | None

@@ -7,15 +7,10 @@ The parent merges the children's `CompletionOutput`s by `index`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
 from paged.scheduler import EngineCoreRequest, RequestOutputKind, SamplingParams
-from paged.server.outputs import CompletionOutput, RequestOutput
-
-if TYPE_CHECKING:
-    from paged.server.output_processor import RequestState
+from paged.server.outputs import CompletionOutput
 
 
 def child_request_id(index: int, parent_id: str) -> str:
@@ -42,22 +37,22 @@ class ParentRequest:
     def all_finished(self) -> bool:
         return len(self._finished) == self.n
 
-    def add_child_output(
-        self, state: RequestState, completion: CompletionOutput, detail: str | None
-    ) -> RequestOutput | None:
+    def get_outputs(self, completion: CompletionOutput) -> tuple[list[CompletionOutput], bool]:
+        """Record a child's completion; the completions to report now and whether all finished.
+
+        vLLM's `ParentRequest.get_outputs`: DELTA reports the child's own delta;
+        CUMULATIVE every child's latest, by index; FINAL_ONLY nothing (an empty
+        list) until every child has finished, then all of them.
+        """
         if completion.finished():
             self._finished.add(completion.index)
         kind = self.params.output_kind
         if kind == RequestOutputKind.DELTA:
-            outputs = [completion]
-        else:
-            self._latest[completion.index] = completion
-            if kind == RequestOutputKind.FINAL_ONLY and not self.all_finished():
-                return None
-            outputs = [self._latest[i] for i in sorted(self._latest)]
-        out = state.make_request_output(completion, self.all_finished(), detail)
-        out.outputs = outputs
-        return out
+            return [completion], self.all_finished()
+        self._latest[completion.index] = completion
+        if kind == RequestOutputKind.FINAL_ONLY and not self.all_finished():
+            return [], False
+        return [self._latest[i] for i in sorted(self._latest)], self.all_finished()
 
 
 def fan_out(request: EngineCoreRequest) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:

@@ -2,10 +2,10 @@
 
 Every method fans one typed call out to all workers (`collective_rpc`) and
 returns the output rank's answer (TP rank 0 of the last pipeline stage, which
-samples; rank 0 without PP). `Executor.create(engine_config)` picks the
-implementation from `ParallelConfig.executor_backend`: "uni" (one worker in
-this process), "mp" (one process per rank, TP x PP) or "ray" (one Ray actor
-per rank; ray is imported only then).
+samples; rank 0 without PP). `create_executor(engine_config)` (factory.py)
+picks the implementation from `ParallelConfig.executor_backend`: "uni" (one
+worker in this process), "mp" (one process per rank, TP x PP) or "ray" (one
+Ray actor per rank; ray is imported only then).
 
 Pipeline parallelism: `max_concurrent_batches` (= PP size) micro-batches may
 be in flight; `execute_model_async` / `sample_tokens_async` return futures
@@ -58,22 +58,6 @@ class Executor(abc.ABC):
     def max_concurrent_batches(self) -> int:
         """Micro-batches the engine may keep in flight: one per pipeline stage (vLLM)."""
         return self.pp_size
-
-    @staticmethod
-    def create(engine_config: EngineConfig) -> Executor:
-        """The executor `engine_config.parallel_config` asks for, started and with models loaded."""
-        backend = engine_config.parallel_config.executor_backend
-        if backend == "uni":
-            from paged.runner.executor.uniproc import UniProcExecutor
-
-            return UniProcExecutor(engine_config)
-        if backend == "ray":
-            from paged.runner.executor.ray_distributed import RayDistributedExecutor
-
-            return RayDistributedExecutor(engine_config)
-        from paged.runner.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(engine_config)
 
     @abc.abstractmethod
     def collective_rpc(self, call: WorkerCall, timeout: float | None = None) -> list[Any]:

@@ -17,8 +17,8 @@ from paged.kvcache import KVCacheSpec
 
 if TYPE_CHECKING:
     from paged.runner.attention.metadata import ForwardContext
-    from paged.runner.config import ModelConfig
     from paged.runner.layers.linear import CheckpointTensor
+    from paged.runner.model_config import ModelConfig
     from paged.runner.pipeline.tensors import IntermediateTensors
 
 

@@ -11,11 +11,6 @@ process (where the environment is read) to the workers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from paged.runner.config import EngineConfig
-
 # Architectures whose model implements the pipeline-stage forward.
 PIPELINE_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
@@ -74,20 +69,3 @@ def layer_range(
     counts = layer_partition(num_layers, pp_size, override)
     start = sum(counts[:pp_rank])
     return start, start + counts[pp_rank]
-
-
-def check_pipeline_config(config: EngineConfig) -> None:
-    """ValueError naming the setting for what pipeline parallelism cannot run (PP > 1)."""
-    parallel = config.parallel_config
-    model = config.model_config
-    pp = parallel.pipeline_parallel_size
-    if model.architecture not in PIPELINE_ARCHITECTURES:
-        raise ValueError(
-            f"pipeline_parallel_size: {model.architecture} has no pipeline-parallel "
-            f"implementation; supported: {', '.join(sorted(PIPELINE_ARCHITECTURES))}"
-        )
-    layer_partition(model.num_hidden_layers, pp, parallel.pp_layer_partition)
-    if config.speculative_config is not None:
-        raise ValueError("speculative_config: not supported with pipeline_parallel_size > 1")
-    if config.kv_connector_factory is not None:
-        raise ValueError("kv_transfer_config: not supported with pipeline_parallel_size > 1")

@@ -1,5 +1,8 @@
 """Build `SamplingMetadata` for chosen rows of an `InputBatch`.
 
+A function beside the batch, not a method of it: the batch holds state, this
+module reads it (and the batch does not import the sampler).
+
 Dense parameters are gathered with one numpy fancy-index per field; flags
 (`all_greedy`, `top_k` unused, ...) come from vectorised checks over the
 gathered values, so the common decode step does no per-request Python work.
@@ -9,16 +12,14 @@ penalty histories) walk their own small dicts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from paged.runner.input_batch import InputBatch
 from paged.runner.sampler.metadata import SamplingMetadata
-
-if TYPE_CHECKING:
-    from paged.runner.input_batch import InputBatch
 
 _GREEDY_EPS = 1e-5
 

@@ -1,6 +1,6 @@
 """`SamplingMetadata`: the batch's sampling parameters as device tensors.
 
-Built by `InputBatch.make_sampling_metadata(rows)` for the rows that sample
+Built by `build_sampling_metadata(batch, rows)` (build.py) for the rows that sample
 this step (a partial prefill chunk samples nothing, so its row is left out
 and its seeded generator does not advance). Row i of every tensor belongs to
 the i-th sampling request. Fields that no request uses are `None` (or empty)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from paged.runner.spec_decode.policy import RowCostModel
 
 if TYPE_CHECKING:
-    from paged.runner.config import ModelConfig
+    from paged.runner.model_config import ModelConfig
 
 SpecMethod = Literal["ngram", "draft_model"]
 _METHODS: tuple[SpecMethod, ...] = ("ngram", "draft_model")

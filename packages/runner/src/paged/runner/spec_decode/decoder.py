@@ -36,6 +36,7 @@ from paged.runner.attention.backends import AttentionMetadataBuilder
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.input_prep import StepInputs
 from paged.runner.runner_output import packed_mask_bytes, unpack_bitmask
+from paged.runner.sampler.build import build_sampling_metadata
 from paged.runner.sampler.sampler import Sampler, SamplerOutput
 from paged.runner.spec_decode.adaptive import AdaptiveDrafting
 from paged.runner.spec_decode.config import SpeculativeConfig
@@ -143,7 +144,7 @@ class SpecDecoder:
                 for _ in range(k + 1)
             ]
             logits = apply_grammar_rows(logits, position_req_ids, grammar_output)
-        metadata = batch.make_sampling_metadata(rows)
+        metadata = build_sampling_metadata(batch, rows)
         if num_drafts.any():
             draft_ids = [
                 batch.token_ids_cpu[r, n : n + k].tolist()

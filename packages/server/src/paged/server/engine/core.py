@@ -501,9 +501,9 @@ def _carries_nothing(scheduler_output: SchedulerOutput) -> bool:
 def _default_executor_class(engine_config: EngineConfig) -> ExecutorFactory:
     # Imported here: the executors pull in torch models, which the IPC-only
     # users of this module (and its tests) do not need.
-    from paged.runner.executor import Executor
+    from paged.runner.executor.factory import create_executor
 
-    return Executor.create
+    return create_executor
 
 
 def make_engine_core_factory(

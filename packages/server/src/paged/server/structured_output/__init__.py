@@ -4,6 +4,7 @@ grammar.py   StructuredOutputsParams -> llguidance grammar text (GrammarError: t
 compiler.py  GrammarCompiler: compile within llguidance's limits; LRU of compiled grammars
 backend.py   StructuredOutputBackend: the scheduler's StructuredOutputProvider (masks, accept)
 factory.py   StructuredOutputConfig: picklable recipe; builds the backend in the engine process
+defaults.py  cache size and compile timeout defaults (a leaf: compiler and factory both read them)
 validate.py  check_compiles: the frontend's check, a bad constraint is InvalidRequestError
 """
 

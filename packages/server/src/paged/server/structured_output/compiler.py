@@ -27,7 +27,7 @@ from typing import Any
 
 import llguidance
 
-from paged.server.structured_output.factory import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
+from paged.server.structured_output.defaults import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
 from paged.server.structured_output.grammar import GrammarError, GrammarKey, grammar_text
 
 logger = logging.getLogger(__name__)

@@ -10,14 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from paged.server.structured_output.defaults import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
+
 if TYPE_CHECKING:  # imported in build(): the engine core imports this module at start-up
     from paged.server.structured_output.backend import StructuredOutputBackend
     from paged.server.structured_output.compiler import GrammarCompiler
-
-DEFAULT_CACHE_SIZE = 256
-# Wall-clock bound of one grammar compile (vLLM has none; xgrammar and
-# llguidance compile typical schemas in milliseconds). Past it: a 400.
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)

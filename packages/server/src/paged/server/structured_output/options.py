@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from paged.server.structured_output.factory import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
+from paged.server.structured_output.defaults import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
 
 _BACKENDS = ("auto", "guidance")
 _REFUSED = (
