@@ -9,12 +9,16 @@ check, pinned connect, Host header, redirects) runs for real.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -198,3 +202,46 @@ def test_media_connector_applies_its_policy(site: _Site) -> None:
     assert site.seen == []
     # A refusal is a MediaError, hence a ValueError: the API answers 400.
     assert issubclass(MediaUrlRefused, MediaError) and issubclass(MediaError, ValueError)
+
+
+def _self_signed(tmp: Path, name: str) -> tuple[Path, Path]:
+    cert, key = tmp / f"{name}.crt", tmp / f"{name}.key"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+            "-subj", f"/CN={name}", "-addext", f"subjectAltName=DNS:{name}",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI for a cert")
+def test_https_verifies_the_hostname_while_connecting_to_the_checked_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, site: _Site, public_host: list[str]
+) -> None:
+    # A TLS server on 127.0.0.1 with a certificate for public.test, trusted through
+    # SSL_CERT_FILE: the fetch succeeds only if SNI and verification use the name,
+    # not the address connected to.
+    cert, key = _self_signed(tmp_path, "public.test")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(site))
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        assert _fetch(f"https://public.test:{port}/ok", EXPOSED) == BODY
+        assert site.seen[-1] == ("/ok", f"public.test:{port}")
+        # Another trusted certificate, for a different name: refused by verification.
+        other, _ = _self_signed(tmp_path, "other.test")
+        monkeypatch.setenv("SSL_CERT_FILE", str(other))
+        with pytest.raises(MediaError, match="CERTIFICATE_VERIFY_FAILED"):
+            _fetch(f"https://public.test:{port}/ok", EXPOSED)
+    finally:
+        server.shutdown()
+        server.server_close()
