@@ -88,6 +88,8 @@ def test_allowed_media_domains_parsing() -> None:
     )
     assert parse_allowed_media_domains("a.com, b.com") == frozenset({"a.com", "b.com"})
     assert parse_allowed_media_domains(["[::1]", "10.0.0.5"]) == frozenset({"::1", "10.0.0.5"})
+    # International names are compared as DNS sees them (IDNA), whichever form is given.
+    assert parse_allowed_media_domains(["Bücher.example"]) == frozenset({"xn--bcher-kva.example"})
 
 
 @pytest.mark.parametrize(
@@ -115,6 +117,9 @@ def test_check_host_is_an_exact_case_insensitive_match() -> None:
         with pytest.raises(MediaUrlRefused, match=f"Input URL domain: {host}$"):
             policy.check_host(host)
     MediaUrlPolicy().check_host("anything.example")  # no list: any host
+    MediaUrlPolicy(parse_allowed_media_domains(["xn--bcher-kva.example"])).check_host(
+        "bücher.example"
+    )
 
 
 def test_check_address_depends_on_binding_and_listing() -> None:

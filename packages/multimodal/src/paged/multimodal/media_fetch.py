@@ -29,7 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from paged.multimodal.media_errors import MediaError
-from paged.multimodal.media_url_policy import IPAddress, MediaUrlPolicy, MediaUrlRefused
+from paged.multimodal.media_url_policy import (
+    IPAddress,
+    MediaUrlPolicy,
+    MediaUrlRefused,
+    normalize_host,
+)
 
 _READ_CHUNK = 64 * 1024
 _REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
@@ -49,9 +54,11 @@ def _parse_target(url: str) -> _Target:
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS:
         raise MediaError(f"media URL {url} must be http(s), not {scheme or 'schemeless'!r}")
-    host = parts.hostname
+    host = normalize_host(parts.hostname or "")
     if not host:
         raise MediaError(f"media URL {url} has no host")
+    if not host.isascii():
+        raise MediaError(f"media URL {url} has an invalid international hostname")
     try:
         port = parts.port or _DEFAULT_PORTS[scheme]
     except ValueError as e:

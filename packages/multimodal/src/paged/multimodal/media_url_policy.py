@@ -20,6 +20,7 @@ name that resolves differently on a second lookup (DNS rebinding) gains nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 from collections.abc import Iterable
@@ -128,8 +129,14 @@ def is_loopback_host(host: str | None) -> bool:
 
 
 def normalize_host(host: str) -> str:
-    """The form hostnames are compared in: lowercase, no trailing dot, IPv6 without brackets."""
-    return host.strip().strip("[]").rstrip(".").lower()
+    """The form hostnames are compared and connected in: lowercase ASCII (IDNA for
+    international names, as DNS sees them), no trailing dot, IPv6 without brackets."""
+    name = host.strip().strip("[]").rstrip(".").lower()
+    if not name.isascii():
+        # An invalid international name stays as given: it never matches nor resolves.
+        with contextlib.suppress(UnicodeError):
+            name = name.encode("idna").decode("ascii")
+    return name
 
 
 def parse_allowed_media_domains(domains: Iterable[str] | str | None) -> frozenset[str] | None:
