@@ -10,6 +10,11 @@ from paged.multimodal.encoder_cache import (
 from paged.multimodal.hasher import MultiModalHasher
 from paged.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange, TensorData
 from paged.multimodal.media import MediaConnector, MediaError, MediaLimits, decode_image
+from paged.multimodal.media_url_policy import (
+    MediaUrlPolicy,
+    MediaUrlRefused,
+    parse_allowed_media_domains,
+)
 from paged.multimodal.processing import (
     Gemma3MultiModalProcessor,
     ProcessedPrompt,
@@ -36,6 +41,8 @@ __all__ = [
     "MediaConnector",
     "MediaError",
     "MediaLimits",
+    "MediaUrlPolicy",
+    "MediaUrlRefused",
     "MultiModalFeatureSpec",
     "MultiModalHasher",
     "PlaceholderRange",
@@ -52,5 +59,6 @@ __all__ = [
     "make_receiver_cache",
     "make_sender_cache",
     "num_encoder_embeds",
+    "parse_allowed_media_domains",
     "to_tensor_data",
 ]

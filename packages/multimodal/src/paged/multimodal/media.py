@@ -4,7 +4,10 @@ Three sources, as vLLM's `MediaConnector`:
 
     data:<type>;base64,<payload>   decoded in memory; <type> must be an image type
     file:///abs/path               only under `allowed_local_media_path` (off by default)
-    http(s)://...                  fetched with a byte limit and a wall-clock deadline
+    http(s)://...                  fetched with a byte limit and a wall-clock deadline,
+                                   under a `MediaUrlPolicy` (media_url_policy.py: vLLM's
+                                   --allowed-media-domains, and private addresses refused
+                                   by servers listening beyond loopback)
 
 Every image is decoded by PIL under two limits checked *before* the pixels are
 loaded: the encoded size (`max_image_bytes`) and the pixel count
@@ -18,8 +21,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import time
-import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
@@ -28,17 +29,18 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from paged.multimodal.media_errors import MediaError
+from paged.multimodal.media_fetch import fetch_media_bytes
+from paged.multimodal.media_url_policy import MediaUrlPolicy
+
 # vLLM's VLLM_IMAGE_FETCH_TIMEOUT default (seconds).
 DEFAULT_FETCH_TIMEOUT_S = 5.0
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 # PIL's own bomb threshold is ~89M pixels; 64M already exceeds any real photo
 # a vision tower resizes to 896x896, and bounds decode memory at ~256 MB (RGBA).
 DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024
-_READ_CHUNK = 64 * 1024
 
-
-class MediaError(ValueError):
-    """An image could not be loaded; the message says why (the API answers 400)."""
+__all__ = ["MediaConnector", "MediaError", "MediaLimits", "MediaUrlPolicy", "decode_image"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +103,9 @@ class MediaConnector:
 
     `allowed_local_media_path` is vLLM's `--allowed-local-media-path`: None
     refuses every `file://` URL; otherwise the resolved path (symlinks
-    followed) must lie inside that directory. `allowed_schemes` lets a server
-    turn http(s) fetching off. Blocking: call it off the event loop.
+    followed) must lie inside that directory. `allow_http` lets a server turn
+    http(s) fetching off; `url_policy` says which http(s) hosts and addresses
+    may be fetched (default: any, as vLLM). Blocking: call it off the event loop.
     """
 
     def __init__(
@@ -111,9 +114,11 @@ class MediaConnector:
         *,
         allowed_local_media_path: str | Path | None = None,
         allow_http: bool = True,
+        url_policy: MediaUrlPolicy | None = None,
     ) -> None:
         self.limits = limits or MediaLimits()
         self.allow_http = allow_http
+        self.url_policy = url_policy or MediaUrlPolicy()
         self.allowed_local_media_path: Path | None = None
         if allowed_local_media_path is not None and str(allowed_local_media_path) != "":
             root = Path(allowed_local_media_path).resolve()
@@ -188,53 +193,10 @@ class MediaConnector:
             raise MediaError(f"cannot read image file {str(path)!r}: {e.strerror}") from e
 
     def _fetch_http(self, url: str) -> bytes:
-        limits = self.limits
-        deadline = time.monotonic() + limits.fetch_timeout_s
-        request = urllib.request.Request(url, headers={"User-Agent": "paged"})
-        try:
-            with urllib.request.urlopen(request, timeout=limits.fetch_timeout_s) as response:
-                _check_image_media_type(response.headers.get("Content-Type", ""), url)
-                declared = response.headers.get("Content-Length")
-                if (
-                    declared is not None
-                    and declared.isdigit()
-                    and (int(declared) > limits.max_image_bytes)
-                ):
-                    raise MediaError(
-                        f"image at {url} is {declared} bytes, more than the limit of "
-                        f"{limits.max_image_bytes} bytes"
-                    )
-                chunks: list[bytes] = []
-                total = 0
-                while True:
-                    # The socket timeout bounds each read; the deadline bounds
-                    # the sum (a server trickling bytes must not hold us forever).
-                    if time.monotonic() > deadline:
-                        raise MediaError(
-                            f"timed out fetching {url} after {limits.fetch_timeout_s:g} s"
-                        )
-                    chunk = response.read1(_READ_CHUNK)  # what has arrived, not a full chunk
-                    if not chunk:
-                        break
-                    total += len(chunk)
-                    if total > limits.max_image_bytes:
-                        raise MediaError(
-                            f"image at {url} is more than the limit of "
-                            f"{limits.max_image_bytes} bytes"
-                        )
-                    chunks.append(chunk)
-                return b"".join(chunks)
-        except MediaError:
-            raise
-        except TimeoutError as e:
-            raise MediaError(f"timed out fetching {url} after {limits.fetch_timeout_s:g} s") from e
-        except urllib.error.HTTPError as e:
-            raise MediaError(f"fetching {url} failed: HTTP {e.code} {e.reason}") from e
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, TimeoutError):
-                raise MediaError(
-                    f"timed out fetching {url} after {limits.fetch_timeout_s:g} s"
-                ) from e
-            raise MediaError(f"fetching {url} failed: {e.reason}") from e
-        except OSError as e:
-            raise MediaError(f"fetching {url} failed: {e}") from e
+        return fetch_media_bytes(
+            url,
+            self.url_policy,
+            max_bytes=self.limits.max_image_bytes,
+            timeout_s=self.limits.fetch_timeout_s,
+            check_content_type=_check_image_media_type,
+        )

@@ -312,6 +312,15 @@ def _add_multimodal_args(parser: argparse.ArgumentParser) -> None:
         help="let file:// image URLs read files under DIR (refused otherwise)",
     )
     mm.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="fetch http(s) media only from these hostnames (exact match, checked on every "
+        "redirect too); with a non-loopback --host, also the only hosts that may resolve "
+        "to loopback/private/link-local/metadata addresses (refused otherwise)",
+    )
+    mm.add_argument(
         "--mm-processor-cache-type",
         default="lru",
         choices=["lru", "shm", "processor_only", "none"],
@@ -372,6 +381,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         block_hash_seed=ns.block_hash_seed,
         limit_mm_per_prompt=ns.limit_mm_per_prompt,
         allowed_local_media_path=ns.allowed_local_media_path,
+        allowed_media_domains=ns.allowed_media_domains,
         mm_processor_cache_type=ns.mm_processor_cache_type,
         mm_processor_cache_gb=ns.mm_processor_cache_gb,
         disable_chunked_mm_input=ns.disable_chunked_mm_input,

@@ -7,6 +7,7 @@ the runner) happen only when a config is built.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,8 @@ from paged.server.tokenizer import DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
     from paged.connectors.events import KVEventsConfig
+    from paged.multimodal.media import MediaLimits
+    from paged.multimodal.media_url_policy import MediaUrlPolicy
     from paged.runner.config import (
         EngineConfig,
         ExecutorBackend,
@@ -90,6 +93,10 @@ class EngineArgs:
     limit_mm_per_prompt: str | dict[str, int] | None = None
     # Directory file:// image URLs may read from; None refuses file:// URLs.
     allowed_local_media_path: str | None = None
+    # vLLM's --allowed-media-domains: the only hostnames http(s) media is fetched
+    # from (exact match); None: any. A server listening beyond loopback also refuses
+    # internal addresses unless their hostname is listed (see mm_frontend.media_url_policy).
+    allowed_media_domains: list[str] | None = None
     # vLLM's --mm-processor-cache-type (lru, shm; here also processor_only, none) and
     # --mm-processor-cache-gb (GiB; 0 disables it).
     mm_processor_cache_type: str = "lru"
@@ -110,6 +117,21 @@ class EngineArgs:
             disable_chunked_mm_input=self.disable_chunked_mm_input,
         )
 
+    def media_url_policy(self, bind_host: str | None = None) -> MediaUrlPolicy:
+        """The http(s) media policy for a server on `bind_host` (None: in-process `LLM`).
+
+        Reads vLLM's VLLM_MEDIA_URL_ALLOW_REDIRECTS; ValueError naming a bad domain or value.
+        """
+        from paged.server.mm_frontend import media_url_policy
+
+        return media_url_policy(self.allowed_media_domains, bind_host, os.environ)
+
+    def media_limits(self) -> MediaLimits:
+        """Fetch and decode limits, with vLLM's VLLM_IMAGE_FETCH_TIMEOUT applied."""
+        from paged.server.mm_frontend import media_limits_from_env
+
+        return media_limits_from_env(os.environ)
+
     def engine_core_options(self) -> dict[str, Any]:
         """The `EngineCore` keyword arguments these options select (see engine/options.py)."""
         from paged.server.engine.options import engine_core_options
@@ -124,6 +146,8 @@ class EngineArgs:
         from paged.server.mm_frontend import parse_limit_mm_per_prompt
 
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # a bad value fails before loading
+        self.media_url_policy()  # a bad domain or env value too
+        self.media_limits()
         return options
 
     # vLLM's --kv-transfer-config: JSON text (or a dict from LLM(...)); None: no connector.
@@ -266,8 +290,14 @@ def _check_ec_model(model_config: ModelConfig) -> None:
         )
 
 
-def build_frontend_for(args: EngineArgs, config: EngineConfig) -> MultiModalFrontend | None:
-    """The multimodal frontend for a model with a vision tower; None for a text-only one."""
+def build_frontend_for(
+    args: EngineArgs, config: EngineConfig, *, bind_host: str | None = None
+) -> MultiModalFrontend | None:
+    """The multimodal frontend for a model with a vision tower; None for a text-only one.
+
+    `bind_host` is the API server's listening address (None: the in-process `LLM`);
+    it decides whether media URLs to internal addresses are refused.
+    """
     from paged.server.mm_frontend import build_mm_frontend, mm_tokens_per_item
 
     mc = config.model_config
@@ -279,6 +309,8 @@ def build_frontend_for(args: EngineArgs, config: EngineConfig) -> MultiModalFron
         cache_config=args.mm_engine_options().processor_cache,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         allowed_local_media_path=args.allowed_local_media_path,
+        media_limits=args.media_limits(),
+        media_url_policy=args.media_url_policy(bind_host),
     )
 
 

@@ -1,6 +1,6 @@
 """The frontend's multimodal step: image parts -> images -> processed prompt (seed: InputProcessor).
 
-    chat image_url parts --MediaConnector (limits)--> PIL images
+    chat image_url parts --MediaConnector (limits, MediaUrlPolicy)--> PIL images
     prompt + images --Gemma3MultiModalProcessor (hash, P0 cache, HF image processor)-->
         token ids with placeholders + MultiModalFeatureSpec per image
     right before the request is sent: SenderCache.commit (what travels over ZMQ)
@@ -23,6 +23,7 @@ from PIL import Image
 
 from paged.multimodal.inputs import MultiModalFeatureSpec
 from paged.multimodal.media import MediaConnector, MediaLimits
+from paged.multimodal.media_url_policy import MediaUrlPolicy, parse_allowed_media_domains
 from paged.multimodal.processing import Gemma3MultiModalProcessor, ProcessedPrompt
 from paged.multimodal.processor_cache import ProcessorCacheConfig, SenderCache
 from paged.server.errors import InvalidRequestError
@@ -60,6 +61,44 @@ def parse_limit_mm_per_prompt(value: str | Mapping[str, int] | None) -> dict[str
             )
         limits[str(modality)] = count
     return limits
+
+
+def media_limits_from_env(environ: Mapping[str, str]) -> MediaLimits:
+    """`MediaLimits` with vLLM's VLLM_IMAGE_FETCH_TIMEOUT (seconds, default 5) applied."""
+    raw = environ.get("VLLM_IMAGE_FETCH_TIMEOUT")
+    if raw is None or raw.strip() == "":
+        return MediaLimits()
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:  # also refuses nan
+        raise ValueError(f"VLLM_IMAGE_FETCH_TIMEOUT must be a number of seconds > 0, got {raw!r}")
+    return MediaLimits(fetch_timeout_s=seconds)
+
+
+def media_url_policy(
+    allowed_media_domains: Sequence[str] | str | None,
+    bind_host: str | None,
+    environ: Mapping[str, str],
+) -> MediaUrlPolicy:
+    """The http(s) media policy of a server listening on `bind_host` (None: in-process).
+
+    `bind_host` None is the offline `LLM` (no listener): vLLM's behaviour, no
+    address filtering. VLLM_MEDIA_URL_ALLOW_REDIRECTS is vLLM's (0 or 1, default 1).
+    """
+    raw = environ.get("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1").strip() or "1"
+    try:
+        allow_redirects = bool(int(raw))
+    except ValueError:
+        raise ValueError(f"VLLM_MEDIA_URL_ALLOW_REDIRECTS must be 0 or 1, got {raw!r}") from None
+    if bind_host is None:
+        return MediaUrlPolicy(
+            parse_allowed_media_domains(allowed_media_domains), allow_redirects=allow_redirects
+        )
+    return MediaUrlPolicy.for_bind_host(
+        bind_host, allowed_media_domains, allow_redirects=allow_redirects
+    )
 
 
 def mm_tokens_per_item(hf_config: Any) -> int:
@@ -172,6 +211,7 @@ def build_mm_frontend(
     limit_mm_per_prompt: str | Mapping[str, int] | None = None,
     allowed_local_media_path: str | None = None,
     media_limits: MediaLimits | None = None,
+    media_url_policy: MediaUrlPolicy | None = None,
 ) -> MultiModalFrontend:
     """Load the model's HF processor (Gemma3Processor) and wire the P0 pieces."""
     from transformers import AutoProcessor
@@ -187,6 +227,10 @@ def build_mm_frontend(
     processor = Gemma3MultiModalProcessor(hf_processor, model_id, cache_config.make_sender())
     return MultiModalFrontend(
         processor=processor,
-        media=MediaConnector(media_limits, allowed_local_media_path=allowed_local_media_path),
+        media=MediaConnector(
+            media_limits,
+            allowed_local_media_path=allowed_local_media_path,
+            url_policy=media_url_policy,
+        ),
         limits=parse_limit_mm_per_prompt(limit_mm_per_prompt),
     )

@@ -49,6 +49,7 @@ def run_server(
 
     naming = metrics_naming(metrics_prefix)  # a bad prefix fails before the model loads
     core_options = args.engine_core_options()  # bad options fail before the model loads
+    args.media_url_policy(host)  # bad --allowed-media-domains fail before the model loads
     args.structured_output_options()  # a bad config fails before the model loads
     config = args.create_engine_config()
     mc = config.model_config
@@ -64,7 +65,7 @@ def run_server(
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
     logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
     # Images: a vision model's processor, loaded before the engine starts (fails fast).
-    mm_frontend = build_frontend_for(args, config)
+    mm_frontend = build_frontend_for(args, config, bind_host=host)
     so_config, compiler = _structured_outputs(args, config, tokenizer)
     dp = data_parallel if data_parallel is not None else DataParallelOptions()
     client = build_engine_client(
