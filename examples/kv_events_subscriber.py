@@ -5,9 +5,9 @@
     python examples/kv_events_subscriber.py --topic kv-events \\
         --endpoint tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558
 
-`--wire-format` must match the publisher's: "map" (the default; paged's
-default and current vLLM's), or "array" for a publisher configured with
-`"wire_format": "array"` (or a vLLM 0.2x engine).
+`--wire-format` must match the publisher's: "vllm" (the default; paged's
+default and vLLM 0.33.0's), or "map" / "array" for a publisher configured
+with that `"wire_format"` ("array" also for a vLLM 0.2x engine).
 
 It first asks the replay endpoint for everything it still holds (so it can
 join late), then follows the live stream, filling gaps by replay. One line
@@ -40,9 +40,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--wire-format",
         choices=WIRE_FORMATS,
-        default="map",
-        help="the publisher's batch layout: map (current vLLM, paged's default) "
-        "or array (vLLM 0.2x)",
+        default="vllm",
+        help="the publisher's batch layout: vllm (vLLM 0.33.0, paged's default), "
+        "map (paged's earlier default) or array (vLLM 0.2x)",
     )
     p.add_argument("--until-seq", type=int, default=None, help="stop once batch N-1 is in")
     p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")

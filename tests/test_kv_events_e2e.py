@@ -1,7 +1,10 @@
 """KV cache events end to end: the real engine on a tiny random Llama publishes,
 and `examples/kv_events_subscriber.py`, started after the workload, rebuilds
-the pool's cached blocks from replayed events alone. The example also follows
-a publisher in the legacy "array" layout when told so, and says when not.
+the pool's cached blocks from replayed events alone. Every payload the engine
+published is also decoded by a decoder declared from vLLM 0.33.0's own class
+definitions (below), read through a raw zmq DEALER as vLLM's clients do. The
+example also follows a publisher in the legacy "array" layout when told so,
+and says when not.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
+import zmq
 
 from paged.connectors.events import (
     CachedBlockIndex,
@@ -34,6 +39,80 @@ from paged.server.engine.core import EngineCore
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kv_events_subscriber.py"
 VOCAB = 96
+
+
+# ---- vLLM 0.33.0's definitions, written from vllm-0.33.0/vllm/distributed/kv_events.py
+# (not imported from paged; the same mirror as packages/connectors/tests/test_events_vllm033.py,
+# kept here because each test tree runs on its own).
+class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # :31-39
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class VllmKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # :42-48
+    pass
+
+
+class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):  # :56-98
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):  # :123-130
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):  # :144-145
+    pass
+
+
+class VllmKVEventBatch(VllmEventBatch):  # :148-149
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+
+
+def _replay_as_vllm_client(endpoint: str, topic: str) -> list[tuple[int, VllmKVEventBatch]]:
+    """Every batch the replay ring holds, through a raw DEALER, decoded by vLLM's structs.
+
+    vLLM 0.33.0's reply (kv_events.py:521-539), as a DEALER reads it: (b"", topic,
+    seq, payload) per batch, then (b"", b"", -1 as 8 signed big-endian bytes, b"").
+    """
+    decoder = msgspec.msgpack.Decoder(type=VllmKVEventBatch)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        out: list[tuple[int, VllmKVEventBatch]] = []
+        while dealer.poll(10_000):
+            frames = dealer.recv_multipart()
+            if frames == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]:
+                return out
+            empty, got_topic, seq, payload = frames
+            assert (empty, got_topic, len(seq)) == (b"", topic.encode(), 8)
+            out.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
+        raise AssertionError("no end-of-replay marker")
+    finally:
+        dealer.close()
+        ctx.term()
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +198,28 @@ def test_example_subscriber_joins_late_and_matches_the_pool(
         assert removed > 0  # the workload evicted cached blocks
         assert Counter({(m, g, h): n for (m, g, h), n in index.blocks.items()}) == expected
 
+        # vLLM 0.33.0's decoder reads every payload the engine published, and the
+        # blocks it describes are the pool's.
+        assert cfg.replay_endpoint is not None
+        vllm_batches = _replay_as_vllm_client(cfg.replay_endpoint, cfg.topic)
+        assert [seq for seq, _ in vllm_batches] == list(range(publisher.next_seq))
+        vllm_blocks: Counter[tuple[str, int | None, int | bytes]] = Counter()
+        for _, vllm_batch in vllm_batches:
+            assert vllm_batch.data_parallel_rank == 0
+            for e in vllm_batch.events:
+                if isinstance(e, VllmBlockStored):
+                    # The model's one full-attention group, as vLLM 0.33.0 labels it.
+                    assert (e.medium, e.group_idx, e.block_size) == ("GPU", 0, 4)
+                    assert e.kv_cache_spec_kind == "full_attention"
+                    assert e.kv_cache_spec_sliding_window is None
+                    assert len(e.token_ids) == 4 * len(e.block_hashes)
+                    assert e.lora_id is None and e.lora_name is None
+                    vllm_blocks.update(("GPU", e.group_idx, h) for h in e.block_hashes)
+                elif isinstance(e, VllmBlockRemoved):
+                    assert (e.medium, e.group_idx) == ("GPU", 0)
+                    vllm_blocks.subtract(("GPU", e.group_idx, h) for h in e.block_hashes)
+        assert +vllm_blocks == expected
+
         # The shipped example, started only now: everything comes by replay.
         out = subprocess.run(
             [sys.executable, str(EXAMPLE), "--endpoint", cfg.endpoint, "--replay-endpoint",
@@ -165,8 +266,8 @@ def test_example_subscriber_follows_the_array_layout_when_told(tmp_path: Path) -
         assert summary["next_seq"] == 2 and summary["lost"] == 0
         assert summary["blocks"] == [["GPU", 0, 1, 1], ["GPU", 0, 3, 1]]
 
-        wrong = _run_example(cfg, "--until-seq", "2")  # --wire-format map, the default
+        wrong = _run_example(cfg, "--until-seq", "2")  # --wire-format vllm, the default
         assert wrong.returncode == 1
-        assert "not a batch in the 'map' wire layout" in wrong.stderr
+        assert "not a batch in the 'vllm' wire layout" in wrong.stderr
     finally:
         publisher.shutdown()

@@ -17,7 +17,7 @@ def test_defaults_are_vllms() -> None:
         "hwm": 100_000,
         "max_queue_size": 100_000,
         "topic": "",
-        "wire_format": "map",  # paged's own field: current vLLM's layout
+        "wire_format": "vllm",  # paged's own field: vLLM 0.33.0's layout
     }
     assert not c.publishes
 
@@ -70,5 +70,7 @@ def test_bad_config_names_the_problem(text: str, needle: str) -> None:
 
 def test_wire_format_is_checked_when_built_in_code() -> None:
     """msgspec validates only what it decodes; the struct checks the rest itself."""
-    with pytest.raises(KVEventsConfigError, match="wire_format must be one of 'map', 'array'"):
+    with pytest.raises(
+        KVEventsConfigError, match="wire_format must be one of 'vllm', 'map', 'array'"
+    ):
         KVEventsConfig(wire_format="xml")  # type: ignore[arg-type]

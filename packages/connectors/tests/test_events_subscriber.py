@@ -65,7 +65,7 @@ def publisher(
         endpoint=f"ipc://{tmp_path}/pub",
         replay_endpoint=f"ipc://{tmp_path}/replay",
         buffer_steps=50,
-        wire_format=getattr(request, "param", "map"),
+        wire_format=getattr(request, "param", "vllm"),
     )
     pub = ZmqEventPublisher(cfg)
     yield pub, cfg
@@ -112,7 +112,7 @@ def test_late_joiner_gets_everything_in_order_through_replay(
     assert index.hashes() == Counter({(0, external): 1 for external in range(len(seqs))})
 
 
-@pytest.mark.parametrize("publisher", ["map", "array"], indirect=True)
+@pytest.mark.parametrize("publisher", ["vllm", "map", "array"], indirect=True)
 def test_catch_up_then_live_without_duplicates(
     publisher: tuple[ZmqEventPublisher, KVEventsConfig],
 ) -> None:
@@ -130,15 +130,15 @@ def test_catch_up_then_live_without_duplicates(
         assert got == list(range(len(got))) and len(got) >= 6
 
 
-@pytest.mark.parametrize("publisher", ["array"], indirect=True)
+@pytest.mark.parametrize("publisher", ["map", "array"], indirect=True)
 def test_subscriber_of_the_other_layout_says_so(
     publisher: tuple[ZmqEventPublisher, KVEventsConfig],
 ) -> None:
     pub, cfg = publisher
     pub.publish(_batch(0))
     _wait_replayable(pub, cfg, 1)
-    with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint) as sub:  # "map"
-        with pytest.raises(KVEventDecodeError, match="batch 0 is not a batch in the 'map'"):
+    with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint) as sub:  # "vllm"
+        with pytest.raises(KVEventDecodeError, match="batch 0 is not a batch in the 'vllm'"):
             sub.catch_up()
         assert sub.next_seq == 0  # the batch was not handed out
 

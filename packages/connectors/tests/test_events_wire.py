@@ -1,11 +1,12 @@
-"""Both wire layouts, checked against decoders declared from vLLM's struct definitions.
+"""The older wire layouts ("map", "array"), checked against independent decoders.
 
-The `Vllm*` structs below are written from current vLLM's published
-definitions (`vllm/distributed/kv_events.py`: field order, struct options, no
-`array_like`), not imported from paged, so a change of field order, default
-or options in paged fails here. The `Array*V` and `Old*` ones are vLLM 0.2x's
-`array_like=True` structs and vLLM's old example subscriber, for the legacy
-"array" layout.
+The default layout ("vllm") is checked against vLLM 0.33.0's own class
+definitions in test_events_vllm033.py. The `Vllm*` structs below decode the
+"map" layout, paged's earlier default: vLLM 0.33.0's event structs
+(`vllm/distributed/kv_events.py:42-149`) under a batch that is a map, not
+imported from paged, so a change of field order, default or options in paged
+fails here. The `Array*V` and `Old*` ones are vLLM 0.2x's `array_like=True`
+structs and vLLM's old example subscriber, for the legacy "array" layout.
 """
 
 from typing import Any
@@ -25,7 +26,7 @@ from paged.connectors.events.wire import (
 from paged.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
-# ---- current vLLM (maps) -------------------------------------------------------
+# ---- the "map" layout: vLLM 0.33.0's events, the batch a map ------------------------
 class VllmEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
@@ -48,12 +49,18 @@ class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):
@@ -181,7 +188,7 @@ def _array_payload(**kw: Any) -> bytes:
 
 
 def test_raw_map_layout_is_keyed_and_tagged_by_type() -> None:
-    """The default layout, pinned key for key and in order (msgpack maps keep order)."""
+    """The "map" layout, pinned key for key and in order (msgpack maps keep order)."""
     raw = msgspec.msgpack.decode(_map_payload(ts=1.5))
     i = external_block_hash
     assert list(raw) == ["ts", "events", "data_parallel_rank"]
@@ -206,7 +213,7 @@ def test_raw_map_layout_is_keyed_and_tagged_by_type() -> None:
         ("group_idx", 1),
     ]
     assert cleared == {"type": "AllBlocksCleared"}
-    assert make_codec().wire_format == "map"  # the default
+    assert make_codec().wire_format == "vllm"  # the default: vLLM 0.33.0's
 
 
 def test_raw_map_layout_keeps_required_nulls_and_drops_unset_defaults() -> None:
@@ -257,7 +264,7 @@ def test_raw_array_layout_is_positional_and_tagged() -> None:
     ]
 
 
-def test_vllm_decoder_reads_every_field_of_the_default_stream() -> None:
+def test_map_decoder_reads_every_field_of_the_map_stream() -> None:
     batch = msgspec.msgpack.Decoder(type=VllmKVEventBatch).decode(
         _map_payload(ts=2.0, data_parallel_rank=3)
     )
@@ -275,7 +282,7 @@ def test_vllm_decoder_reads_every_field_of_the_default_stream() -> None:
     )
     assert stored.extra_keys == [("adapter",), ("adapter", ["img", 2])]
     assert stored.group_idx == 1
-    # paged.kvcache events do not say which spec a group has: never sent.
+    # These events carry no spec (KVCacheManager.take_events adds it).
     assert stored.kv_cache_spec_kind is None and stored.kv_cache_spec_sliding_window is None
     assert isinstance(removed, VllmBlockRemoved)
     assert (removed.block_hashes, removed.medium, removed.group_idx) == (
@@ -286,7 +293,7 @@ def test_vllm_decoder_reads_every_field_of_the_default_stream() -> None:
     assert isinstance(cleared, VllmAllBlocksCleared)
 
 
-def test_vllm_decoder_reads_a_store_without_lora_or_group() -> None:
+def test_map_decoder_reads_a_store_without_lora_or_group() -> None:
     payload = MapCodec().encode(make_batch([_plain_store()], ts=0.0))
     (stored,) = msgspec.msgpack.Decoder(type=VllmKVEventBatch).decode(payload).events
     assert isinstance(stored, VllmBlockStored)
@@ -294,7 +301,7 @@ def test_vllm_decoder_reads_a_store_without_lora_or_group() -> None:
 
 
 @pytest.mark.parametrize("use_int_hashes", [True, False])
-def test_default_stream_is_the_bytes_vllms_encoder_writes(use_int_hashes: bool) -> None:
+def test_map_stream_is_the_bytes_its_decoders_encoder_writes(use_int_hashes: bool) -> None:
     """Re-encoding with vLLM's structs gives the same bytes: same keys, order, omissions."""
     for events in (_events(), [_plain_store()]):
         payload = MapCodec().encode(make_batch(events, ts=2.5, use_int_hashes=use_int_hashes))
@@ -302,8 +309,8 @@ def test_default_stream_is_the_bytes_vllms_encoder_writes(use_int_hashes: bool) 
         assert msgspec.msgpack.encode(vllm_batch) == payload
 
 
-def test_paged_decoder_reads_vllms_spec_metadata() -> None:
-    """A vLLM publisher's stores carry the group's spec; paged's subscriber keeps it."""
+def test_paged_map_decoder_reads_spec_metadata() -> None:
+    """Stores carry the group's spec; paged's "map" subscriber keeps it."""
     vllm_batch = VllmKVEventBatch(
         ts=1.0,
         events=[
@@ -363,7 +370,7 @@ def test_layouts_do_not_read_each_other() -> None:
         msgspec.msgpack.Decoder(type=ArrayKVEventBatchV).decode(_map_payload(ts=0.0))
 
 
-@pytest.mark.parametrize("wire_format", ["map", "array"])
+@pytest.mark.parametrize("wire_format", ["vllm", "map", "array"])
 def test_codecs_round_trip_bytes_hashes(wire_format: Any) -> None:
     codec = make_codec(wire_format)
     assert codec.wire_format == wire_format
@@ -378,7 +385,9 @@ def test_codecs_round_trip_bytes_hashes(wire_format: Any) -> None:
 
 
 def test_unknown_wire_format_names_the_field() -> None:
-    with pytest.raises(ValueError, match="wire_format must be one of 'map', 'array', got 'xml'"):
+    with pytest.raises(
+        ValueError, match="wire_format must be one of 'vllm', 'map', 'array', got 'xml'"
+    ):
         make_codec("xml")  # type: ignore[arg-type]
 
 

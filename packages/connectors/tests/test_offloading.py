@@ -389,7 +389,7 @@ def test_tiers_publish_the_device_pools_hashes_and_their_evictions(tmp_path: Pat
     events = engine.sched.take_kv_cache_events()
     gpu = [h for e in _stored(events, "GPU") for h in e.block_hashes]
     assert len(gpu) == 6  # the pool's hashes of the prompt's full blocks, in order
-    for medium in ("CPU", "DISK"):  # write-through: every chunk to both tiers, in order
+    for medium in ("CPU", "STORAGE"):  # write-through: every chunk to both tiers, in order
         stored = _stored(events, medium)
         assert [e.block_hashes for e in stored] == [gpu[0:2], gpu[2:4], gpu[4:6]]
         assert [e.parent_block_hash for e in stored] == [None, gpu[1], gpu[3]]
@@ -398,7 +398,7 @@ def test_tiers_publish_the_device_pools_hashes_and_their_evictions(tmp_path: Pat
         assert stored[0].extra_keys == [None, None]
     # Host memory holds two chunks: the third one evicted chunk 0 there, not on disk.
     assert _removed(events, "CPU") == [gpu[0:2]]
-    assert _removed(events, "DISK") == []
+    assert _removed(events, "STORAGE") == []
     side = engine.sched_side.scheduler_side
     keys = _keys(PROMPT)
     assert side.tier_block_hashes(Tier.HOST) == {keys[1]: gpu[2:4], keys[2]: gpu[4:6]}
@@ -419,15 +419,15 @@ def test_a_restart_announces_the_disk_and_a_load_error_removes_the_chunk(
     # Known only by their keys (the last block's hash); scan order is write order.
     keys = [bytes.fromhex(k) for k in _keys(PROMPT)]
     startup = second.sched.take_kv_cache_events()
-    assert sorted(e.block_hashes for e in _stored(startup, "DISK")) == sorted([k] for k in keys)
-    assert {(e.block_size, len(e.token_ids)) for e in _stored(startup, "DISK")} == {(CHUNK, 0)}
+    assert sorted(e.block_hashes for e in _stored(startup, "STORAGE")) == sorted([k] for k in keys)
+    assert {(e.block_size, len(e.token_ids)) for e in _stored(startup, "STORAGE")} == {(CHUNK, 0)}
     second.sched.add_request(make_request("b", PROMPT, max_tokens=2))
     so = second.sched.schedule()
     second.update(so, second.sim.execute(so))  # chunk 1 fails its load
-    assert _removed(second.sched.take_kv_cache_events(), "DISK") == [[keys[1]]]
+    assert _removed(second.sched.take_kv_cache_events(), "STORAGE") == [[keys[1]]]
     so = second.sched.schedule()  # recomputed and saved again, now with every hash
     second.update(so, second.sim.execute(so))
-    again = _stored(second.sched.take_kv_cache_events(), "DISK")
+    again = _stored(second.sched.take_kv_cache_events(), "STORAGE")
     assert [e.block_hashes[-1] for e in again] == [keys[1]] and len(again[0].block_hashes) == 2
     side = second.sched_side.scheduler_side
     assert len(side.tier_block_hashes(Tier.DISK)) == 3

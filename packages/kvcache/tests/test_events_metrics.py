@@ -8,9 +8,19 @@ from collections.abc import Callable
 from paged.kvcache import (
     BlockRemoved,
     BlockStored,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
     KVCacheManager,
     KVCacheMetricsCollector,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
     SimpleRequest,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    kv_cache_spec_kind,
+    kv_cache_spec_sliding_window,
 )
 
 MakeManager = Callable[..., KVCacheManager]
@@ -86,3 +96,47 @@ def test_metrics_sampling_rate() -> None:
         assert "sample_rate" in str(e)
     else:
         raise AssertionError("sample_rate=2.0 was accepted")
+
+
+def test_stores_carry_their_groups_spec_kind_and_window(
+    make_manager: MakeManager, make_request: MakeRequest
+) -> None:
+    """vLLM 0.33.0 stamps each BlockStored with its group's spec (kv_cache_manager.py:705-730)."""
+    attn = {"num_kv_heads": 1, "head_size": 8, "dtype": "float32"}
+    full = FullAttentionSpec(block_size=4, **attn)  # type: ignore[arg-type]
+    window = SlidingWindowSpec(block_size=4, sliding_window=9, **attn)  # type: ignore[arg-type]
+    kvm = make_manager(11, full, window, enable_kv_cache_events=True)
+    assert kvm.allocate_slots(make_request("0", range(9)), 9) is not None
+    stores = [e for e in kvm.take_events() if isinstance(e, BlockStored)]
+    assert [
+        (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stores
+    ] == [
+        (0, "full_attention", None),
+        (1, "sliding_window", 9),
+    ]
+    # Fields paged has no source for stay unset.
+    assert {(e.locality, e.ownership, e.session_id, e.lookahead_token_ids) for e in stores} == {
+        (None, None, None, None)
+    }
+
+
+def test_spec_kinds_are_vllms_names() -> None:
+    """kv_cache_interface.py:183-193 and 1421-1470: subclasses keep their own kind."""
+    attn = {"num_kv_heads": 1, "head_size": 8, "dtype": "float32"}
+    specs: list[tuple[KVCacheSpec, str, int | None]] = [
+        (FullAttentionSpec(block_size=4, **attn), "full_attention", None),  # type: ignore[arg-type]
+        # A sliding layer managed as full attention keeps every block: no window published.
+        (FullAttentionSpec(block_size=4, sliding_window=8, **attn), "full_attention", None),  # type: ignore[arg-type]
+        (MLAAttentionSpec(block_size=4, **attn), "mla_attention", None),  # type: ignore[arg-type]
+        (SinkFullAttentionSpec(block_size=4, sink_len=4, **attn), "sink_full_attention", None),  # type: ignore[arg-type]
+        (SlidingWindowSpec(block_size=4, sliding_window=8, **attn), "sliding_window", 8),  # type: ignore[arg-type]
+        (
+            ChunkedLocalAttentionSpec(block_size=4, attention_chunk_size=8, **attn),  # type: ignore[arg-type]
+            "chunked_local_attention",
+            None,
+        ),
+        (CrossAttentionSpec(block_size=4, **attn), "cross_attention", None),  # type: ignore[arg-type]
+        (MambaSpec(block_size=4, shapes=((2, 3),), dtypes=("float32",)), "mamba", None),
+    ]
+    for spec, kind, window in specs:
+        assert (kv_cache_spec_kind(spec), kv_cache_spec_sliding_window(spec)) == (kind, window)

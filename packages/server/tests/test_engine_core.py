@@ -177,23 +177,34 @@ def test_invalid_requests_are_rejected_naming_the_field(
     assert not core.has_work()
 
 
-def test_duplicate_id_eos_and_kv_transfer_rejected(core: EngineCore) -> None:
+def test_duplicate_id_and_eos_rejected(core: EngineCore) -> None:
     core.add_request(req("x", [1]))
     with pytest.raises(ValueError, match="already in use"):
         core.add_request(req("x", [2]))
     bad_eos = EngineCoreRequest("y", [1], SamplingParams(), eos_token_id=999, arrival_time=0.0)
     with pytest.raises(ValueError, match="eos_token_id"):
         core.add_request(bad_eos)
+
+
+def test_kv_transfer_params_without_connector_warn_and_serve(
+    core: EngineCore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM 0.33.0 (vllm/v1/engine/core.py:541-547): a warning, then served without transfer."""
     remote = EngineCoreRequest(
         "z",
-        [1],
-        SamplingParams(),
+        [1, 2, 3],
+        SamplingParams(max_tokens=3),
         eos_token_id=None,
         arrival_time=0.0,
         kv_transfer_params=KVTransferParams(do_remote_decode=True),
     )
-    with pytest.raises(ValueError, match="KV connector"):
+    with caplog.at_level("WARNING", logger="paged.server.engine.core"):
         core.add_request(remote)
+    assert "Got kv_transfer_params, but no KVConnector found" in caplog.text
+    outs = drain(core)["z"]
+    assert tokens(outs) == expected_tokens([1, 2, 3], 3)
+    assert outs[-1].finish_reason == FinishReason.LENGTH
+    assert all(o.kv_transfer_params is None for o in outs)
 
 
 def test_prompt_longer_than_the_context_finishes_with_an_output(core: EngineCore) -> None:

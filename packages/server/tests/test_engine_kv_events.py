@@ -184,12 +184,12 @@ def test_subscriber_rebuilds_the_offload_tiers_next_to_the_pool(
         kinds = _drain(live, index, publisher.next_seq)
         assert kinds["BlockRemoved"] > 0  # the pool and the host tier churned
         expected = {"GPU": pool_blocks(core), "CPU": tier_blocks(core, Tier.HOST)}
-        expected["DISK"] = tier_blocks(core, Tier.DISK)
+        expected["STORAGE"] = tier_blocks(core, Tier.DISK)
         assert all(expected.values())
         assert {m: index.hashes(m) for m in expected} == expected
         assert index.num_unknown_removals == 0 and live.num_lost == 0
         # A tier block is a pool block of the same prompt: one hash form for all media.
-        assert set(expected["CPU"]) <= set(expected["DISK"])
+        assert set(expected["CPU"]) <= set(expected["STORAGE"])
         connector = core.kv_connector
         assert isinstance(connector, OffloadingConnector)
         disk_keys = list(connector.scheduler_side.tier_block_hashes(Tier.DISK))
@@ -218,8 +218,8 @@ def test_subscriber_rebuilds_the_offload_tiers_next_to_the_pool(
             assert sorted(h for _, h in disk) == sorted(
                 external_block_hash(bytes.fromhex(k)) for k in disk_keys
             )
-            assert set(disk) <= set(expected["DISK"])  # each a block hash published before
-            assert late_index.hashes("DISK") == disk
+            assert set(disk) <= set(expected["STORAGE"])  # each a block hash published before
+            assert late_index.hashes("STORAGE") == disk
             assert late_index.hashes("GPU") == Counter() == late_index.hashes("CPU")
     finally:
         core.shutdown()

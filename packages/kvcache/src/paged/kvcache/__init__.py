@@ -28,7 +28,9 @@ from paged.kvcache.errors import (
     UnknownRequestError,
 )
 from paged.kvcache.events import (
+    MEDIUM_CPU,
     MEDIUM_GPU,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -95,11 +97,15 @@ from paged.kvcache.specs import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
     get_dtype_size,
+    kv_cache_spec_kind,
+    kv_cache_spec_sliding_window,
 )
 from paged.kvcache.stats import PrefixCacheStats
 
 __all__ = [
+    "MEDIUM_CPU",
     "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
     "AllBlocksCleared",
     "AttentionSpec",
     "BlockHash",
@@ -167,6 +173,8 @@ __all__ = [
     "get_request_block_hasher",
     "hash_block_tokens",
     "init_none_hash",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
     "make_block_hash_with_group_id",
     "need_extra_keys",
     "published_extra_keys",

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from paged.kvcache.ids import BlockHash
 
+# vLLM's medium names (vllm/distributed/kv_events.py:51-53).
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,13 @@ class BlockStored:
     cache salt; None for a block without any (see `published_extra_keys`).
     `group_idx` is the KV cache group that cached the blocks. `lora_id` is
     always None: requests name their adapter, they carry no integer id.
+
+    The fields after `group_idx` are vLLM 0.33.0's (vllm/distributed/kv_events.py:83-98).
+    `kv_cache_spec_kind` / `kv_cache_spec_sliding_window` describe the group's
+    spec; the block pool does not know it, so `KVCacheManager.take_events`
+    fills them in (as vLLM's kv_cache_manager.py:705-730 does). `locality`,
+    `ownership`, `session_id` and `lookahead_token_ids` stay None: paged has
+    no remote tiers, sessions or lookahead hashing.
     """
 
     block_hashes: list[BlockHash]
@@ -38,6 +48,12 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: list[tuple[object, ...] | None] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +63,15 @@ class BlockRemoved:
     `group_idx` names the KV cache group the block served: a hybrid model
     caches the same hash once per group (e.g. full and sliding window), and a
     consumer must know which copy went while the other may stay cached.
+    `locality` / `ownership` are vLLM 0.33.0's (kv_events.py:128-130); paged
+    leaves them None.
     """
 
     block_hashes: list[BlockHash]
     medium: str | None = MEDIUM_GPU
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

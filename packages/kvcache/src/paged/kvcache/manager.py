@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -10,11 +11,12 @@ from paged.kvcache.block import KVCacheBlock
 from paged.kvcache.config import KVCacheConfig
 from paged.kvcache.coordinator import get_kv_cache_coordinator
 from paged.kvcache.errors import KVCacheIntegrityError, UnknownRequestError
-from paged.kvcache.events import KVCacheEvent
+from paged.kvcache.events import BlockStored, KVCacheEvent
 from paged.kvcache.managers.full_attention import FullAttentionManager
 from paged.kvcache.managers.sink import SinkFullAttentionManager
 from paged.kvcache.metrics import KVCacheMetricsCollector
 from paged.kvcache.protocols import KVCacheRequest
+from paged.kvcache.specs import kv_cache_spec_kind, kv_cache_spec_sliding_window
 from paged.kvcache.stats import PrefixCacheStats
 
 
@@ -104,6 +106,11 @@ class KVCacheManager:
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
+        # (kind, sliding window) per group, stamped on BlockStored events.
+        self.kv_cache_event_metadata: tuple[tuple[str, int | None], ...] = tuple(
+            (kv_cache_spec_kind(g.kv_cache_spec), kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in kv_cache_config.kv_cache_groups
+        )
         # Shared empty result: returning it allocates nothing (GC pressure).
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
@@ -372,8 +379,21 @@ class KVCacheManager:
         self.block_pool.evict_blocks(block_ids)
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Pending KV cache events (empty unless `enable_kv_cache_events`)."""
-        return self.block_pool.take_events()
+        """Pending KV cache events (empty unless `enable_kv_cache_events`).
+
+        Each `BlockStored` gets its group's spec kind and sliding window here,
+        not in the pool, which knows blocks, not specs (vLLM 0.33.0 does the
+        same in KVCacheManager.take_events, kv_cache_manager.py:705-730).
+        """
+        events = self.block_pool.take_events()
+        meta = self.kv_cache_event_metadata
+        for i, e in enumerate(events):
+            if isinstance(e, BlockStored) and e.group_idx is not None and e.group_idx < len(meta):
+                kind, window = meta[e.group_idx]
+                events[i] = dataclasses.replace(
+                    e, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
+                )
+        return events
 
     def check_integrity(self) -> None:
         """Pool invariants plus: each block's ref_cnt equals its holders (O(n))."""

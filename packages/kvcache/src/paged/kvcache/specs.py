@@ -263,3 +263,41 @@ class MambaSpec(KVCacheSpec):
 
     def with_block_size(self, block_size: int) -> KVCacheSpec:
         raise ValueError("a MambaSpec's page size does not depend on block_size")
+
+
+# vLLM's `KVCacheSpecKind` values (vllm/v1/kv_cache_interface.py:183-193), as
+# KV events publish them in `BlockStored.kv_cache_spec_kind`.
+KVCacheSpecKind = str
+
+
+def kv_cache_spec_kind(spec: KVCacheSpec) -> KVCacheSpecKind:
+    """The kind name vLLM 0.33.0 publishes for `spec` (kv_cache_interface.py:1421-1459).
+
+    Subclasses are tested before their bases, so MLA and sink specs keep their
+    own kind rather than "full_attention".
+    """
+    if isinstance(spec, MLAAttentionSpec):
+        return "mla_attention"
+    if isinstance(spec, SinkFullAttentionSpec):
+        return "sink_full_attention"
+    if isinstance(spec, FullAttentionSpec):
+        return "full_attention"
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return "chunked_local_attention"
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window"
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    if isinstance(spec, CrossAttentionSpec):
+        return "cross_attention"
+    return "unknown"
+
+
+def kv_cache_spec_sliding_window(spec: KVCacheSpec) -> int | None:
+    """The window vLLM 0.33.0 publishes for `spec` (kv_cache_interface.py:1462-1470).
+
+    Only a `SlidingWindowSpec` has one: a sliding layer managed as full
+    attention (`FullAttentionSpec.sliding_window`) keeps every block, so for
+    a cache consumer it is full attention and publishes None, as vLLM does.
+    """
+    return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None

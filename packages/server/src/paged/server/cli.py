@@ -169,7 +169,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="publish KV cache events, as vLLM: e.g. "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; '
-        'paged only: "wire_format": "array" for consumers of vLLM 0.2x\'s layout',
+        'paged only: "wire_format": "vllm" (default, vLLM 0.33.0\'s layout), "map" '
+        "(paged's earlier all-maps layout) or \"array\" (vLLM 0.2x's)",
     )
     s = parser.add_argument_group("scheduler")
     s.add_argument(

@@ -4,7 +4,8 @@ engine core --publish(step events)--> EventPublisher --thread--> PUB  (topic, se
                                                                ROUTER (replay from seq N)
 KVEventSubscriber (SUB + DEALER) --> CachedBlockIndex (hashes the engine holds)
 
-The batch layout is current vLLM's (msgpack maps) unless `wire_format` says
+The batch layout is vLLM 0.33.0's (`[ts, events, rank]`, events as tagged
+maps) unless `wire_format` says "map" (paged's earlier all-maps layout) or
 "array" (vLLM 0.2x's positional structs); see `codec.py`.
 """
 

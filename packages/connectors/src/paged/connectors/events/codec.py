@@ -4,12 +4,15 @@ Publisher and subscriber hold one each, for the `wire_format` they were
 given; both sides of a stream must use the same one (msgspec's map decoder
 refuses arrays and the other way round):
 
-| wire_format | layout | structs | who decodes it |
-|---|---|---|---|
-| "map" (default) | msgpack maps, events tagged `{"type": ...}` | `wire.py` | current vLLM |
-| "array" | msgpack arrays by position, `[tag, field...]` | `wire_array.py` | vLLM 0.2x and before |
+| wire_format | batch | events | structs | who decodes it |
+|---|---|---|---|---|
+| "vllm" (default) | array `[ts, events, rank]` | maps, tagged | `wire.py` | vLLM 0.33.0 |
+| "map" | map `{"ts", "events", ...}` | maps, tagged | `wire_map.py` | paged before |
+| "array" | array | arrays, `[tag, field...]` | `wire_array.py` | vLLM 0.2x |
 
-In code a batch is always `wire.KVEventBatch`; the array codec converts on
+("paged before": paged's default until it followed vLLM 0.33.0.)
+
+In code a batch is always `wire.KVEventBatch`; the other codecs convert on
 the way (on the publisher's thread, never the engine's).
 A codec is not thread-safe (its msgspec encoder and decoder are not).
 """
@@ -27,6 +30,7 @@ from paged.connectors.events.wire_array import (
     from_array_batch,
     to_array_batch,
 )
+from paged.connectors.events.wire_map import MapKVEventBatch, from_map_batch, to_map_batch
 
 
 class BatchCodec(Protocol):
@@ -43,10 +47,10 @@ class BatchCodec(Protocol):
     def decode(self, payload: bytes) -> KVEventBatch: ...
 
 
-class MapCodec:
-    """Current vLLM's layout: the structs of `wire.py`, encoded as they are."""
+class VllmCodec:
+    """vLLM 0.33.0's layout: the structs of `wire.py`, encoded as they are."""
 
-    wire_format: WireFormat = "map"
+    wire_format: WireFormat = "vllm"
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
@@ -57,6 +61,22 @@ class MapCodec:
 
     def decode(self, payload: bytes) -> KVEventBatch:
         return self._decoder.decode(payload)
+
+
+class MapCodec:
+    """paged's earlier default: the batch a map, events as in "vllm" (`wire_map.py`)."""
+
+    wire_format: WireFormat = "map"
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(type=MapKVEventBatch)
+
+    def encode(self, batch: KVEventBatch) -> bytes:
+        return self._encoder.encode(to_map_batch(batch))
+
+    def decode(self, payload: bytes) -> KVEventBatch:
+        return from_map_batch(self._decoder.decode(payload))
 
 
 class ArrayCodec:
@@ -75,8 +95,10 @@ class ArrayCodec:
         return from_array_batch(self._decoder.decode(payload))
 
 
-def make_codec(wire_format: WireFormat = "map") -> BatchCodec:
+def make_codec(wire_format: WireFormat = "vllm") -> BatchCodec:
     """The codec of `wire_format` (`ValueError` naming the field for anything else)."""
+    if wire_format == "vllm":
+        return VllmCodec()
     if wire_format == "map":
         return MapCodec()
     if wire_format == "array":

@@ -6,10 +6,11 @@ JSON is checked where it enters: an unknown field, a wrong type or an
 out-of-range number raises `KVEventsConfigError` naming the field, so a typo
 stops start-up instead of silently publishing nothing.
 
-One field is paged's own: `wire_format` ("map", the default, is current
-vLLM's layout; "array" is the positional layout of vLLM 0.2x and before, for
-consumers that still decode it; see `paged.connectors.events.codec`). vLLM
-does not know the field, so a config meant for both leaves it out.
+One field is paged's own: `wire_format` ("vllm", the default, is vLLM
+0.33.0's layout; "map" is paged's earlier default, the batch as a map;
+"array" is the positional layout of vLLM 0.2x and before; see
+`paged.connectors.events.codec`). vLLM does not know the field, so a config
+meant for both leaves it out.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import msgspec
 PublisherKind = Literal["null", "zmq"]
 PUBLISHER_KINDS: tuple[PublisherKind, ...] = ("null", "zmq")
 
-# "map": current vLLM's structs (msgpack maps, events tagged by "type").
+# "vllm": vLLM 0.33.0's structs (batch an array, events maps tagged by "type").
+# "map": paged's earlier default (batch a map, events as in "vllm").
 # "array": vLLM 0.2x's `array_like=True` structs (msgpack arrays, by position).
-WireFormat = Literal["map", "array"]
-WIRE_FORMATS: tuple[WireFormat, ...] = ("map", "array")
+WireFormat = Literal["vllm", "map", "array"]
+WIRE_FORMATS: tuple[WireFormat, ...] = ("vllm", "map", "array")
 
 
 class KVEventsConfigError(ValueError):
@@ -42,7 +44,8 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     drops for that subscriber); `max_queue_size` bounds the batches waiting
     for the publisher thread. `topic` is the first frame of every message.
     `wire_format` (paged only, not a vLLM field) picks the msgpack layout of
-    the batches: "map" (current vLLM) or "array" (vLLM 0.2x and before).
+    the batches: "vllm" (vLLM 0.33.0), "map" (paged's earlier default) or
+    "array" (vLLM 0.2x and before).
     """
 
     enable_kv_cache_events: bool = False
@@ -53,7 +56,7 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
-    wire_format: WireFormat = "map"
+    wire_format: WireFormat = "vllm"
 
     def __post_init__(self) -> None:
         if self.publisher is None:

@@ -4,7 +4,8 @@ The engine core calls `publish(events)` once per step that produced events;
 the call never blocks and never touches a socket. `ZmqEventPublisher` hands
 the batch to a background thread through a bounded queue; that thread
 converts it to vLLM's wire structs, encodes it in the config's `wire_format`
-("map": current vLLM; "array": vLLM 0.2x, see `codec.py`), sends it on the
+("vllm": vLLM 0.33.0, the default; "map", "array": older layouts, see
+`codec.py`), sends it on the
 PUB socket and keeps it in a ring of the last `buffer_steps` batches for
 replay (replay sends the same bytes, so the same layout).
 
@@ -18,10 +19,13 @@ Nothing a subscriber does can stall the engine:
   waiting. Sequence numbers are given out in `publish`, so a dropped batch
   leaves a gap that subscribers see.
 
-Replay (vLLM's protocol): a client (REQ or DEALER) sends one frame, the first
-sequence number it wants, 8 bytes big-endian. The ROUTER answers with one
-message `(seq, payload)` per buffered batch with `seq >= N`, oldest first,
-then `(-1 as 8 signed bytes, b"")`, the end-of-replay marker.
+Replay (vLLM 0.33.0's protocol, vllm/distributed/kv_events.py:521-539): a
+DEALER sends `(b"", N)`, N the first sequence number it wants, 8 bytes
+big-endian (the ROUTER sees `(identity, b"", N)`). The ROUTER answers with
+one message per buffered batch with `seq >= N`, oldest first, which the
+DEALER reads as `(b"", topic, seq, payload)` (the PUB message's three frames
+behind the empty delimiter), then the end-of-replay marker
+`(b"", b"", -1 as 8 signed big-endian bytes, b"")`.
 """
 
 from __future__ import annotations
@@ -126,7 +130,9 @@ class ZmqEventPublisher:
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.setsockopt(zmq.SNDHWM, config.hwm)
+                # vLLM's (kv_events.py:368-370, 457): room for a full replay
+                # plus its marker even though ZMQ credits reads every HWM/2.
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -220,9 +226,10 @@ class ZmqEventPublisher:
             for seq, payload in self._buffer:
                 if seq >= start:
                     self._replay.send_multipart(
-                        (identity, b"", encode_seq(seq), payload), flags=zmq.NOBLOCK
+                        (identity, b"", self._topic, encode_seq(seq), payload),
+                        flags=zmq.NOBLOCK,
                     )
-            self._replay.send_multipart((identity, b"", END_OF_REPLAY, b""), flags=zmq.NOBLOCK)
+            self._replay.send_multipart((identity, b"", b"", END_OF_REPLAY, b""), flags=zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("KV events: replay client is not reading; reply cut short")
 

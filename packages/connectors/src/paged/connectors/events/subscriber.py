@@ -6,9 +6,9 @@ REQ socket takes one reply per request, and a replay is many). It hands out
 batches in sequence order, each once: when a message arrives with a sequence
 number past the next expected one, the missing ones are asked for by replay
 first; what replay no longer holds is counted in `num_lost`. It decodes the
-layout it is told (`wire_format`: "map", current vLLM and paged's default,
-or "array", vLLM 0.2x); a payload in the other layout raises
-`KVEventDecodeError`, which says so.
+layout it is told (`wire_format`: "vllm", vLLM 0.33.0 and paged's default;
+"map", paged's earlier default; or "array", vLLM 0.2x); a payload in another
+layout raises `KVEventDecodeError`, which says so.
 
 `CachedBlockIndex` rebuilds, from events alone, which block hashes the engine
 holds: a count per `(medium, group_idx, hash)`, since two blocks may cache
@@ -53,7 +53,7 @@ class CachedBlockIndex:
 
     `AllBlocksCleared` carries no medium; it is what a reset of the device
     prefix cache publishes, so it clears the device's blocks ("GPU", or no
-    medium as older vLLM sends) and keeps the offload tiers' ("CPU", "DISK"),
+    medium as older vLLM sends) and keeps the offload tiers' ("CPU", "STORAGE"),
     which announce their own removals. A removal of a block the index does
     not hold (its store was lost) is counted, not raised.
     """
@@ -90,8 +90,8 @@ class KVEventSubscriber:
 
     Every wait is bounded by the `timeout_ms` given; a publisher that is gone
     only makes `poll` return nothing. `wire_format` must be the publisher's
-    (its `--kv-events-config` `wire_format`; a vLLM publisher: "map" for
-    current vLLM, "array" for 0.2x and before). Close with `close()` (or use
+    (its `--kv-events-config` `wire_format`; a vLLM publisher: "vllm" for
+    vLLM 0.33.0, "array" for 0.2x and before). Close with `close()` (or use
     `with`).
     """
 
@@ -101,7 +101,7 @@ class KVEventSubscriber:
         replay_endpoint: str | None = None,
         topic: str = "",
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
-        wire_format: WireFormat = "map",
+        wire_format: WireFormat = "vllm",
     ) -> None:
         self._codec = make_codec(wire_format)  # first: a bad value opens no socket
         self._ctx = context if context is not None else zmq.Context.instance()
@@ -168,15 +168,16 @@ class KVEventSubscriber:
                 # cleaner, but the next request is tagged by `start`, so stray
                 # late replies are skipped as duplicates.
                 return
+            # (b"", topic, seq, payload); the end marker (b"", b"", -1, b"").
             frames = self._replay.recv_multipart()
-            if len(frames) != 3:
+            if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
                 continue
-            seq = decode_seq(frames[1])
+            seq = decode_seq(frames[2])
             if seq < 0:
                 return  # end-of-replay marker
             if seq < self.next_seq or (until is not None and seq >= until):
                 continue
-            batch = self._decode(seq, frames[2])  # first: one that fails is not handed out
+            batch = self._decode(seq, frames[3])  # first: one that fails is not handed out
             self.num_lost += seq - self.next_seq
             self.next_seq = seq + 1
             yield seq, batch

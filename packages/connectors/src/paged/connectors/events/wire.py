@@ -1,30 +1,33 @@
-"""vLLM's KV event wire structs and the conversion from paged.kvcache events.
+"""vLLM 0.33.0's KV event wire structs and the conversion from paged.kvcache events.
 
 A message on the PUB socket is three frames: `topic`, the batch's sequence
 number (8 bytes, big-endian, unsigned) and the msgpack of one `KVEventBatch`.
-The structs here are current vLLM's (`vllm/distributed/kv_events.py`),
-declared in vLLM's field order with vLLM's struct options: no `array_like`
-(a struct is a msgpack map keyed by field name), `omit_defaults=True` (a
-field equal to its default is left off; fields without a default are always
-there, null or not), `tag=True` on events (the tag field `"type"` holds the
-class name, first in the map). So a batch reads
+The structs here are vLLM 0.33.0's (vllm/distributed/kv_events.py:31-149),
+declared in vLLM's field order with vLLM's struct options:
 
-    {"ts": 1.5, "events": [
+- the batch is `array_like=True` (kv_events.py:31-39): a msgpack array
+  `[ts, events, data_parallel_rank]`, every field written (msgspec's
+  `omit_defaults` does not act on array-like structs);
+- events are not array-like (kv_events.py:42-48): a msgpack map keyed by
+  field name, `tag=True` (the key "type", first, holds the class name),
+  `omit_defaults=True` (a field equal to its default is left off; fields
+  without a default are always there, null or not).
+
+So a batch reads
+
+    [1.5, [
         {"type": "BlockStored", "block_hashes": [h0, h1], "parent_block_hash": p,
          "token_ids": [...], "block_size": 16, "lora_id": null, "medium": "GPU",
-         "lora_name": null, "extra_keys": [null, null], "group_idx": 0},
+         "lora_name": null, "extra_keys": [null, null], "group_idx": 0,
+         "kv_cache_spec_kind": "full_attention"},
         {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0},
         {"type": "AllBlocksCleared"}],
-     "data_parallel_rank": 0}
+     0]
 
-and is the same bytes vLLM's encoder writes for those values, so any decoder
-declared from vLLM's definitions reads it. `kv_cache_spec_kind` and
-`kv_cache_spec_sliding_window` are declared (so paged decodes vLLM streams
-that carry them) but paged never sets them: paged.kvcache events do not say
-which KV cache spec their group has, so they stay None and are left off.
-
-The positional layout of vLLM 0.2x and before (`wire_format: "array"`) is in
-`wire_array.py`; `codec.py` picks one of the two.
+and is the same bytes vLLM 0.33.0's encoder writes for those values, so
+vLLM's own decoder (`msgspec.msgpack.Decoder(KVEventBatch)`) reads it. This
+is `wire_format: "vllm"`, the default; paged's earlier layouts are in
+`wire_map.py` ("map") and `wire_array.py` ("array"); `codec.py` picks one.
 
 Block hashes leave as vLLM's `ExternalBlockHash`: by default the 64-bit int
 `int.from_bytes(hash, "big") & (2**64 - 1)` (vLLM's default,
@@ -43,8 +46,9 @@ from paged.kvcache.events import BlockRemoved as KVBlockRemoved
 from paged.kvcache.events import BlockStored as KVBlockStored
 from paged.kvcache.events import KVCacheEvent as KVKVCacheEvent
 
-# An int (the default) or the hash's bytes: vLLM's `ExternalBlockHash`.
-ExternalBlockHash = int | bytes
+# The hash's bytes or an int (the default): vLLM's `ExternalBlockHash`
+# (vllm/v1/core/kv_cache_utils.py:57).
+ExternalBlockHash = bytes | int
 
 _LOW_64_BITS = (1 << 64) - 1
 
@@ -56,8 +60,11 @@ def external_block_hash(block_hash: bytes, use_int: bool = True) -> ExternalBloc
     return int.from_bytes(block_hash, "big") & _LOW_64_BITS
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    """A timestamped list of events; `data_parallel_rank` names the publishing engine."""
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A timestamped list of events; `data_parallel_rank` names the publishing engine.
+
+    `array_like` as in vLLM 0.33.0 (kv_events.py:31-39): `[ts, events, rank]`.
+    """
 
     ts: float
     events: list[Any]
@@ -80,15 +87,23 @@ class BlockStored(KVCacheEvent):
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
-    # Never set by paged (see the module docstring); read from vLLM streams.
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # LOCAL or REMOTE relative to the publisher; an offload tier's id; the
+    # session behind a store; tokens past each block used in its hash.
+    # paged sets none of them (no remote tiers, sessions or lookahead hashing).
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -118,12 +133,20 @@ def to_wire_event(event: KVKVCacheEvent, use_int_hashes: bool = True) -> WireEve
             lora_name=event.lora_name,
             extra_keys=event.extra_keys,
             group_idx=event.group_idx,
+            kv_cache_spec_kind=event.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+            locality=event.locality,
+            ownership=event.ownership,
+            session_id=event.session_id,
+            lookahead_token_ids=event.lookahead_token_ids,
         )
     if isinstance(event, KVBlockRemoved):
         return BlockRemoved(
             block_hashes=[external_block_hash(h, use_int_hashes) for h in event.block_hashes],
             medium=event.medium,
             group_idx=event.group_idx,
+            locality=event.locality,
+            ownership=event.ownership,
         )
     if isinstance(event, KVAllBlocksCleared):
         return AllBlocksCleared()

@@ -11,11 +11,11 @@ array-like struct: `omit_defaults` only acts on maps), and an event
 
 paged sends this when `--kv-events-config` has `"wire_format": "array"`:
 the same bytes paged sent before maps became its default. The structs are
-`wire.py`'s with `array_like=True`, same names and order, minus
-`kv_cache_spec_kind` / `kv_cache_spec_sliding_window`: paged never sets them,
-and leaving them out keeps the legacy bytes as they were (an array decoder
-declaring them still reads the stream: it gets their defaults; msgspec also
-ignores trailing elements a decoder does not declare). `lora_name` keeps a
+`wire.py`'s with `array_like=True`, same names and order, minus the fields
+vLLM added after `group_idx` (`kv_cache_spec_kind` onwards): leaving them out
+keeps the legacy bytes as they were, since msgspec writes every field of an
+array-like struct (an array decoder declaring them still reads the stream:
+it gets their defaults). `lora_name` keeps a
 default, so streams of releases that ended before it still decode. A
 decoder with fewer trailing fields (vLLM's old example subscriber) reads it.
 
@@ -79,7 +79,7 @@ class ArrayKVEventBatch(ArrayEventBatch):
 
 
 def to_array_event(event: WireEvent) -> ArrayWireEvent:
-    """The array-layout struct of `event` (its spec metadata, which paged never sets, dropped)."""
+    """The array-layout struct of `event` (fields past `group_idx` dropped, see above)."""
     if isinstance(event, BlockStored):
         return ArrayBlockStored(
             block_hashes=event.block_hashes,

@@ -346,9 +346,15 @@ class EngineCore:
             )
         request.sampling_params.validate(self.scheduler_config.max_logprobs)
         if request.kv_transfer_params is not None and self.kv_connector is None:
-            raise ValueError(
-                "kv_transfer_params needs a KV connector, and this engine was started without one"
+            # vLLM 0.33.0 (vllm/v1/engine/core.py:541-547) warns and serves the
+            # request without transfer: a client's field never fails a request.
+            # Dropping the params makes "without transfer" hold for every step.
+            logger.warning(
+                "Got kv_transfer_params, but no KVConnector found. "
+                "Disabling KVTransfer for this request (%s).",
+                request.request_id,
             )
+            request = msgspec.structs.replace(request, kv_transfer_params=None)
         self.scheduler.add_request(request)
         self._num_added += 1
 

@@ -2,7 +2,8 @@
 
 vLLM's OffloadingConnector publishes what its OffloadingManager decides, with
 `medium` "CPU" for host memory (and the backend's medium for others); paged
-names its tiers the same way: host -> "CPU", disk -> "DISK".
+names its tiers the same way: host -> "CPU", disk -> "STORAGE" (vLLM's
+MEDIUM_STORAGE).
 
 A chunk announced as stored carries the hashes of its blocks in order, as the
 device pool publishes the same blocks (`BlockHash` bytes; the wire turns them
@@ -24,6 +25,8 @@ from collections.abc import Iterable, Sequence
 from paged.connectors.kv.offloading.chunks import ChunkKey
 from paged.connectors.kv.offloading.metadata import Tier
 from paged.kvcache import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
     BlockHash,
     BlockRemoved,
     BlockStored,
@@ -34,7 +37,8 @@ from paged.kvcache import (
 )
 from paged.scheduler.request import Request
 
-TIER_MEDIUM = {Tier.HOST: "CPU", Tier.DISK: "DISK"}
+# vLLM 0.33.0's names (kv_events.py:51-53; offloading/events.py:58-61).
+TIER_MEDIUM = {Tier.HOST: MEDIUM_CPU, Tier.DISK: MEDIUM_STORAGE}
 
 # The offloading connector serves a single KV cache group (hybrid models are rejected).
 _GROUP_IDX = 0

@@ -341,7 +341,7 @@ class OffloadingScheduler:
         return stats.to_dict()
 
     def take_events(self) -> Sequence[KVCacheEvent]:
-        """`BlockStored` / `BlockRemoved` of the tiers since the last call (medium CPU / DISK)."""
+        """`BlockStored` / `BlockRemoved` of the tiers since the last call (CPU / STORAGE)."""
         return self.events.take()
 
     def tier_block_hashes(self, tier: Tier) -> dict[ChunkKey, list[BlockHash]]:
