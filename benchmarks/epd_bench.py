@@ -266,9 +266,9 @@ def run_mode(mode: str, model: str, ns: argparse.Namespace, rep: int) -> dict[st
             p, p_url = start([*base, "--ec-role", "producer", "--ec-connector-extra-config",
                               json.dumps({"listen_port": zmq})], ns.threads)  # fmt: skip
             procs.append(p)
-            c, c_url = start([*base, "--ec-role", "consumer", "--ec-connector-extra-config",
-                              json.dumps({"producer_endpoints": [f"127.0.0.1:{zmq}"]})],
-                             ns.threads)  # fmt: skip
+            # vLLM 0.33's way: the consumer is told no producer; the proxy forwards
+            # the producer's ec_transfer_params (where each image is held).
+            c, c_url = start([*base, "--ec-role", "consumer"], ns.threads)
             procs.append(c)
             x, url = start(["proxy", "--encode", p_url, "--decode", c_url], 1)
             procs.append(x)

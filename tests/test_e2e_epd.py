@@ -1,6 +1,12 @@
 """EPD end to end: an encoder producer, a consumer and `paged proxy --encode`, three real
 processes on loopback (plus a colocated reference and a "fail"-policy consumer).
 
+The consumer behind the proxy is never told the producer's address (vLLM 0.33's
+protocol): the producer's answer names, per mm hash, where it holds the
+embeddings (`ec_transfer_params`), the proxy forwards that to the consumer,
+which fetches from there. The "fail"-policy consumer keeps the static
+`producer_endpoints` option.
+
 The tiny random Gemma3 of the image tests. Chats with 4 images each go through the
 proxy: greedy tokens equal the colocated instance's and logprobs agree to 1e-4 (the
 producer batches images its own way: float rounding); the consumer's vision
@@ -77,8 +83,9 @@ class EPD:
     reference: LiveServer
     producer: LiveServer
     consumer: LiveServer
-    strict_consumer: LiveServer  # ec_load_failure_policy "fail"
+    strict_consumer: LiveServer  # ec_load_failure_policy "fail", static producer_endpoints
     proxy: Proxy
+    zmq_port: int  # where the producer serves its embeddings
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +97,15 @@ def epd(
     kv = ["--kv-cache-memory", "64MiB"]
     zmq_port = _free_port()
 
-    def consumer(policy: str) -> list[str]:
+    def consumer(policy: str, endpoints: list[str]) -> list[str]:
+        extra: dict[str, Any] = {"transfer_timeout": TRANSFER_TIMEOUT_S}
+        if endpoints:
+            extra["producer_endpoints"] = endpoints
         config = {
             "ec_connector": "ECZmqConnector",
             "ec_role": "ec_consumer",
             "ec_load_failure_policy": policy,
-            "ec_connector_extra_config": {
-                "producer_endpoints": [f"127.0.0.1:{zmq_port}"],
-                "transfer_timeout": TRANSFER_TIMEOUT_S,
-            },
+            "ec_connector_extra_config": extra,
         }
         return [*kv, "--ec-transfer-config", json.dumps(config)]
 
@@ -106,7 +113,13 @@ def epd(
         "--ec-role", "producer",
         "--ec-connector-extra-config", json.dumps({"listen_port": zmq_port, "hold_timeout": 120}),
     ]  # fmt: skip
-    configs = [kv, producer, consumer("recompute"), consumer("fail")]
+    # The proxy's consumer knows no producer: requests name it (ec_transfer_params).
+    configs = [
+        kv,
+        producer,
+        consumer("recompute", []),
+        consumer("fail", [f"127.0.0.1:{zmq_port}"]),
+    ]
     # Started together: most of a start-up is imports and the engine spawn.
     with ThreadPoolExecutor(len(configs)) as pool:
         reference, prod, cons, strict = pool.map(
@@ -115,7 +128,7 @@ def epd(
     proxy = start_proxy(
         tmp_path_factory.mktemp("proxy"), "--encode", prod.base_url, "--decode", cons.base_url
     )
-    yield EPD(str(model), reference, prod, cons, strict, proxy)
+    yield EPD(str(model), reference, prod, cons, strict, proxy, zmq_port)
     proxy.process.terminate()
     proxy.process.wait(timeout=30)
 
@@ -211,13 +224,24 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_cluster_serving(epd: EP
 
 
 def test_a_dead_producer_is_recomputed_or_fails_clearly_by_config(epd: EPD) -> None:
+    body = chat(epd, [400, 401])
+    # The producer's answer names where it holds each image (vLLM 0.33's shape).
+    encoded = httpx.post(epd.producer.base_url + "/v1/chat/completions",
+                         json={**body, "max_tokens": 1}, timeout=120)  # fmt: skip
+    assert encoded.status_code == 200, encoded.text
+    announced = encoded.json()["ec_transfer_params"]
+    assert len(announced) == 2
+    for index, entry in enumerate(announced.values()):
+        assert entry == {"modality": "image", "item_indices": [index], "metadata": {},
+                         "peer_host": "127.0.0.1", "peer_port": epd.zmq_port}  # fmt: skip
     epd.producer.process.send_signal(signal.SIGKILL)
     epd.producer.process.wait(timeout=30)
-    body = chat(epd, [400, 401])
-    # recompute: the consumer waits transfer_timeout, then encodes the images itself.
+    # recompute: the consumer asks the producer the params name, which is gone; after
+    # transfer_timeout it encodes the images itself, with the same answer.
     start = time.monotonic()
-    got = answer(epd.consumer.base_url, body)
-    assert time.monotonic() - start < TRANSFER_TIMEOUT_S + 15
+    got = answer(epd.consumer.base_url, {**body, "ec_transfer_params": announced})
+    # It did ask (and wait for) the announced producer, then gave up in time.
+    assert TRANSFER_TIMEOUT_S <= time.monotonic() - start < TRANSFER_TIMEOUT_S + 15
     same_answer(epd, got, body)
     assert counter(epd.consumer, "paged:mm_encoder_items_computed") == 2
     # fail: an OpenAI-style error naming the cause, within seconds; the engine lives on.

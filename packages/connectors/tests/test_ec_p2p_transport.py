@@ -193,8 +193,30 @@ def test_config_keys_and_errors() -> None:
         ECZmqConfig.from_extra_config({"transfer_timeout": 0})
     with pytest.raises(ValueError, match="listen_port: expected a number"):
         ECZmqConfig.from_extra_config({"listen_port": True})
-    with pytest.raises(ValueError, match=r"needs ec_connector_extra_config\.producer_endpoints"):
-        EmbeddingFetcher(ECZmqConfig())
+    # The host a producer announces as peer_host (vLLM 0.33's ec_transfer_params).
+    assert ECZmqConfig(listen_host="10.1.2.3").peer_host == "10.1.2.3"
+    assert ECZmqConfig.from_extra_config({"advertise_host": "enc-0"}).peer_host == "enc-0"
+    assert ECZmqConfig(listen_host="0.0.0.0").peer_host not in ("0.0.0.0", "")
+
+
+def test_a_fetcher_without_producers_asks_the_announced_one_or_fails_at_once() -> None:
+    # No producer_endpoints (vLLM 0.33): each fetch names its producer.
+    port = free_port()
+    server = EmbeddingServer(ECZmqConfig(listen_port=port))
+    fetcher = EmbeddingFetcher(ECZmqConfig(transfer_timeout=5.0))
+    try:
+        server.put("held", torch.arange(3.0))
+        fetcher.submit("held", [f"tcp://127.0.0.1:{port}"])
+        (ok,) = wait_for(fetcher, 1)
+        assert ok.output is not None and torch.equal(ok.output, torch.arange(3.0))
+        start = time.monotonic()
+        fetcher.submit("unannounced")
+        (nowhere,) = wait_for(fetcher, 1)
+        assert nowhere.error is not None and "no producer known" in nowhere.error
+        assert time.monotonic() - start < 2.0  # not a transfer_timeout wait
+    finally:
+        fetcher.close()
+        server.close()
 
 
 def test_port_in_use_is_a_clear_error() -> None:

@@ -241,8 +241,17 @@ def test_roles_and_config_errors() -> None:
     )
     with pytest.raises(ECConnectorRoleError):
         sched.start_load_caches(RowCache())
-    with pytest.raises(ValueError, match=r"needs ec_connector_extra_config\.producer_endpoints"):
-        ECZmqConnector(config("ec_consumer"), ECConnectorRole.SCHEDULER, ctx)
+    # vLLM 0.33: a consumer starts without producers; requests name them.
+    bare = ECZmqConnector(config("ec_consumer"), ECConnectorRole.SCHEDULER, ctx)
+    assert not bare.has_cache_item("x")
+    assert not bare.has_cache_item("x", image_request("r", ["x"]))
+    announced = image_request("r", ["x"])
+    announced.ec_transfer_params = {"x": {"peer_host": "10.0.0.9", "peer_port": 5701}}
+    assert bare.has_cache_item("x", announced)
+    assert not bare.has_cache_item("y", announced)
+    bare.update_state_after_alloc(announced, 0)
+    (load,) = bare.build_connector_meta(SchedulerOutput()).loads
+    assert load.endpoints == ["tcp://10.0.0.9:5701"]
     producer_sched = ECZmqConnector(config("ec_producer"), ECConnectorRole.SCHEDULER, ctx)
     # A producer never loads: every item is encoded (and saved) there.
     assert not producer_sched.has_cache_item("x")
@@ -252,11 +261,53 @@ def test_roles_and_config_errors() -> None:
 
 def test_a_producer_delays_the_free_of_requests_with_images() -> None:
     ctx = ECConnectorContext()
-    sched = ECZmqConnector(config("ec_producer"), ECConnectorRole.SCHEDULER, ctx)
-    assert sched.request_finished(image_request("r", ["h"])) == (True, None)
+    sched = ECZmqConnector(
+        config("ec_producer", listen_port=5710, advertise_host="enc-0"),
+        ECConnectorRole.SCHEDULER,
+        ctx,
+    )
+    # Its answer names where each item is held (vLLM 0.33's ec_transfer_params).
+    entry = {"modality": "image", "metadata": {}, "peer_host": "enc-0", "peer_port": 5710}
+    assert sched.request_finished(image_request("r", ["h", "g", "h"])) == (
+        True,
+        {"h": {**entry, "item_indices": [0, 2]}, "g": {**entry, "item_indices": [1]}},
+    )
     text_only = Request.from_engine_core_request(make_request("t", 8), max_model_len=256)
     assert sched.request_finished(text_only) == (False, None)
     consumer = ECZmqConnector(
         config("ec_consumer", producer_endpoints=["127.0.0.1:1"]), ECConnectorRole.SCHEDULER, ctx
     )
     assert consumer.request_finished(image_request("r", ["h"])) == (False, None)
+
+
+def test_a_consumer_without_endpoints_fetches_from_the_announced_producer(pair: Pair) -> None:
+    ctx = ECConnectorContext()
+    cfg = config("ec_consumer", transfer_timeout=1.0)
+    sched = ECZmqConnector(cfg, ECConnectorRole.SCHEDULER, ctx)
+    worker = ECZmqConnector(cfg, ECConnectorRole.WORKER, ctx)
+    cache = RowCache()
+    worker.register_caches(cache)
+    pair.consumer_worker, pair.consumer_cache = worker, cache
+    try:
+        value = torch.randn(4, HIDDEN)
+        encode_on_producer(pair, "img-a", value)
+        # The producer's own answer, as the proxy forwards it.
+        producer_sched = ECZmqConnector(
+            pair.producer.ec_transfer_config, ECConnectorRole.SCHEDULER, ctx
+        )
+        _, params = producer_sched.request_finished(image_request("enc", ["img-a"]))
+        req = image_request("r1", ["img-a", "img-dead"])
+        dead = {"peer_host": "127.0.0.1", "peer_port": free_port()}
+        req.ec_transfer_params = {**(params or {}), "img-dead": dead}
+        assert sched.has_cache_item("img-a", req) and sched.has_cache_item("img-dead", req)
+        sched.update_state_after_alloc(req, 0)
+        sched.update_state_after_alloc(req, 1)
+        done, failed = pair.wait_loads(sched.build_connector_meta(SchedulerOutput()), 2)
+        # The announced producer's item landed; the one from an absent producer is a
+        # failed load, which the scheduler encodes locally (ec_load_failure_policy).
+        assert done == {"img-a"} and failed == {"img-dead"}
+        got = cache.get("img-a")
+        assert got is not None and torch.equal(got, value)
+    finally:
+        sched.shutdown()
+        worker.shutdown()

@@ -199,4 +199,5 @@ def test_engine_core_output_field_order_is_what_update_builds_positionally() -> 
         "finish_detail",
         "kv_transfer_params",
         "num_cached_tokens",
+        "ec_transfer_params",
     )

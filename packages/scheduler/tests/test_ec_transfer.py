@@ -47,8 +47,14 @@ class ScriptedECConnector:
     started: list[tuple[str, str]] = field(default_factory=list)  # (request id, mm hash)
     outputs: list[ECConnectorOutput] = field(default_factory=list)
     finished: list[tuple[str, RequestStatus]] = field(default_factory=list)
+    # Answered by request_finished (the response's ec_transfer_params).
+    finished_params: dict[str, Any] | None = None
+    # Also loadable: items the asking request's ec_transfer_params announce.
+    follow_announcements: bool = False
 
-    def has_cache_item(self, identifier: str) -> bool:
+    def has_cache_item(self, identifier: str, request: Request | None = None) -> bool:
+        if self.follow_announcements and request is not None:
+            return identifier in (request.ec_transfer_params or {})
         return identifier in self.available
 
     def is_async_load(self, identifier: str) -> bool:
@@ -68,7 +74,7 @@ class ScriptedECConnector:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self.finished.append((request.request_id, request.status))
-        return self.delay_free, None
+        return self.delay_free, self.finished_params
 
 
 _PROTOCOL_CHECK: type[ECConnectorScheduler] = ScriptedECConnector
@@ -258,6 +264,44 @@ def test_failed_async_load_fails_the_request_under_fail_policy() -> None:
 def test_bad_failure_policy_is_rejected() -> None:
     with pytest.raises(ValueError, match="ec_load_failure_policy"):
         make(ScriptedECConnector(), ec_load_failure_policy="retry")
+
+
+def test_items_announced_by_the_request_are_loaded_others_encoded() -> None:
+    # vLLM 0.33: the request's ec_transfer_params name the producer of each item;
+    # the connector decides per request, so the same hash is loaded for one
+    # request and encoded for another that announces nothing.
+    ec = ScriptedECConnector(follow_announcements=True)
+    sched = make(ec)
+    announced = {"img": {"peer_host": "10.0.0.1", "peer_port": 5700}}
+    request = make_request("a", prompt(1, 8), mm=[image("img", 1)])
+    sched.add_request(msgspec.structs.replace(request, ec_transfer_params=announced))
+    loop = Loop(sched)
+    so = loop.step()
+    assert so.scheduled_encoder_inputs == {}
+    assert ec.started == [("a", "img")]
+    loop.run()
+    sched.add_request(make_request("b", prompt(2, 8), mm=[image("other", 1)]))
+    so = loop.step()
+    assert so.scheduled_encoder_inputs == {"b": [0]}
+    assert ec.started == [("a", "img")]
+    loop.run()
+    loop.assert_nothing_leaked()
+
+
+def test_request_finished_params_reach_the_last_output() -> None:
+    params = {"img": {"modality": "image", "peer_host": "127.0.0.1", "peer_port": 5700}}
+    ec = ScriptedECConnector(finished_params=params)
+    sched = make(ec)
+    sched.add_request(make_request("a", prompt(1, 6), mm=[image("img", 1)], max_tokens=2))
+    loop = Loop(sched)
+    loop.run()
+    outs = loop.outputs["a"]
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    assert outs[-1].ec_transfer_params == params
+    assert all(o.ec_transfer_params is None for o in outs[:-1])
+    # The boundary struct carries it across processes (msgpack, array_like).
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(outs[-1]), type=EngineCoreOutput)
+    assert wire.ec_transfer_params == params
 
 
 def test_request_finished_on_every_end_path() -> None:

@@ -113,7 +113,7 @@ class FakeECConnector:
     available: set[str] = field(default_factory=set)
     loaded: list[tuple[str, int]] = field(default_factory=list)
 
-    def has_cache_item(self, identifier: str) -> bool:
+    def has_cache_item(self, identifier: str, request: Request | None = None) -> bool:
         return identifier in self.available
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from paged.server.cli import build_parser
 from paged.server.ec_cli import ec_transfer_config_from, ec_transfer_config_json
+from paged.server.ec_transfer import ECConnectorBuilder
 from paged.server.encode_only import is_encode_only
 from paged.server.engine.core import scheduler_config_from
 from paged.server.engine_args import EngineArgs
@@ -79,6 +80,24 @@ def test_a_producer_gets_encode_only_settings(gemma3: Path) -> None:
     ).create_engine_config()
     assert not is_encode_only(consumer) and not scheduler_config_from(consumer).encode_only
     assert consumer.cache_config.enable_prefix_caching is True
+
+
+def test_a_consumer_starts_without_producer_endpoints(gemma3: Path) -> None:
+    # vLLM 0.33: requests name their producers (ec_transfer_params), so
+    # `paged serve --ec-role consumer` needs no producer list.
+    parsed = build_parser().parse_args(["serve", str(gemma3), "--ec-role", "consumer"])
+    config = EngineArgs(
+        model=str(gemma3), max_model_len=256, ec_transfer_config=ec_transfer_config_json(parsed)
+    ).create_engine_config()
+    builder = config.ec_connector_factory
+    assert isinstance(builder, ECConnectorBuilder)
+    scheduler_side = builder.make_scheduler_ec_connector(1)
+    worker_side = builder.make_worker_ec_connector(0, 1)
+    try:
+        assert scheduler_side.is_consumer and not scheduler_side.has_cache_item("h")
+    finally:
+        scheduler_side.shutdown()
+        worker_side.shutdown()
 
 
 def test_a_producer_refuses_a_kv_connector(gemma3: Path) -> None:

@@ -27,6 +27,8 @@ class Upstreams:
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, dict[str, Any] | None]] = []
         self.fail: dict[str, httpx.Response] = {}
+        # What encoder instances answer as ec_transfer_params (vLLM 0.33), by host.
+        self.announce: dict[str, dict[str, Any]] = {}
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         host = f"{request.url.scheme}://{request.url.host}"
@@ -40,7 +42,10 @@ class Upstreams:
             # An encoder-only instance: no tokens, finish_reason length.
             choice = {"index": 0, "message": {"role": "assistant", "content": ""},
                       "finish_reason": "length"}  # fmt: skip
-            return httpx.Response(200, json={"choices": [choice]})
+            answer: dict[str, Any] = {"choices": [choice]}
+            if host in self.announce:
+                answer["ec_transfer_params"] = self.announce[host]
+            return httpx.Response(200, json=answer)
         if host.startswith("http://p"):
             return httpx.Response(200, json={"choices": [], "kv_transfer_params": KV_PARAMS})
         if body is not None and body.get("stream"):
@@ -76,6 +81,7 @@ def test_encode_request_is_vllms() -> None:
     assert req["max_tokens"] == 1 and req["max_completion_tokens"] == 1
     assert req["stream"] is False and req["n"] == 1
     assert "stream_options" not in req and "kv_transfer_params" not in req
+    assert "ec_transfer_params" not in encode_request({**body, "ec_transfer_params": {}})
     assert req["messages"] == body["messages"]
     assert body["max_tokens"] == 50  # the original is untouched
 
@@ -101,6 +107,50 @@ def test_e_pd_images_go_to_an_encoder_first_then_the_original_to_decode(
     assert encode_body["max_tokens"] == 1
     e_pd.post("/v1/chat/completions", json=body)
     assert upstreams.hosts() == [E1, D1, E2, D1]  # round robin over the encoders
+
+
+def announced(host: str, port: int) -> dict[str, Any]:
+    entry = {"modality": "image", "item_indices": [0], "metadata": {}}
+    return {"h-img": {**entry, "peer_host": host, "peer_port": port}}
+
+
+def test_the_encoders_ec_transfer_params_reach_the_consumer(
+    e_pd: TestClient, upstreams: Upstreams
+) -> None:
+    # vLLM 0.33: the encoder says where it holds each item; the consumer (here the
+    # PD instance) gets that in its body, the client's own entries merged under it.
+    upstreams.announce = {E1: announced("10.0.0.1", 5700), E2: announced("10.0.0.2", 5701)}
+    client_params = {"h-img": {"peer_host": "stale", "peer_port": 1}, "other": {"x": 1}}
+    body = chat(IMAGE, max_tokens=9, ec_transfer_params=client_params)
+    assert e_pd.post("/v1/chat/completions", json=body).status_code == 200
+    (encode_body,) = upstreams.bodies("http://e")
+    assert "ec_transfer_params" not in encode_body  # the producer announces, is not told
+    (decode_body,) = upstreams.bodies("http://d")
+    assert decode_body["ec_transfer_params"] == {**announced("10.0.0.1", 5700), "other": {"x": 1}}
+    assert decode_body["messages"] == body["messages"]
+    assert e_pd.post("/v1/chat/completions", json=chat(IMAGE)).status_code == 200
+    assert upstreams.bodies("http://d")[1]["ec_transfer_params"] == announced("10.0.0.2", 5701)
+
+
+def test_an_encoder_that_announces_nothing_leaves_the_body_alone(
+    e_pd: TestClient, upstreams: Upstreams
+) -> None:
+    upstreams.announce = {E1: "not an object"}  # type: ignore[dict-item]
+    body = chat(IMAGE)
+    assert e_pd.post("/v1/chat/completions", json=body).status_code == 200
+    assert upstreams.bodies("http://d") == [body]
+
+
+def test_e_p_d_gives_the_prefill_and_decode_the_encoders_params(upstreams: Upstreams) -> None:
+    upstreams.announce = {E1: announced("10.0.0.1", 5700)}
+    with proxy(upstreams, ProxyConfig((P1,), (D1,), encode_urls=(E1,))) as client:
+        assert client.post("/v1/chat/completions", json=chat(IMAGE)).status_code == 200
+    (prefill_body,) = upstreams.bodies("http://p")
+    assert prefill_body["ec_transfer_params"] == announced("10.0.0.1", 5700)
+    assert prefill_body["kv_transfer_params"]["do_remote_decode"] is True
+    (decode_body,) = upstreams.bodies("http://d")
+    assert decode_body["ec_transfer_params"] == announced("10.0.0.1", 5700)
+    assert decode_body["kv_transfer_params"] == KV_PARAMS
 
 
 def test_text_only_requests_skip_the_encoder(e_pd: TestClient, upstreams: Upstreams) -> None:

@@ -149,6 +149,9 @@ class FakeEngine:
                     finish_reason=finish,
                     stop_reason=stop_reason,
                     num_cached_tokens=3 if r.first else 0,
+                    # A stand-in EC connector: the last output answers the request's
+                    # ec_transfer_params back (as an EPD producer answers its own).
+                    ec_transfer_params=r.request.ec_transfer_params if finish else None,
                 )
             )
             r.first = False

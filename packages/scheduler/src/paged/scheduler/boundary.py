@@ -74,6 +74,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, fro
     kv_transfer_params: KVTransferParams | None = None
     # Trailing and optional, so messages from senders without it still decode.
     lora_path: str | None = None  # the adapter's weights; keyed with lora_request
+    # vLLM 0.33's per-request `ec_transfer_params`: {mm_hash: {"peer_host", "peer_port",
+    # ...}} naming the EPD producer that holds each item's encoder output (an open
+    # dict, as the client or proxy sent it; the EC connector reads what it knows).
+    ec_transfer_params: dict[str, Any] | None = None
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -299,6 +303,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, froz
     finish_detail: str | None = None
     kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0
+    # What the EC connector's `request_finished` returned (vLLM's ec_transfer_params).
+    ec_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

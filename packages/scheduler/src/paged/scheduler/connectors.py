@@ -96,7 +96,7 @@ class ECConnectorScheduler(Protocol):
     `build_connector_meta` returns) and `ModelRunnerOutput.ec_connector_output`.
     Call order, per `schedule()`:
 
-        has_cache_item(mm_hash)            for an item that is neither in the encoder
+        has_cache_item(mm_hash, request)   for an item that is neither in the encoder
                                            cache nor already chosen this step
         is_async_load(mm_hash)             only if has_cache_item said True
         update_state_after_alloc(req, i)   the item got encoder-cache space and will be
@@ -115,9 +115,12 @@ class ECConnectorScheduler(Protocol):
     the item itself); other requests keep being scheduled meanwhile.
     """
 
-    def has_cache_item(self, identifier: str) -> bool:
+    def has_cache_item(self, identifier: str, request: Request | None = None) -> bool:
         """Whether the encoder output of item `identifier` (mm hash) can be loaded.
 
+        `request` is the request that needs it (paged's addition to vLLM's
+        signature; None when asked outside a request), so a connector can read
+        its `ec_transfer_params` (vLLM 0.33: which producer holds the item).
         Hot path (once per uncached item per step): answer from local state,
         never block on I/O. Must not mutate state a False answer would leave behind.
         """

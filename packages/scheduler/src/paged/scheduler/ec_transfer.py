@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from paged.multimodal.encoder_cache import EncoderCacheManager
 from paged.multimodal.inputs import MultiModalFeatureSpec
@@ -139,8 +140,12 @@ class ECTransferState:
         request: Request,
         encoder_cache: EncoderCacheManager,
         ec_connector: ECConnectorScheduler | None,
-    ) -> bool:
-        """Gap 2: `request` ended. True if its encoder references must outlive it."""
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Gap 2: `request` ended: (references must outlive it, the connector's params).
+
+        The params are what the connector's `request_finished` returned, for the
+        response's `ec_transfer_params` (vLLM 0.33: where each item's output is held).
+        """
         for mm_hash in [f.identifier for f in request.mm_features]:
             load = self.loads.get(mm_hash)
             if load is not None:
@@ -148,10 +153,10 @@ class ECTransferState:
                 if load.landed and not load.waiters:
                     self._release(mm_hash, encoder_cache)
         if ec_connector is None:
-            return False
-        delay, _params = ec_connector.request_finished(request)
+            return False, None
+        delay, params = ec_connector.request_finished(request)
         if not delay:
-            return False
+            return False, params
         # References were dropped as each placeholder got computed; take them
         # again on the entries still cached (this revives freeable ones), so
         # none is evicted under the sender. An entry evicted earlier cannot be
@@ -162,9 +167,9 @@ class ECTransferState:
             if encoder_cache.check_and_update_cache(request, i)
         }
         if not hashes:
-            return False
+            return False, params
         self.delayed[request.request_id] = (request, hashes)
-        return True
+        return True, params
 
     def _sent(self, mm_hash: str, encoder_cache: EncoderCacheManager) -> None:
         done: list[str] = []

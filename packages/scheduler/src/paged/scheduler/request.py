@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from paged.kvcache.ids import BlockHash
 from paged.multimodal.inputs import MultiModalFeatureSpec
@@ -91,6 +92,7 @@ class Request:
         "block_hashes",
         "cache_salt",
         "client_index",
+        "ec_transfer_params",
         "eos_token_id",
         "finish_detail",
         "kv_load_target_tokens",
@@ -131,6 +133,7 @@ class Request:
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         block_hasher: BlockHasher | None = None,
+        ec_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -145,6 +148,8 @@ class Request:
         self.lora_path = lora_path
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
+        # Which EPD producer holds each mm item's encoder output (the EC connector reads it).
+        self.ec_transfer_params = ec_transfer_params
         # max_tokens=None means "whatever max_model_len leaves after the prompt".
         requested = sampling_params.max_tokens
         room = max(max_model_len - self.num_prompt_tokens, 0)
@@ -193,6 +198,7 @@ class Request:
             cache_salt=request.cache_salt,
             kv_transfer_params=request.kv_transfer_params,
             block_hasher=block_hasher,
+            ec_transfer_params=request.ec_transfer_params,
         )
 
     # -- token views --------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from paged.scheduler.boundary import (
     EngineCoreOutput,
@@ -54,7 +55,14 @@ def append_and_check(
     return token_ids, False
 
 
-def free_request(state: SchedulerState, request: Request) -> KVTransferParams | None:
+class FinishedParams(NamedTuple):
+    """What the connectors returned for a finished request (for its last output)."""
+
+    kv: KVTransferParams | None
+    ec: dict[str, Any] | None
+
+
+def free_request(state: SchedulerState, request: Request) -> FinishedParams:
     """Release a request that just reached a finished status (blocks maybe later)."""
     req_id = request.request_id
     # Aborted during an async load the worker has not reported done: it may
@@ -66,7 +74,10 @@ def free_request(state: SchedulerState, request: Request) -> KVTransferParams | 
     state.failed_recving_kv_req_ids.discard(req_id)
     delay, params = connector_finished(state, request, was_loading)
     # vLLM's gap 2: the EC connector hears of every end; it may keep the entries.
-    if not state.ec_transfer.request_ended(request, state.encoder_cache, state.ec_connector):
+    ec_delay, ec_params = state.ec_transfer.request_ended(
+        request, state.encoder_cache, state.ec_connector
+    )
+    if not ec_delay:
         state.encoder_cache.free(request)
     state.finished_req_ids.add(req_id)
     per_client = state.finished_req_ids_per_client.get(request.client_index)
@@ -78,7 +89,7 @@ def free_request(state: SchedulerState, request: Request) -> KVTransferParams | 
         state.delayed_free_req_ids.add(req_id)
     else:
         release_blocks(state, request)
-    return params
+    return FinishedParams(params, ec_params)
 
 
 def finish_requests(
@@ -225,15 +236,15 @@ def update_requests(
             and _grammar_rejects(structured, request, req_id, new_tokens)
         ):
             stopped = True  # checked even after a stop token, as the tokens were appended
-        kv_params = None
+        kv_params = ec_params = None
         if stopped:
             if running:
                 stopped_running.add(req_id)
             else:
                 stopped_preempted.append(request)
-            kv_params = free_request(state, request)
+            kv_params, ec_params = free_request(state, request)
         prompt_logprobs = prompt_logprobs_by_id.get(req_id) if prompt_logprobs_by_id else None
-        if new_tokens or stopped or prompt_logprobs is not None or kv_params is not None:
+        if new_tokens or stopped or prompt_logprobs is not None:
             logprobs = logprobs_by_id.get(req_id) if logprobs_by_id else None
             if logprobs is not None:
                 logprobs = _trim_logprobs(logprobs, len(new_tokens))
@@ -248,6 +259,7 @@ def update_requests(
                 request.finish_detail,
                 kv_params,
                 cached if cached > 0 else 0,
+                ec_params,
             )
             bucket = outputs.get(request.client_index)
             if bucket is None:

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from paged.scheduler import SamplingParams, SchedulerStats
 from paged.scheduler.boundary import KVTransferParams
@@ -123,6 +123,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        ec_transfer_params: dict[str, Any] | None = None,
     ) -> RequestOutputCollector:
         """Validate, register and submit one request; return its output collector."""
         self._check_can_add(request_id)
@@ -138,6 +139,7 @@ class AsyncLLM:
                 priority=priority,
                 cache_salt=cache_salt,
                 kv_transfer_params=kv_transfer_params,
+                ec_transfer_params=ec_transfer_params,
                 commit_mm=False,
             )
             # Checked again: the engine may have died, or the id been taken, while

@@ -32,14 +32,18 @@ def add_ec_shorthand_args(group: Any) -> None:
         "--ec-role",
         default=None,
         choices=["producer", "consumer", "both", "ec_producer", "ec_consumer", "ec_both"],
-        help="producer: an encode-only EPD instance (vision encoder only, no KV cache); "
-        "consumer: loads embeddings from producers",
+        help="producer: an encode-only EPD instance (vision encoder only, no KV cache; its "
+        "answers name where each image's embeddings are held: ec_transfer_params); "
+        "consumer: loads embeddings from the producer each request's ec_transfer_params "
+        "name (as `paged proxy --encode` forwards them), else encodes them itself",
     )
     group.add_argument(
         "--ec-connector-extra-config",
         default=None,
         metavar="JSON",
-        help='connector keys, e.g. \'{"producer_endpoints": ["127.0.0.1:5700"]}\'',
+        help='connector keys, e.g. \'{"listen_port": 5700, "advertise_host": "enc-0"}\' '
+        "(producer) or '{\"transfer_timeout\": 5}' (consumer; optional static "
+        '"producer_endpoints" for requests that name none)',
     )
 
 

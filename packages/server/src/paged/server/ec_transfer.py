@@ -81,6 +81,25 @@ def ec_connector_builder(
     )
 
 
+def parse_request_ec_transfer_params(raw: object) -> dict[str, Any] | None:
+    """A request's `ec_transfer_params` (vLLM 0.33); `InvalidRequestError` (HTTP 400) if bad.
+
+    Accepted on any instance: one without an EC connector ignores them, as
+    vLLM does (vllm/v1/engine/core.py:549 warns and disables the transfer), so a
+    proxy can send the same body to a decode instance that is no consumer.
+    """
+    from paged.connectors.ec.transfer_params import (
+        ECTransferParamsError,
+        validate_ec_transfer_params,
+    )
+    from paged.server.errors import InvalidRequestError
+
+    try:
+        return validate_ec_transfer_params(raw)
+    except ECTransferParamsError as exc:
+        raise InvalidRequestError("ec_transfer_params", str(exc)) from None
+
+
 def make_scheduler_ec_connector(engine_config: EngineConfig) -> ECConnectorBase | None:
     """The scheduler-side EC connector for this engine, or None without one."""
     builder = engine_config.ec_connector_factory

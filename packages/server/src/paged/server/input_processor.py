@@ -172,6 +172,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        ec_transfer_params: dict[str, Any] | None = None,
         commit_mm: bool = True,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Return the engine request and the prompt text (None for token prompts).
@@ -212,6 +213,7 @@ class InputProcessor:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
             mm_features=mm_features,
+            ec_transfer_params=ec_transfer_params,
         )
         if mm_features is not None and commit_mm:
             request = self.commit_mm(request)

@@ -57,6 +57,7 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None
+        self.ec_transfer_params: dict[str, Any] | None = None
         self._num_sent_tokens = 0  # token ids already returned (delta mode)
         self._num_sent_logprobs = 0
 
@@ -103,6 +104,7 @@ class RequestState:
             error=detail if completion.finish_reason == "error" else None,
             finish_detail=detail,
             kv_transfer_params=self.kv_transfer_params if finished else None,
+            ec_transfer_params=self.ec_transfer_params if finished else None,
         )
 
 
@@ -214,6 +216,8 @@ class OutputProcessor:
             state.logprobs.update_prompt(out.new_prompt_logprobs)
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = kv_transfer_params_to_dict(out.kv_transfer_params)
+            if out.ec_transfer_params is not None:
+                state.ec_transfer_params = out.ec_transfer_params
             if stop_str is not None:
                 state.logprobs.truncate(len(state.detokenizer.output_token_ids))
                 finish, stop_reason = FinishReason.STOP, stop_str

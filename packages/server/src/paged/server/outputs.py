@@ -79,3 +79,6 @@ class RequestOutput:
     finish_detail: str | None = None
     # What the KV connector returned when the request finished (vLLM's field).
     kv_transfer_params: dict[str, Any] | None = None
+    # What the EC connector returned when the request finished (vLLM 0.33's
+    # ec_transfer_params: an EPD producer's map of where each item is held).
+    ec_transfer_params: dict[str, Any] | None = None

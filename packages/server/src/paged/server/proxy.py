@@ -4,6 +4,11 @@
                                       max_tokens 1, stream false, n 1; the encoder-only
                                       instance runs the vision encoder, hands the
                                       embeddings to its EC connector and answers)
+                   <------- {"ec_transfer_params": {mm_hash: {peer_host, peer_port, ...}}}
+                                     (vLLM 0.33: where each item's output is held; merged
+                                      into the bodies of stages 1 and 2, so the consumer
+                                      fetches from that producer without being told of
+                                      it at start-up)
                    --1--> prefill  (kv_transfer_params {"do_remote_decode": true},
                                       max_tokens 1, stream false, n 1)
                    <------- {"kv_transfer_params": {... remote_block_ids, host, port ...}}
@@ -129,9 +134,27 @@ def encode_request(body: dict[str, Any]) -> dict[str, Any]:
         req["max_completion_tokens"] = 1
     req.pop("stream_options", None)
     req.pop("kv_transfer_params", None)
+    req.pop("ec_transfer_params", None)  # the producer is asked, it announces
     req["n"] = 1
     req.pop("best_of", None)
     return req
+
+
+def with_ec_transfer_params(body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """`body` with the encoder's `ec_transfer_params` merged over any the client sent.
+
+    As vLLM 0.33's proxy (disagg_epd_proxy.py:1020): the encoder's entries are
+    keyed by mm hash and win over the client's; an encoder that announced
+    nothing (not an object) leaves the body as it was, and the consumer then
+    encodes the items itself (or asks its static producer_endpoints).
+    """
+    announced = answer.get("ec_transfer_params")
+    if not isinstance(announced, dict) or not announced:
+        return body
+    merged = dict(body)
+    sent = body.get("ec_transfer_params")
+    merged["ec_transfer_params"] = {**(sent if isinstance(sent, dict) else {}), **announced}
+    return merged
 
 
 class _UpstreamError(Exception):
@@ -198,15 +221,19 @@ async def _handle(router: Router, request: Request, path: str) -> Response:
     stream = body.get("stream") is True
 
     async def prefill_then_decode_params() -> dict[str, Any]:
+        consumer_body = body
         if router.config.encode_urls and has_mm_input(body):
-            # Stage 0: the encoder holds the embeddings once it has answered.
-            await router.post_json(router.next_encode(), path, encode_request(body))
+            # Stage 0: the encoder holds the embeddings once it has answered, and
+            # its answer says where (ec_transfer_params), for the consumer.
+            encoded = await router.post_json(router.next_encode(), path, encode_request(body))
+            consumer_body = with_ec_transfer_params(body, encoded)
         if not router.config.prefill_urls:
-            return copy.deepcopy(body)  # E + PD: the decode instance computes the prompt
+            # E + PD: the decode instance computes the prompt.
+            return copy.deepcopy(consumer_body)
         prefill_url = router.next_prefill()
-        answer = await router.post_json(prefill_url, path, prefill_request(body))
+        answer = await router.post_json(prefill_url, path, prefill_request(consumer_body))
         params = answer.get("kv_transfer_params")
-        decode_body = copy.deepcopy(body)
+        decode_body = copy.deepcopy(consumer_body)
         if isinstance(params, dict):
             decode_body["kv_transfer_params"] = params
         else:

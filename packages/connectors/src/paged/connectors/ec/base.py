@@ -12,7 +12,7 @@ engine core (next to the scheduler, torch never touched there) and with
 
 Scheduler-side calls (engine core process), per `schedule()`:
 
-    has_cache_item(mm_hash) -> bool          an item not in the encoder cache: load it?
+    has_cache_item(mm_hash, request) -> bool an item not in the encoder cache: load it?
     is_async_load(mm_hash) -> bool           will the load land after this step?
     update_state_after_alloc(request, i)     item i got cache space; remember to load it
     build_connector_meta(scheduler_output)   end of schedule(); resets per-step state
@@ -290,8 +290,11 @@ class ECConnectorBase(abc.ABC):
     # --------------------------------------------------------------- scheduler side
 
     @abc.abstractmethod
-    def has_cache_item(self, identifier: str) -> bool:
+    def has_cache_item(self, identifier: str, request: Request | None = None) -> bool:
         """Whether the encoder output of `identifier` (mm hash) can be loaded.
+
+        `request` (paged's addition; None outside a request) is the request that
+        needs it: its `ec_transfer_params` may name the producer holding the item.
 
         The scheduler's hot path: answer from local state or a cheap stat,
         never block on the network.

@@ -167,7 +167,7 @@ class ECExampleConnector(ECConnectorBase):
 
     # --------------------------------------------------------------- scheduler side
 
-    def has_cache_item(self, identifier: str) -> bool:
+    def has_cache_item(self, identifier: str, request: Request | None = None) -> bool:
         return self.is_consumer and os.path.exists(self.file_path(identifier))
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:

@@ -142,9 +142,9 @@ class MultiECConnector(ECConnectorBase):
 
     # --------------------------------------------------------------- scheduler side
 
-    def has_cache_item(self, identifier: str) -> bool:
+    def has_cache_item(self, identifier: str, request: Request | None = None) -> bool:
         for child in self.children:
-            if child.has_cache_item(identifier):
+            if child.has_cache_item(identifier, request):
                 self._chosen[identifier] = child
                 return True
         self._chosen.pop(identifier, None)

@@ -117,7 +117,7 @@ def schedule_encoder_inputs(
         loadable = (
             ec_connector is not None
             and (ec_transfer is None or mm_hash not in ec_transfer.failed)
-            and ec_connector.has_cache_item(mm_hash)
+            and ec_connector.has_cache_item(mm_hash, request)
         )
         if loadable and ec_connector is not None and ec_connector.is_async_load(mm_hash):
             decision.to_load_async.append(i)

@@ -160,7 +160,8 @@ def _finish_too_long(state: SchedulerState, request: Request) -> None:
         new_token_ids=[],
         finish_reason=FinishReason.LENGTH,
         finish_detail=request.finish_detail,
-        kv_transfer_params=params,
+        kv_transfer_params=params.kv,
+        ec_transfer_params=params.ec,
         num_cached_tokens=max(request.num_cached_tokens, 0),
     )
     state.pending_outputs.append((request.client_index, output))

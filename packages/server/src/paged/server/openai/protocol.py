@@ -193,6 +193,9 @@ class SamplingFields(TopLevelRequest):
     cache_salt: str | None = None
     # vLLM's KV connector instructions (checked in paged.server.kv_transfer).
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM 0.33's EPD field: {mm_hash: {"peer_host", "peer_port", ...}}, where each
+    # item's encoder output is held (checked in paged.server.ec_transfer).
+    ec_transfer_params: dict[str, Any] | None = None
     # Output constraints, at most one source (mapped and checked in openai/structured.py):
     # OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* fields.
     response_format: ResponseFormat | None = None
@@ -324,6 +327,8 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # What the EC connector answered (an EPD producer: where each item is held).
+    ec_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionStreamResponse(BaseModel):
@@ -417,6 +422,8 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # What the EC connector answered (an EPD producer: where each item is held).
+    ec_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

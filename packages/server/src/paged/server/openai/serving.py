@@ -20,6 +20,7 @@ from paged.scheduler.boundary import KVTransferParams
 from paged.server.async_llm import AsyncLLM
 from paged.server.chat_utils import apply_chat_template, collect_image_urls, normalize_messages
 from paged.server.collector import RequestOutputCollector
+from paged.server.ec_transfer import parse_request_ec_transfer_params
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import PromptType, TextPrompt
 from paged.server.kv_transfer import parse_request_kv_transfer_params
@@ -117,10 +118,13 @@ class _Totals:
     cached: int = 0
     seen_prompts: set[int] = field(default_factory=set)
     kv_transfer_params: dict[str, Any] | None = None  # from the connector, once finished
+    ec_transfer_params: dict[str, Any] | None = None  # from the EC connector, once finished
 
     def add(self, prompt_idx: int, out: RequestOutput) -> None:
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
+        if out.ec_transfer_params is not None:
+            self.ec_transfer_params = out.ec_transfer_params
         if prompt_idx not in self.seen_prompts:
             self.seen_prompts.add(prompt_idx)
             self.prompt += len(out.prompt_token_ids)
@@ -148,6 +152,7 @@ class OpenAIServing:
         req_priority: int,
         cache_salt: str | None,
         kv_transfer_params: KVTransferParams | None = None,
+        ec_transfer_params: dict[str, Any] | None = None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         submitted: list[tuple[str, RequestOutputCollector]] = []
         try:
@@ -160,6 +165,7 @@ class OpenAIServing:
                     priority=req_priority,
                     cache_salt=cache_salt,
                     kv_transfer_params=kv_transfer_params,
+                    ec_transfer_params=ec_transfer_params,
                 )
                 submitted.append((rid, queue))
         except BaseException:
@@ -204,10 +210,11 @@ class OpenAIServing:
         self.check_model(req.model)
         params = completion_sampling_params(req)
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
+        ec_params = parse_request_ec_transfer_params(req.ec_transfer_params)
         prompts = _completion_prompts(req)
         base_id = req.request_id or random_id("cmpl")
         streams = await self._submit(
-            base_id, prompts, params, req.priority, req.cache_salt, kv_params
+            base_id, prompts, params, req.priority, req.cache_salt, kv_params, ec_params
         )
         texts = [p.get("prompt") if isinstance(p, dict) else None for p in prompts]
         if req.stream:
@@ -236,6 +243,7 @@ class OpenAIServing:
             choices=choices,
             usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
             kv_transfer_params=totals.kv_transfer_params,
+            ec_transfer_params=totals.ec_transfer_params,
         )
 
     async def _completion_stream(
@@ -304,6 +312,7 @@ class OpenAIServing:
         )
         params = chat_sampling_params(req, tools.structured_json(tool_req))
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
+        ec_params = parse_request_ec_transfer_params(req.ec_transfer_params)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         mm = self.llm.input_processor.mm_frontend
         image_urls = collect_image_urls(messages)
@@ -332,7 +341,7 @@ class OpenAIServing:
             prompt["multi_modal_data"] = {"image": await _load_images(mm, image_urls)}
         base_id = req.request_id or random_id("chatcmpl")
         (stream,) = await self._submit(
-            base_id, [prompt], params, req.priority, req.cache_salt, kv_params
+            base_id, [prompt], params, req.priority, req.cache_salt, kv_params, ec_params
         )
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
@@ -372,6 +381,7 @@ class OpenAIServing:
             choices=choices,
             usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
             kv_transfer_params=totals.kv_transfer_params,
+            ec_transfer_params=totals.ec_transfer_params,
         )
 
     async def _chat_stream(

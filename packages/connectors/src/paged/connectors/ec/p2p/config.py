@@ -3,11 +3,16 @@
 Producer (ec_producer / ec_both):
     listen_host          address its worker serves outputs on ("127.0.0.1")
     listen_port          port of that ROUTER socket (5700)
+    advertise_host       the host a consumer should dial, announced in the response's
+                         ec_transfer_params as peer_host (default: listen_host; the
+                         machine's host name when listen_host is a wildcard)
     hold_timeout         seconds an output nobody fetched is kept before it is freed (120)
 
 Consumer (ec_consumer / ec_both):
-    producer_endpoints   the producers' "host:port" (or "tcp://host:port") list; every one
-                         is asked for a hash it does not know the holder of
+    producer_endpoints   optional: "host:port" (or "tcp://host:port") producers asked for
+                         an item the request's ec_transfer_params name no producer for.
+                         Without it (vLLM 0.33's way) a consumer fetches only from the
+                         producer each request announces and encodes the other items
     transfer_timeout     seconds to wait for a producer's reply before it counts as dead (5)
 
 What a consumer does with an item no producer delivered is the transfer
@@ -18,6 +23,7 @@ naming the key.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +32,16 @@ _KNOWN = frozenset(
     {
         "listen_host",
         "listen_port",
+        "advertise_host",
         "hold_timeout",
         "producer_endpoints",
         "transfer_timeout",
     }
 )
+
+
+# Bind-all addresses: no consumer can dial them, so another host is announced.
+_WILDCARDS = frozenset({"0.0.0.0", "*", "::", "[::]", ""})
 
 
 def _endpoint(raw: str) -> str:
@@ -53,6 +64,7 @@ class ECZmqConfig:
     hold_timeout: float = 120.0
     producer_endpoints: tuple[str, ...] = ()
     transfer_timeout: float = 5.0
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalise "host:port" to a ZMQ address once, here.
@@ -69,6 +81,15 @@ class ECZmqConfig:
                     f"ec_connector_extra_config.{name} must be positive seconds, "
                     f"got {getattr(self, name)}"
                 )
+
+    @property
+    def peer_host(self) -> str:
+        """The host this producer announces as `peer_host` (see `advertise_host`)."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.listen_host in _WILDCARDS:
+            return socket.gethostname()
+        return self.listen_host
 
     @property
     def listen_endpoint(self) -> str:
@@ -115,4 +136,5 @@ class ECZmqConfig:
             hold_timeout=pick("hold_timeout", float),
             producer_endpoints=tuple(endpoints_raw),
             transfer_timeout=pick("transfer_timeout", float),
+            advertise_host=pick("advertise_host", str),
         )

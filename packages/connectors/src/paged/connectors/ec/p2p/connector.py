@@ -2,12 +2,17 @@
 
     proxy -> producer   the request (max_tokens 1); the producer runs only the vision
                         encoder: `save_caches` hands each output to its EmbeddingServer,
-                        which holds a CPU copy; the request finishes with no tokens
-    proxy -> consumer   the same request; for each image not in its encoder cache the
-                        scheduler asks `has_cache_item` (yes: a consumer always tries its
-                        producers), allocates encoder-cache space and records the load;
-                        the load is asynchronous: the request waits for the embeddings
-                        while the engine steps the others
+                        which holds a CPU copy; the request finishes with no tokens and
+                        its response's `ec_transfer_params` name, per mm hash, where the
+                        output is held (peer_host, peer_port: vLLM 0.33's shape,
+                        `paged.connectors.ec.transfer_params`)
+    proxy -> consumer   the same request with those `ec_transfer_params`; for each image
+                        not in its encoder cache the scheduler asks `has_cache_item`
+                        (yes if the request names its producer, or static
+                        producer_endpoints are configured; else it is encoded here),
+                        allocates encoder-cache space and records the load with the
+                        producer to ask; the load is asynchronous: the request waits
+                        for the embeddings while the engine steps the others
     consumer worker     `start_load_caches` submits the hashes to its EmbeddingFetcher
                         (a thread); `get_finished` copies what arrived straight into the
                         registered preallocated encoder cache -> finished_recving; what
@@ -41,6 +46,7 @@ from paged.connectors.ec.config import ECTransferConfig
 from paged.connectors.ec.p2p.config import ECZmqConfig
 from paged.connectors.ec.p2p.fetcher import EmbeddingFetcher, FetchResult
 from paged.connectors.ec.p2p.server import EmbeddingServer
+from paged.connectors.ec.transfer_params import announced_endpoint, producer_entries
 from paged.scheduler.boundary import ECConnectorMetadata, SchedulerOutput
 from paged.scheduler.request import Request
 
@@ -54,6 +60,8 @@ _IDLE_WAIT_S = 0.005
 class ECZmqLoad(msgspec.Struct, array_like=True, frozen=True):
     mm_hash: str
     num_embeds: int
+    # The producers to ask: the one the request announced, else the static list.
+    endpoints: list[str] = msgspec.field(default_factory=list)
 
 
 class ECZmqMetadata(ECConnectorMetadata, array_like=True, omit_defaults=True, frozen=True):
@@ -69,12 +77,9 @@ class ECZmqConnector(ECConnectorBase):
         self, config: ECTransferConfig, role: ECConnectorRole, context: ECConnectorContext
     ) -> None:
         super().__init__(config, role, context)
+        # A consumer needs no producer list: each request names its producers
+        # (vLLM 0.33's ec_transfer_params); a static list is the fallback.
         self.zmq_config = ECZmqConfig.from_extra_config(config.ec_connector_extra_config)
-        if self.is_consumer and not self.zmq_config.producer_endpoints:
-            raise ValueError(
-                "ECZmqConnector: ec_role consumer needs ec_connector_extra_config."
-                "producer_endpoints (the encoder producers' host:port)"
-            )
         # Scheduler side: this step's loads.
         self._step_loads: list[ECZmqLoad] = []
         # Worker side.
@@ -103,11 +108,21 @@ class ECZmqConnector(ECConnectorBase):
 
     # --------------------------------------------------------------- scheduler side
 
-    def has_cache_item(self, identifier: str) -> bool:
-        # The proxy sends a request here only after a producer encoded its images,
-        # so a consumer always tries; a miss comes back as a failed load.
+    def has_cache_item(self, identifier: str, request: Request | None = None) -> bool:
+        # Some producer is worth asking: the one the request announces for this hash
+        # (the proxy forwards the encoder's answer), or any of the static list. A
+        # miss (not held, producer dead) comes back as a failed load.
         self._require_role(ECConnectorRole.SCHEDULER, "has_cache_item")
-        return self.is_consumer
+        if not self.is_consumer:
+            return False
+        return bool(self._endpoints_for(identifier, request))
+
+    def _endpoints_for(self, mm_hash: str, request: Request | None) -> list[str]:
+        params = request.ec_transfer_params if request is not None else None
+        announced = announced_endpoint(params, mm_hash)
+        if announced is not None:
+            return [announced]
+        return list(self.zmq_config.producer_endpoints)
 
     def is_async_load(self, identifier: str) -> bool:
         return True
@@ -115,14 +130,27 @@ class ECZmqConnector(ECConnectorBase):
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         self._require_role(ECConnectorRole.SCHEDULER, "update_state_after_alloc")
         feature = request.mm_features[index]
-        self._step_loads.append(ECZmqLoad(feature.identifier, feature.mm_position.get_num_embeds()))
+        self._step_loads.append(
+            ECZmqLoad(
+                feature.identifier,
+                feature.mm_position.get_num_embeds(),
+                self._endpoints_for(feature.identifier, request),
+            )
+        )
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # A producer keeps a finished request's encoder-cache entries until its worker
         # reports them released (acknowledged by the consumer, or hold_timeout), so the
-        # engine keeps stepping, and reporting, until then.
+        # engine keeps stepping, and reporting, until then. Its answer names where each
+        # item is held (vLLM 0.33's ec_transfer_params) for the proxy to forward. An
+        # item served from the producer's encoder cache was not saved again: a consumer
+        # that asks for it after its hold ended gets a miss and encodes it itself.
         self._require_role(ECConnectorRole.SCHEDULER, "request_finished")
-        return self.is_producer and bool(request.mm_features), None
+        if not (self.is_producer and request.mm_features):
+            return False, None
+        features = [(f.identifier, f.modality) for f in request.mm_features]
+        config = self.zmq_config
+        return True, producer_entries(features, config.peer_host, config.listen_port)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECZmqMetadata:
         self._require_role(ECConnectorRole.SCHEDULER, "build_connector_meta")
@@ -139,7 +167,7 @@ class ECZmqConnector(ECConnectorBase):
             if load.mm_hash in self._expected:
                 continue
             self._expected[load.mm_hash] = load.num_embeds
-            self.fetcher.submit(load.mm_hash)
+            self.fetcher.submit(load.mm_hash, load.endpoints)
 
     def save_caches(self, encoder_cache: EncoderCache, mm_hash: str, **kwargs: Any) -> None:
         self._require_role(ECConnectorRole.WORKER, "save_caches")

@@ -1,8 +1,10 @@
 """Consumer side: fetch encoder outputs by mm hash in a background thread.
 
-    worker: submit(mm_hash)   queued for the thread (a hash already in flight is not
-                              asked twice)
-    thread: FETCH to every producer; the first DATA with bytes wins and is
+    worker: submit(mm_hash, endpoints)
+                              queued for the thread (a hash already in flight is not
+                              asked twice); `endpoints` are the producers to ask (the
+                              one the request announced), else the configured list
+    thread: FETCH to those producers; the first DATA with bytes wins and is
             acknowledged (that producer frees it); errors from every producer, or
             no reply within transfer_timeout, fail the fetch
     worker: collect()         finished fetches (a CPU tensor or an error); the worker
@@ -21,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,14 +62,9 @@ class EmbeddingFetcher:
     """See the module docstring. One per worker."""
 
     def __init__(self, config: ECZmqConfig, news: threading.Event | None = None) -> None:
-        if not config.producer_endpoints:
-            raise ValueError(
-                "ECZmqConnector: a consumer needs ec_connector_extra_config.producer_endpoints "
-                "(the encoder producers' host:port)"
-            )
         self._config = config
         self._news = news
-        self._inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, tuple[str, ...]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._results: list[FetchResult] = []
         self._ids = itertools.count(1)
@@ -78,8 +76,9 @@ class EmbeddingFetcher:
         self._thread = threading.Thread(target=self._run, name="paged-ec-fetcher", daemon=True)
         self._thread.start()
 
-    def submit(self, mm_hash: str) -> None:
-        self._inbox.put(mm_hash)
+    def submit(self, mm_hash: str, endpoints: Sequence[str] = ()) -> None:
+        """Fetch `mm_hash` from `endpoints` (ZMQ addresses), else the configured producers."""
+        self._inbox.put((mm_hash, tuple(endpoints)))
 
     def collect(self) -> list[FetchResult]:
         with self._lock:
@@ -120,14 +119,17 @@ class EmbeddingFetcher:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                mm_hash = self._inbox.get_nowait()
+                mm_hash, endpoints = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if mm_hash in self._by_hash:
                 continue
             fetch = _Fetch(mm_hash, next(self._ids), time.monotonic())
             request = wire.ENCODER.encode(wire.FetchRequest(fetch.transfer_id, mm_hash))
-            for endpoint in self._config.producer_endpoints:
+            targets = endpoints or self._config.producer_endpoints
+            if not targets:
+                fetch.errors.append("no producer known for it (no ec_transfer_params entry)")
+            for endpoint in targets:
                 try:
                     self._sock(endpoint).send_multipart([wire.FETCH, request])
                 except zmq.ZMQError as exc:
