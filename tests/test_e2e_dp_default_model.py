@@ -146,7 +146,9 @@ async def _dp2_checks(want: list[list[int]]) -> None:
         }
         for gen in long.values():
             await anext(gen)
-        holder = {client.engine_of(rid): rid for rid in long}
+        # The engines' ids are the callers' plus a random suffix (vLLM 0.33).
+        states = llm.output_processor.request_states.values()
+        holder = {client.engine_of(s.request_id): s.external_id for s in states}
         assert set(holder) == {0, 1}, holder
         await llm.abort(holder[1])  # only engine 1 may see an abort
         deadline = time.monotonic() + 20
