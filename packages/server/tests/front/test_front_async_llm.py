@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import re
 from typing import Any
 
@@ -281,4 +282,29 @@ async def test_large_output_batches_are_sliced(tokenizer: Any, fake_engine: Any)
         *(collect(llm, PROMPT, SamplingParams(max_tokens=2)) for _ in range(300))
     )
     assert all(o[-1].finished and len(o[-1].outputs[0].token_ids) == 2 for o in outs)
+    llm.shutdown()
+
+
+async def test_log_requests_logs_each_request(
+    tokenizer: Any, fake_engine: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--enable-log-requests (vLLM): received with its parameters, added, aborted."""
+    quiet = make_llm(tokenizer, fake_engine)
+    with caplog.at_level(logging.DEBUG, logger="paged.server.async_llm"):
+        await collect(quiet, PROMPT, SamplingParams(max_tokens=2), request_id="q")
+    assert caplog.records == []  # off by default, as vLLM 0.33
+    llm = make_llm(tokenizer, fake_engine, log_requests=True)
+    with caplog.at_level(logging.DEBUG, logger="paged.server.async_llm"):
+        gen = llm.generate(PROMPT, SamplingParams(max_tokens=50, seed=3), request_id="logged")
+        await gen.__anext__()
+        await llm.abort("logged")
+        await gen.aclose()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    engine_id = fake_engine.added[-1].request_id
+    assert (logging.DEBUG, f"Request logged details: prompt: {PROMPT!r}.") in lines
+    received = [m for lvl, m in lines if lvl == logging.INFO and m.startswith("Received request")]
+    assert len(received) == 1 and "seed=3" in received[0] and PROMPT not in received[0]
+    assert (logging.INFO, f"Added request {engine_id}.") in lines
+    assert (logging.INFO, "Aborted request(s) logged.") in lines
+    quiet.shutdown()
     llm.shutdown()

@@ -7,7 +7,9 @@ check that ran too late shows as "the engine was started".
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -100,3 +102,56 @@ def test_unreadable_generation_config_fails_before_the_engine_starts(
     with pytest.raises(ValueError, match="generation_config: cannot read"):
         serve.run_server(args, host="127.0.0.1", port=0, api_key=None)
     assert engine_starts == []
+
+
+def test_a_port_in_use_fails_before_the_engine_starts(
+    tiny_model: Path, engine_starts: list[Any]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = EngineArgs(model=str(tiny_model), device="cpu", kv_cache_memory_bytes=1 << 20)
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            serve.run_server(args, host="127.0.0.1", port=port, api_key=None)
+    assert engine_starts == []
+
+
+def test_frontend_options_reach_the_server(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With every check passed: what the vLLM flags change in the running server."""
+    import uvicorn
+
+    from paged.server.openai import api_server
+
+    class FakeClient:
+        info = SimpleNamespace(num_gpu_blocks=4, block_size=16, kv_cache_memory_bytes=1024)
+
+        def shutdown(self) -> None:
+            pass
+
+    built: dict[str, Any] = {}
+    real_build_app = api_server.build_app
+
+    def build_app(llm: Any, **kw: Any) -> Any:
+        built["llm"] = llm
+        return real_build_app(llm, **kw)
+
+    monkeypatch.setattr(serve, "build_engine_client", lambda *a, **kw: FakeClient())
+    monkeypatch.setattr(api_server, "build_app", build_app)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: built.update(uvicorn=kw))
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.25}')
+    args = EngineArgs(
+        model=str(tiny_model), device="cpu", kv_cache_memory_bytes=1 << 20,
+        generation_config=str(tmp_path), disable_log_stats=True,
+    )  # fmt: skip
+    front = FrontendOptions(HERMES, enable_log_requests=True, uvicorn_log_level="trace")
+    serve.run_server(args, host="127.0.0.1", port=0, api_key=None, frontend=front)
+    llm = built["llm"]
+    assert built["uvicorn"]["log_level"] == "trace"
+    assert llm.tokenizer.chat_template == HERMES
+    assert llm.log_requests is True
+    assert llm.generation_defaults.sampling == {"temperature": 0.25}
+    assert llm.stat_loggers == []  # --disable-log-stats
+    llm.shutdown()

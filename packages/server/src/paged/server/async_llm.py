@@ -250,9 +250,8 @@ class AsyncLLM:
         request in flight under one is aborted, as vLLM's `AsyncLLM.abort`;
         `internal=True` names engine ids (a collector's `request_id`) instead.
         """
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if not internal:
-            ids = self.output_processor.ids_of_external(ids)
+        named = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = named if internal else self.output_processor.ids_of_external(named)
         engine_ids: list[str] = []
         # Counted under the engine that held each request (data parallelism),
         # asked before the engine client forgets who held it.
@@ -261,7 +260,7 @@ class AsyncLLM:
             engine_ids += self.output_processor.abort_requests(held, stats)
             self._record_stats(index, None, stats)
         if engine_ids and self.log_requests:
-            logger.info("Aborted request(s) %s.", ",".join(ids))
+            logger.info("Aborted request(s) %s.", ",".join(named))
         if engine_ids and self._dead is None:
             # A dead engine holds nothing any more; the handler reports the death.
             with contextlib.suppress(EngineDeadError):

@@ -89,7 +89,7 @@ def add_model_compat_args(group: argparse._ArgumentGroup) -> None:
         dest="model_flag",
         default=None,
         metavar="MODEL",
-        help="the model, as the positional MODEL (vLLM's spelling; give one or the other)",
+        help="the model, as the positional MODEL (vLLM's spelling; both given must agree)",
     )
     group.add_argument(
         "--tokenizer-mode",

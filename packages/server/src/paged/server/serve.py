@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from typing import TYPE_CHECKING
 
 from paged.server.data_parallel import (
@@ -56,6 +57,7 @@ def run_server(
     from paged.server.tokenizer import load_tokenizer
 
     front = frontend if frontend is not None else FrontendOptions()
+    check_listen_address(host, port)  # a port in use fails now, not after the model loads
     naming = metrics_naming(metrics_prefix)  # a bad prefix fails before the model loads
     core_options = args.engine_core_options()  # bad options fail before the model loads
     args.structured_output_options()  # a bad config fails before the model loads
@@ -150,6 +152,20 @@ def run_server(
             )
     finally:
         client.shutdown()
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """ValueError unless `host:port` can be listened on (vLLM binds before its engine starts).
+
+    A probe, closed at once: uvicorn binds again once the engine is up.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--host/--port: cannot listen on {host}:{port}: {e}") from None
 
 
 def _structured_outputs(
