@@ -162,3 +162,26 @@ async def test_without_defaults_openai_defaults_apply(tokenizer: Any, fake_engin
     )  # fmt: skip
     assert p.skip_special_tokens is True
     llm.shutdown()
+
+
+def test_offline_llm_uses_the_defaults_only_without_sampling_params(
+    tokenizer: Any, fake_engine: Any
+) -> None:
+    """vLLM's LLM.get_default_sampling_params: for generate()/stream() given no params."""
+    from paged.server.llm import LLM
+
+    defaults = GenerationDefaults({"temperature": 0.6, "top_k": 20, "max_tokens": 3})
+    llm = LLM.from_engine_client(
+        fake_engine, tokenizer, max_model_len=64, generation_defaults=defaults
+    )
+    out = llm.generate("hello", use_tqdm=False)[0]
+    p = fake_engine.added[-1].sampling_params
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.6, 20, 3)
+    assert len(out.outputs[0].token_ids) == 3
+    llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    p = fake_engine.added[-1].sampling_params
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 0, 2)
+    assert llm.get_default_sampling_params() == SamplingParams(
+        temperature=0.6, top_k=20, max_tokens=3
+    )
+    llm.shutdown()
