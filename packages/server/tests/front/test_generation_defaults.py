@@ -60,6 +60,19 @@ def test_a_directory_replaces_the_models_and_caps_max_tokens(tmp_path: Path) -> 
     defaults = load_generation_defaults(str(model), str(other))
     assert defaults.sampling == {"temperature": 0.3, "max_tokens": 5}
     assert defaults.max_tokens_cap == 5
+    assert defaults.eos_token_ids == ()  # none there: the model's stay
+    assert defaults.eos_token_ids_for([2, 9]) == [2, 9]
+
+
+def test_a_directorys_eos_ids_replace_the_models_extra_ones(tmp_path: Path) -> None:
+    # vLLM's update_from_generation_config: the primary EOS stays, the directory's
+    # others become stop token ids (the model's extra 9 is not read).
+    other = _write(tmp_path / "other", {"eos_token_id": [5, 2, 7]})
+    defaults = load_generation_defaults(str(tmp_path / "m"), str(other))
+    assert defaults.eos_token_ids == (5, 2, 7)
+    assert defaults.eos_token_ids_for([2, 9]) == [2, 5, 7]
+    auto = load_generation_defaults(str(_write(tmp_path / "m", GENERATION)), "auto")
+    assert auto.eos_token_ids == ()  # auto: the model's, read by the runner's ModelConfig
 
 
 def test_gguf_reads_the_file_beside_it_if_any(tmp_path: Path) -> None:

@@ -16,13 +16,15 @@ generation config's non-default values among
 - a directory: its generation_config.json; its `max_new_tokens` then also
   caps every request's max_tokens (vLLM's `override_max_tokens`).
 
-Only EOS ids were read from the generation config before; they still come
-from the model (runner ModelConfig), whatever this option says.
+EOS ids: the model's generation config gives them (runner ModelConfig) under
+`auto` and `vllm` alike, as vLLM reads the model's for both; a directory's
+ids replace the model's extra ones (the first, the primary EOS, stays).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,16 @@ class GenerationDefaults:
     sampling: dict[str, Any] = field(default_factory=dict)
     # A server-wide limit on max_tokens (only from a --generation-config DIR).
     max_tokens_cap: int | None = None
+    # A --generation-config DIR's eos_token_id(s); empty: the model's.
+    eos_token_ids: tuple[int, ...] = ()
+
+    def eos_token_ids_for(self, model_eos: Sequence[int]) -> list[int]:
+        """The EOS ids requests stop at: the model's primary one first, then the others
+        (vLLM's update_from_generation_config: a directory's become stop token ids)."""
+        if not self.eos_token_ids or not model_eos:
+            return list(model_eos or self.eos_token_ids)
+        primary = model_eos[0]
+        return [primary, *(t for t in dict.fromkeys(self.eos_token_ids) if t != primary)]
 
     @property
     def default_max_tokens(self) -> int | None:
@@ -95,9 +107,10 @@ def load_generation_defaults(model: str | None, source: str = "auto") -> Generat
     if directory is None or not directory.is_dir():
         return GenerationDefaults()  # the default model ships no generation config
     try:
-        sampling = _sampling_of(_from_directory(directory))
+        config = _from_directory(directory)
     except (OSError, ValueError) as e:
         raise ValueError(f"generation_config: cannot read {directory}: {e}") from e
+    sampling = _sampling_of(config)
     if sampling:
         logger.warning(
             "Default sampling parameters have been overridden by %s: %s. If this is not "
@@ -105,5 +118,9 @@ def load_generation_defaults(model: str | None, source: str = "auto") -> Generat
             "the model's generation_config.json" if source == "auto" else source,
             sampling,
         )
-    cap = sampling.get("max_tokens") if source != "auto" else None
-    return GenerationDefaults(sampling, int(cap) if cap is not None else None)
+    if source == "auto":
+        return GenerationDefaults(sampling)
+    cap = sampling.get("max_tokens")
+    eos = config.get("eos_token_id")
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    return GenerationDefaults(sampling, int(cap) if cap is not None else None, eos_ids)

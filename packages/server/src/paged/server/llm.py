@@ -84,7 +84,7 @@ class LLM:
             tokenizer,
             mc.max_model_len,
             mc.vocab_size,
-            mc.eos_token_ids,
+            generation_defaults.eos_token_ids_for(mc.eos_token_ids),
             config.scheduler_limits.max_logprobs,
             None if backend is None else backend.compiler,
             mm_frontend,

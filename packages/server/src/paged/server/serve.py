@@ -117,7 +117,7 @@ def run_server(
             tokenizer,
             max_model_len=mc.max_model_len,
             vocab_size=mc.vocab_size,
-            eos_token_ids=mc.eos_token_ids,
+            eos_token_ids=generation_defaults.eos_token_ids_for(mc.eos_token_ids),
             max_logprobs=config.scheduler_limits.max_logprobs,
             stat_loggers=[] if args.disable_log_stats else [stats],
             grammar_compiler=compiler,
