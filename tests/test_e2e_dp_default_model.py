@@ -146,7 +146,9 @@ async def _dp2_checks(want: list[list[int]]) -> None:
         }
         for gen in long.values():
             await anext(gen)
-        holder = {client.engine_of(rid): rid for rid in long}
+        # The engines' ids are the callers' plus a random suffix (vLLM 0.33).
+        states = llm.output_processor.request_states.values()
+        holder = {client.engine_of(s.request_id): s.external_id for s in states}
         assert set(holder) == {0, 1}, holder
         await llm.abort(holder[1])  # only engine 1 may see an abort
         deadline = time.monotonic() + 20
@@ -161,7 +163,11 @@ async def _dp2_checks(want: list[list[int]]) -> None:
         # A third long request goes to engine 1 (engine 0 still runs its own); kill engine 1.
         victim = llm.generate(PROMPTS[2], _greedy(LONG_TOKENS), "victim")
         await anext(victim)
-        assert client.engine_of("victim") == 1
+        (victim_id,) = (
+            s.request_id for s in llm.output_processor.request_states.values()
+            if s.external_id == "victim"
+        )  # fmt: skip
+        assert client.engine_of(victim_id) == 1
         killed_at = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         victim_outs = [out async for out in victim]

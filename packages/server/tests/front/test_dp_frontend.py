@@ -122,11 +122,14 @@ async def test_aborts_reach_their_engine_and_count_under_it(
         gens = [llm.generate("hello", long, f"r{i}") for i in range(2)]
         for gen in gens:
             await anext(gen)
-        assert [client.engine_of("r0"), client.engine_of("r1")] == [0, 1]  # the lighter one
+        # The engines' ids: the callers' plus a random suffix (vLLM 0.33).
+        r0, r1 = engines[0].added[0].request_id, engines[1].added[0].request_id
+        assert r0.startswith("r0-") and r1.startswith("r1-")  # each to the lighter one
+        assert [client.engine_of(r0), client.engine_of(r1)] == [0, 1]
         await llm.abort("r1")
-        assert engines[1].aborted == ["r1"] and engines[0].aborted == []
+        assert engines[1].aborted == [r1] and engines[0].aborted == []
         await gens[0].aclose()  # a client disconnect
-        assert engines[0].aborted == ["r0"] and engines[1].aborted == ["r1"]
+        assert engines[0].aborted == [r0] and engines[1].aborted == [r1]
         reg = stats.registry
         assert _value(reg, "request_success_total", engine="0", finished_reason="abort") == 1
         assert _value(reg, "request_success_total", engine="1", finished_reason="abort") == 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import re
 from typing import Any
 
 import pytest
@@ -27,6 +29,11 @@ async def collect(
     llm: AsyncLLM, prompt: Any, params: SamplingParams, **kw: Any
 ) -> list[RequestOutput]:
     return [o async for o in llm.generate(prompt, params, **kw)]
+
+
+def engine_id_of(external: str) -> re.Pattern[str]:
+    """The engine's id for a caller's id: vLLM 0.33's `{id}-{8 random hex}`."""
+    return re.compile(rf"{re.escape(external)}-[0-9a-f]{{8}}")
 
 
 def _expected(tokenizer: Any, n: int) -> tuple[list[int], str]:
@@ -77,7 +84,10 @@ async def test_n_children_fanned_out_and_gathered(
     llm = make_llm(tokenizer, fake_engine)
     params = SamplingParams(n=3, max_tokens=4, seed=7, output_kind=kind)
     outs = await collect(llm, PROMPT, params, request_id="req")
-    assert {r.request_id for r in fake_engine.added} == {"0_req", "1_req", "2_req"}
+    engine_ids = sorted(r.request_id for r in fake_engine.added)
+    assert [engine_ids[i][:6] for i in range(3)] == ["0_req-", "1_req-", "2_req-"]
+    assert all(engine_id_of(f"{i}_req").fullmatch(rid) for i, rid in enumerate(engine_ids))
+    assert len({rid[2:] for rid in engine_ids}) == 1  # one suffix: the parent's id
     assert sorted(r.sampling_params.seed or 0 for r in fake_engine.added) == [7, 8, 9]
     assert all(r.sampling_params.n == 1 for r in fake_engine.added)
     assert all(o.request_id == "req" for o in outs)
@@ -105,7 +115,7 @@ async def test_stop_string_truncates_and_aborts_in_engine(tokenizer: Any, engine
     final = outs[-1].outputs[0]
     assert final.text == "Paris. "
     assert final.finish_reason == "stop" and final.stop_reason == "STOP"
-    assert "s" in engine.aborted  # the engine stops working on it
+    assert [a for a in engine.aborted if engine_id_of("s").fullmatch(a)]  # the engine stops
     assert "STOP" not in "".join(o.outputs[0].text for o in outs)
     llm.shutdown()
 
@@ -147,9 +157,10 @@ async def test_closing_the_generator_aborts_the_request(tokenizer: Any, fake_eng
     gen = llm.generate(PROMPT, SamplingParams(max_tokens=50), request_id="c")
     await gen.__anext__()
     await gen.aclose()
-    assert fake_engine.aborted == ["c"]
+    (engine_id,) = fake_engine.aborted
+    assert engine_id_of("c").fullmatch(engine_id)
     assert not llm.output_processor.has_unfinished_requests()
-    assert "c" not in fake_engine.running
+    assert engine_id not in fake_engine.running
     llm.shutdown()
 
 
@@ -172,10 +183,10 @@ async def test_cancelling_a_consumer_task_aborts(tokenizer: Any, fake_engine: An
     # The abandoned generator is closed by the event loop's async-generator
     # finalizer, which runs the abort.
     for _ in range(100):
-        if "t" in fake_engine.aborted:
+        if fake_engine.aborted:
             break
         await asyncio.sleep(0.01)
-    assert "t" in fake_engine.aborted
+    assert len(fake_engine.aborted) == 1 and engine_id_of("t").fullmatch(fake_engine.aborted[0])
     assert not llm.output_processor.has_unfinished_requests()
     llm.shutdown()
 
@@ -198,14 +209,46 @@ async def test_engine_death_fails_inflight_and_later_requests(
     llm.shutdown()
 
 
-async def test_duplicate_request_id_rejected(tokenizer: Any, fake_engine: Any) -> None:
+async def test_a_reused_request_id_runs_concurrently(tokenizer: Any, fake_engine: Any) -> None:
+    """vLLM 0.33: the engine's id gets a random suffix, so a caller may reuse its id."""
     llm = make_llm(tokenizer, fake_engine)
-    gen = llm.generate(PROMPT, SamplingParams(max_tokens=50), request_id="dup")
-    await gen.__anext__()
+    first = llm.generate(PROMPT, SamplingParams(max_tokens=50), request_id="dup")
+    await first.__anext__()
+    outs = await collect(llm, PROMPT, SamplingParams(max_tokens=5), request_id="dup")
+    assert outs[-1].finished and outs[-1].request_id == "dup"  # the caller's id, as given
+    a, b = (r.request_id for r in fake_engine.added)
+    assert a != b and engine_id_of("dup").fullmatch(a) and engine_id_of("dup").fullmatch(b)
+    assert fake_engine.aborted == []  # the second finished; the first runs on
+    await first.aclose()
+    assert fake_engine.aborted == [a]
+    llm.shutdown()
+
+
+async def test_abort_by_the_callers_id_aborts_every_request_under_it(
+    tokenizer: Any, fake_engine: Any
+) -> None:
+    """vLLM's AsyncLLM.abort(external id): all requests in flight under that id."""
+    llm = make_llm(tokenizer, fake_engine)
+    gens = [
+        llm.generate(PROMPT, SamplingParams(max_tokens=50), request_id=rid)
+        for rid in ("same", "same", "other")
+    ]
+    for gen in gens:
+        await gen.__anext__()
+    await llm.abort("same")
+    same = [r.request_id for r in fake_engine.added[:2]]
+    assert sorted(fake_engine.aborted) == sorted(same)
+    assert list(fake_engine.running) == [fake_engine.added[2].request_id]
+    for gen in gens:
+        await gen.aclose()
+    llm.shutdown()
+
+
+async def test_empty_request_id_rejected(tokenizer: Any, fake_engine: Any) -> None:
+    llm = make_llm(tokenizer, fake_engine)
     with pytest.raises(InvalidRequestError) as e:
-        await collect(llm, PROMPT, SamplingParams(), request_id="dup")
+        await collect(llm, PROMPT, SamplingParams(), request_id="")
     assert e.value.param == "request_id"
-    await gen.aclose()
     llm.shutdown()
 
 
@@ -239,4 +282,29 @@ async def test_large_output_batches_are_sliced(tokenizer: Any, fake_engine: Any)
         *(collect(llm, PROMPT, SamplingParams(max_tokens=2)) for _ in range(300))
     )
     assert all(o[-1].finished and len(o[-1].outputs[0].token_ids) == 2 for o in outs)
+    llm.shutdown()
+
+
+async def test_log_requests_logs_each_request(
+    tokenizer: Any, fake_engine: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--enable-log-requests (vLLM): received with its parameters, added, aborted."""
+    quiet = make_llm(tokenizer, fake_engine)
+    with caplog.at_level(logging.DEBUG, logger="paged.server.async_llm"):
+        await collect(quiet, PROMPT, SamplingParams(max_tokens=2), request_id="q")
+    assert caplog.records == []  # off by default, as vLLM 0.33
+    llm = make_llm(tokenizer, fake_engine, log_requests=True)
+    with caplog.at_level(logging.DEBUG, logger="paged.server.async_llm"):
+        gen = llm.generate(PROMPT, SamplingParams(max_tokens=50, seed=3), request_id="logged")
+        await gen.__anext__()
+        await llm.abort("logged")
+        await gen.aclose()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    engine_id = fake_engine.added[-1].request_id
+    assert (logging.DEBUG, f"Request logged details: prompt: {PROMPT!r}.") in lines
+    received = [m for lvl, m in lines if lvl == logging.INFO and m.startswith("Received request")]
+    assert len(received) == 1 and "seed=3" in received[0] and PROMPT not in received[0]
+    assert (logging.INFO, f"Added request {engine_id}.") in lines
+    assert (logging.INFO, "Aborted request(s) logged.") in lines
+    quiet.shutdown()
     llm.shutdown()

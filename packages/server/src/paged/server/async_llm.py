@@ -30,6 +30,7 @@ from paged.server.client_protocols import (
 from paged.server.collector import RequestOutputCollector
 from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
+from paged.server.generation_defaults import GenerationDefaults
 from paged.server.input_processor import InputProcessor, PromptType
 from paged.server.metrics import PerEngineStatLogger, StatLogger
 from paged.server.offload import BlockingWork, prompt_size
@@ -63,8 +64,13 @@ class AsyncLLM:
         stat_loggers: Sequence[StatLogger] = (),
         grammar_compiler: GrammarCompiler | None = None,
         mm_frontend: MultiModalFrontend | None = None,
+        generation_defaults: GenerationDefaults | None = None,
+        log_requests: bool = False,
     ) -> None:
         self.engine_client = engine_client
+        # --generation-config: the API's defaults for fields a request leaves out.
+        self.generation_defaults = generation_defaults or GenerationDefaults()
+        self.log_requests = log_requests  # --enable-log-requests
         # Compiles (and caches) output constraints to refuse bad ones up front;
         # None: this engine has no grammar backend, constrained requests are refused.
         self.grammar_compiler = grammar_compiler
@@ -77,6 +83,8 @@ class AsyncLLM:
             eos_token_ids=eos_token_ids,
             max_logprobs=max_logprobs,
             mm_frontend=mm_frontend,
+            default_max_tokens=self.generation_defaults.default_max_tokens,
+            max_tokens_cap=self.generation_defaults.max_tokens_cap,
         )
         self.output_processor = OutputProcessor(tokenizer)
         # Tokenization and chat templates of large inputs run here, off the loop.
@@ -125,15 +133,26 @@ class AsyncLLM:
         kv_transfer_params: KVTransferParams | None = None,
         ec_transfer_params: dict[str, Any] | None = None,
     ) -> RequestOutputCollector:
-        """Validate, register and submit one request; return its output collector."""
-        self._check_can_add(request_id)
+        """Validate, register and submit one request; return its output collector.
+
+        `request_id` is the caller's id and may be reused, even by requests in
+        flight together: as vLLM 0.33 (InputProcessor.assign_request_id), the
+        engine gets `"{request_id}-{8 random hex}"`, which the collector's
+        `request_id` holds, while outputs carry `request_id` as given.
+        """
+        if not request_id:
+            raise InvalidRequestError("request_id", "request_id must not be empty")
+        self._check_alive()
+        internal_id = self._internal_request_id(request_id)
+        if self.log_requests:
+            self._log_received(request_id, prompt, params)
         if params.structured_outputs is not None:
             await check_compiles_async(self.grammar_compiler, params)
         try:
             request, prompt_text = await self.offload.run(
                 prompt_size(prompt),
                 self.input_processor.process_inputs,
-                request_id,
+                internal_id,
                 prompt,
                 params,
                 priority=priority,
@@ -142,32 +161,47 @@ class AsyncLLM:
                 ec_transfer_params=ec_transfer_params,
                 commit_mm=False,
             )
-            # Checked again: the engine may have died, or the id been taken, while
-            # a large prompt was tokenized on the worker thread.
-            self._check_can_add(request_id)
+            # Checked again: the engine may have died while a large prompt was
+            # tokenized on the worker thread.
+            self._check_alive()
+            if internal_id in self.output_processor.request_states:  # 1 in 4e9: try again
+                raise InvalidRequestError("request_id", "request id collision; please retry")
         except BaseException:
-            self.input_processor.discard_mm(request_id)  # cancelled or refused: not sent
+            self.input_processor.discard_mm(internal_id)  # cancelled or refused: not sent
             raise
         # No await from here to the send: the processor cache is updated in
         # send order, which is what keeps the engine's mirror in step.
         request = self.input_processor.commit_mm(request)
         self._ensure_output_handler()
-        queue = RequestOutputCollector(params.output_kind)
+        queue = RequestOutputCollector(params.output_kind, internal_id)
         parent, requests = fan_out(request)
         for i, req in enumerate(requests):
-            self.output_processor.add_request(req, prompt_text, parent, i, queue)
+            self.output_processor.add_request(req, prompt_text, parent, i, queue, request_id)
         for req in requests:
             await self.engine_client.add_request_async(req)
+            if self.log_requests:
+                logger.info("Added request %s.", req.request_id)
         return queue
 
-    def _check_can_add(self, request_id: str) -> None:
+    def _internal_request_id(self, request_id: str) -> str:
+        states, parents = (
+            self.output_processor.request_states,
+            self.output_processor.parent_requests,
+        )
+        while True:
+            internal_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+            if internal_id not in states and internal_id not in parents:
+                return internal_id
+
+    def _log_received(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        # vLLM's RequestLogger: parameters at INFO, the prompt only at DEBUG.
+        logger.debug("Request %s details: prompt: %r.", request_id, prompt)
+        logger.info("Received request %s: params: %s.", request_id, params)
+
+    def _check_alive(self) -> None:
         dead = self.dead_error
         if dead is not None:
             raise dead
-        if request_id in self.output_processor.parent_requests or (
-            request_id in self.output_processor.request_states
-        ):
-            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
 
     async def generate(
         self,
@@ -184,20 +218,15 @@ class AsyncLLM:
         queue = await self.add_request(
             rid, prompt, params, priority=priority, cache_salt=cache_salt
         )
-        finished = False
+        stream = self.stream_outputs(queue)
         try:
-            while not finished:
-                out = queue.get_nowait() or await queue.get()
-                finished = out.finished
+            async for out in stream:
                 yield out
         finally:
-            # Cancelled, closed early (client disconnect) or failed: free the
-            # request's engine resources. A no-op once it finished.
-            if not finished:
-                await self.abort(rid)
+            await stream.aclose()  # now, not when the loop finalizes it: aborts at once
 
     async def stream_outputs(
-        self, request_id: str, queue: RequestOutputCollector
+        self, queue: RequestOutputCollector
     ) -> AsyncGenerator[RequestOutput, None]:
         """Like `generate()`, for a request already submitted with `add_request()`.
 
@@ -211,12 +240,20 @@ class AsyncLLM:
                 finished = out.finished
                 yield out
         finally:
+            # Cancelled, closed early (client disconnect) or failed: free this
+            # request's engine resources, and no other's that shares its id.
             if not finished:
-                await self.abort(request_id)
+                await self.abort(queue.request_id, internal=True)
 
-    async def abort(self, request_id: str | Sequence[str]) -> None:
-        """Abort user requests (by the id given to `generate`); unknown ids are ignored."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+    async def abort(self, request_id: str | Sequence[str], *, internal: bool = False) -> None:
+        """Abort requests; unknown ids are ignored.
+
+        By default the ids are the callers' (`add_request`/`generate`'s), and every
+        request in flight under one is aborted, as vLLM's `AsyncLLM.abort`;
+        `internal=True` names engine ids (a collector's `request_id`) instead.
+        """
+        named = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = named if internal else self.output_processor.ids_of_external(named)
         engine_ids: list[str] = []
         # Counted under the engine that held each request (data parallelism),
         # asked before the engine client forgets who held it.
@@ -224,6 +261,8 @@ class AsyncLLM:
             stats = IterationStats()
             engine_ids += self.output_processor.abort_requests(held, stats)
             self._record_stats(index, None, stats)
+        if engine_ids and self.log_requests:
+            logger.info("Aborted request(s) %s.", ",".join(named))
         if engine_ids and self._dead is None:
             # A dead engine holds nothing any more; the handler reports the death.
             with contextlib.suppress(EngineDeadError):

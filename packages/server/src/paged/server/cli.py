@@ -17,6 +17,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from paged.server.compat_cli import (
+    add_frontend_compat_args,
+    add_model_compat_args,
+    check_compat_args,
+    frontend_options_from,
+)
 from paged.server.data_parallel import add_data_parallel_args, data_parallel_options_from
 from paged.server.ec_cli import add_ec_shorthand_args, ec_transfer_config_from
 from paged.server.engine_args import EngineArgs, parse_bytes
@@ -91,6 +97,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="a .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct)",
     )
     m = parser.add_argument_group("model")
+    add_model_compat_args(m)  # --model, --tokenizer-mode, --generation-config, ... (vLLM's)
     m.add_argument("--tokenizer", help="load the tokenizer from here instead of MODEL")
     m.add_argument(
         "--dtype",
@@ -388,6 +395,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         disable_chunked_mm_input=ns.disable_chunked_mm_input,
         speculative_config=ns.speculative_config,
         ec_transfer_config=ec_transfer_config_from(ns),
+        tokenizer_mode=ns.tokenizer_mode,
+        trust_remote_code=ns.trust_remote_code,
+        generation_config=ns.generation_config,
+        disable_log_stats=ns.disable_log_stats,
     )
 
 
@@ -444,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cors_args(serve)
     add_tool_calling_args(serve)
     add_data_parallel_args(serve)
+    add_frontend_compat_args(serve)
     h.add_argument(
         "--max-request-body-size",
         type=_byte_size,
@@ -540,6 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    check_compat_args(parser, ns)  # after logging: it logs what it accepts but ignores
     if ns.command == "proxy":
         return _proxy(ns)
     args = engine_args_from(ns)
@@ -570,6 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ns.exclude_tools_when_tool_choice_none,
                 ),
                 data_parallel=data_parallel,
+                frontend=frontend_options_from(ns),
             )
             return 0
         if ns.command == "generate":

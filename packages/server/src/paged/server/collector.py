@@ -15,7 +15,10 @@ from paged.server.outputs import CompletionOutput, RequestOutput
 
 
 class RequestOutputCollector:
-    def __init__(self, output_kind: RequestOutputKind) -> None:
+    def __init__(self, output_kind: RequestOutputKind, request_id: str = "") -> None:
+        # The engine's (internal, unique) id of the request this collects for:
+        # what aborting it names (vLLM's `q.request_id`).
+        self.request_id = request_id
         self._kind = output_kind
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None

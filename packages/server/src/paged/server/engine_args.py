@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         ModelConfig,
         RayPlacementStrategy,
     )
+    from paged.server.generation_defaults import GenerationDefaults
     from paged.server.mm_frontend import MultiModalEngineOptions, MultiModalFrontend
     from paged.server.structured_output.options import StructuredOutputOptions
 
@@ -141,6 +142,8 @@ class EngineArgs:
             kv_cache_metrics=self.kv_cache_metrics,
             kv_cache_metrics_sample=self.kv_cache_metrics_sample,
         )
+        self.check_compat_options()
+        options["log_stats"] = not self.disable_log_stats
         options["kv_events_config"] = self.kv_events_config
         options["mm_options"] = self.mm_engine_options()
         from paged.server.mm_frontend import parse_limit_mm_per_prompt
@@ -164,7 +167,37 @@ class EngineArgs:
     speculative_config: str | dict[str, Any] | None = None
     # vLLM's --ec-transfer-config (encoder-cache connector): JSON text or a dict; None: none.
     ec_transfer_config: str | dict[str, Any] | None = None
+    # vLLM 0.33's model flags (compat_cli.py): --tokenizer-mode (auto/hf only),
+    # --trust-remote-code (accepted; no remote code runs), --generation-config
+    # (auto/vllm/DIR: request defaults), --disable-log-stats (no engine statistics).
+    tokenizer_mode: str = "auto"
+    trust_remote_code: bool = False
+    generation_config: str = "auto"
+    disable_log_stats: bool = False
     _shm_prefix: str | None = field(default=None, repr=False)
+
+    def check_compat_options(self) -> None:
+        """The vLLM flags above, checked for `LLM(...)` callers as the CLI checks them."""
+        from paged.server.compat_cli import SUPPORTED_TOKENIZER_MODES
+        from paged.server.generation_defaults import GENERATION_CONFIG_NAME
+
+        if self.tokenizer_mode not in SUPPORTED_TOKENIZER_MODES:
+            raise ValueError(
+                f"tokenizer_mode: {self.tokenizer_mode!r} is not supported; use "
+                f"{' or '.join(SUPPORTED_TOKENIZER_MODES)}"
+            )
+        source = self.generation_config
+        if source not in ("auto", "vllm") and not (Path(source) / GENERATION_CONFIG_NAME).is_file():
+            raise ValueError(
+                f"generation_config: {source!r} is neither 'auto', 'vllm' nor a directory "
+                f"holding {GENERATION_CONFIG_NAME}"
+            )
+
+    def generation_defaults(self) -> GenerationDefaults:
+        """What `--generation-config` gives requests that leave fields out (reads files only)."""
+        from paged.server.generation_defaults import load_generation_defaults
+
+        return load_generation_defaults(self.model, self.generation_config)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -58,6 +58,8 @@ class InputProcessor:
         eos_token_ids: Sequence[int] = (),
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         mm_frontend: MultiModalFrontend | None = None,
+        default_max_tokens: int | None = None,
+        max_tokens_cap: int | None = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
@@ -72,6 +74,10 @@ class InputProcessor:
         self.eos_token_id: int | None = eos[0] if eos else None
         self.extra_eos_token_ids = eos[1:]
         self.max_logprobs = max_logprobs
+        # --generation-config (generation_defaults.py): max_tokens for a request that
+        # gives none (still no more than fits), and a limit on every request's.
+        self.default_max_tokens = default_max_tokens
+        self.max_tokens_cap = max_tokens_cap
         # None: a text-only model; every image is refused with a 400.
         self.mm_frontend = mm_frontend
 
@@ -140,16 +146,28 @@ class InputProcessor:
                 f"However, your prompt is {prompt_len} tokens, which leaves no room "
                 "for the completion. Please reduce the length of the prompt.",
             )
+        cap = self.max_tokens_cap
+        if cap is not None and params.max_tokens is not None and params.max_tokens > cap:
+            # vLLM's get_max_tokens takes the smallest: the server's limit, not an error.
+            params = msgspec.structs.replace(params, max_tokens=cap)
+            if params.min_tokens > cap:
+                raise InvalidRequestError(
+                    "min_tokens",
+                    f"min_tokens must be <= max_tokens={cap} (the server's limit), "
+                    f"got {params.min_tokens}",
+                )
         if params.max_tokens is None:
-            filled = msgspec.structs.replace(params, max_tokens=room)
+            fill = min(v for v in (room, self.default_max_tokens, cap) if v is not None)
+            filled = msgspec.structs.replace(params, max_tokens=fill)
             # validate() checked min_tokens only against an explicit max_tokens;
             # the default filled in here must pass the same check, or the engine
             # core rejects the request (a 500 instead of the user's 400).
-            if filled.min_tokens > room:
+            if filled.min_tokens > fill:
                 raise InvalidRequestError(
                     "min_tokens",
-                    f"min_tokens must be <= max_tokens={room} (what fits in the context "
-                    f"after the {prompt_len}-token prompt), got {filled.min_tokens}",
+                    f"min_tokens must be <= max_tokens={fill} (the server default, or what "
+                    f"fits in the context after the {prompt_len}-token prompt), "
+                    f"got {filled.min_tokens}",
                 )
             return filled
         if params.max_tokens > room:

@@ -20,6 +20,7 @@ from paged.server.chat_utils import apply_chat_template, collect_image_urls
 from paged.server.client_protocols import SyncEngineClient, SyncUtilityClient
 from paged.server.engine_args import EngineArgs, build_frontend_for, tokenizer_path
 from paged.server.errors import InvalidRequestError
+from paged.server.generation_defaults import GenerationDefaults
 from paged.server.input_processor import InputProcessor, PromptType, TextPrompt
 from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
@@ -49,6 +50,8 @@ class LLM:
         args = EngineArgs(model=model, **engine_options)
         core_options = args.engine_core_options()  # bad options fail before the model loads
         so_options = args.structured_output_options()
+        # --generation-config (vLLM's LLM: the defaults when no sampling_params are given).
+        generation_defaults = args.generation_defaults()
         config = args.create_engine_config()
         from paged.server.structured_output import (
             GrammarCompiler,
@@ -81,11 +84,12 @@ class LLM:
             tokenizer,
             mc.max_model_len,
             mc.vocab_size,
-            mc.eos_token_ids,
+            generation_defaults.eos_token_ids_for(mc.eos_token_ids),
             config.scheduler_limits.max_logprobs,
             None if backend is None else backend.compiler,
             mm_frontend,
         )
+        self.generation_defaults = generation_defaults
 
     @classmethod
     def from_engine_client(
@@ -99,6 +103,7 @@ class LLM:
         max_logprobs: int = 20,
         grammar_compiler: GrammarCompiler | None = None,
         mm_frontend: MultiModalFrontend | None = None,
+        generation_defaults: GenerationDefaults | None = None,
     ) -> LLM:
         """An `LLM` over an existing engine client (tests, custom engines)."""
         self = cls.__new__(cls)
@@ -112,6 +117,7 @@ class LLM:
             grammar_compiler,
             mm_frontend,
         )
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         return self
 
     def _setup(
@@ -143,6 +149,10 @@ class LLM:
     def get_tokenizer(self) -> TokenizerLike:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the generation config's defaults (--generation-config), else the neutral ones."""
+        return SamplingParams(**self.generation_defaults.sampling)
+
     def reset_prefix_cache(self) -> bool:
         """Drop the engine's cached prefix blocks; False while running requests hold blocks."""
         client = self.engine_client
@@ -159,6 +169,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order."""
         batch = _as_batch(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(batch))
         ids: list[str] = []
         try:
@@ -227,7 +239,9 @@ class LLM:
         """
         if self.output_processor.has_unfinished_requests():
             raise RuntimeError("stream() needs an idle LLM: other requests are in flight")
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = (
+            sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        )
         rid = self._add_request(prompt, params, RequestOutputKind.DELTA)
         finished = False
         try:

@@ -36,10 +36,15 @@ class RequestState:
         parent: ParentRequest | None,
         index: int,
         queue: RequestOutputCollector | None,
+        external_req_id: str | None = None,
     ) -> None:
         params = request.sampling_params
         self.request_id = request.request_id
-        self.external_id = parent.request_id if parent is not None else request.request_id
+        # The caller's id, which `RequestOutput.request_id` shows; the engine's ids
+        # may add a suffix to it (AsyncLLM) and a child index (n > 1).
+        self.external_id = external_req_id or (
+            parent.request_id if parent is not None else request.request_id
+        )
         self.parent = parent
         self.index = index
         self.prompt = prompt
@@ -142,13 +147,28 @@ class OutputProcessor:
         parent: ParentRequest | None = None,
         index: int = 0,
         queue: RequestOutputCollector | None = None,
+        external_req_id: str | None = None,
     ) -> None:
         if request.request_id in self.request_states:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        state = RequestState(request, self.tokenizer, prompt, parent, index, queue)
+        state = RequestState(request, self.tokenizer, prompt, parent, index, queue, external_req_id)
         self.request_states[request.request_id] = state
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
+
+    def ids_of_external(self, external_ids: Sequence[str]) -> list[str]:
+        """The unfinished requests (parent or engine ids) the caller named `external_ids`.
+
+        A scan: only an abort by the caller's id asks (a client going away aborts
+        by the engine id its collector holds).
+        """
+        wanted = set(external_ids)
+        found: dict[str, None] = {}
+        for state in self.request_states.values():
+            if state.external_id in wanted:
+                top = state.parent.request_id if state.parent is not None else state.request_id
+                found[top] = None
+        return list(found)
 
     def engine_ids_of(self, request_ids: Sequence[str]) -> list[str]:
         """The engine ids still unfinished behind `request_ids` (engine or parent ids)."""

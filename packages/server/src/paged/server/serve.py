@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from typing import TYPE_CHECKING
 
 from paged.server.data_parallel import (
@@ -16,6 +17,7 @@ from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
     from paged.runner.config import EngineConfig
+    from paged.server.compat_cli import FrontendOptions
     from paged.server.openai.cors import CorsConfig
     from paged.server.openai.tools import ToolCallingConfig
     from paged.server.structured_output import GrammarCompiler, StructuredOutputConfig
@@ -36,17 +38,26 @@ def run_server(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_config: ToolCallingConfig | None = None,
     data_parallel: DataParallelOptions | None = None,
+    frontend: FrontendOptions | None = None,
 ) -> None:
+    """Serve `args`; every option is checked before the engine starts (the model loads).
+
+    `frontend`: vLLM's --chat-template, --enable-log-requests, --uvicorn-log-level.
+    """
     import uvicorn
 
     from paged.server.api_profile import maybe_profile
     from paged.server.async_llm import AsyncLLM
+    from paged.server.compat_cli import FrontendOptions
     from paged.server.engine.core import make_engine_core_factory
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
+    from paged.server.openai.tools import ToolCallingConfig
     from paged.server.tokenizer import load_tokenizer
 
+    front = frontend if frontend is not None else FrontendOptions()
+    check_listen_address(host, port)  # a port in use fails now, not after the model loads
     naming = metrics_naming(metrics_prefix)  # a bad prefix fails before the model loads
     core_options = args.engine_core_options()  # bad options fail before the model loads
     args.media_url_policy(host)  # bad --allowed-media-domains fail before the model loads
@@ -62,8 +73,14 @@ def run_server(
         mc.max_model_len,
         mc.vocab_size,
     )
+    generation_defaults = args.generation_defaults()  # an unreadable file fails here
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
     logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
+    if front.chat_template is not None:
+        tokenizer.chat_template = front.chat_template  # --chat-template replaces the model's
+    # Checked against the chat template now, not by build_app after the model loaded
+    # (`--tool-call-parser auto` with a template showing no format fails here).
+    (tool_config or ToolCallingConfig()).resolve(getattr(tokenizer, "chat_template", None))
     # Images: a vision model's processor, loaded before the engine starts (fails fast).
     mm_frontend = build_frontend_for(args, config, bind_host=host)
     so_config, compiler = _structured_outputs(args, config, tokenizer)
@@ -101,11 +118,13 @@ def run_server(
             tokenizer,
             max_model_len=mc.max_model_len,
             vocab_size=mc.vocab_size,
-            eos_token_ids=mc.eos_token_ids,
+            eos_token_ids=generation_defaults.eos_token_ids_for(mc.eos_token_ids),
             max_logprobs=config.scheduler_limits.max_logprobs,
-            stat_loggers=[stats],
+            stat_loggers=[] if args.disable_log_stats else [stats],
             grammar_compiler=compiler,
             mm_frontend=mm_frontend,
+            generation_defaults=generation_defaults,
+            log_requests=front.enable_log_requests,
         )
         app = build_app(
             llm,
@@ -125,9 +144,29 @@ def run_server(
             "required" if api_key else "not required",
         )
         with maybe_profile():  # PAGED_API_PROFILE=PATH; off by default
-            uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+            uvicorn.run(
+                app,
+                host=host,
+                port=port,
+                log_level=front.uvicorn_log_level or log_level,
+                timeout_graceful_shutdown=5,
+            )
     finally:
         client.shutdown()
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """ValueError unless `host:port` can be listened on (vLLM binds before its engine starts).
+
+    A probe, closed at once: uvicorn binds again once the engine is up.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--host/--port: cannot listen on {host}:{port}: {e}") from None
 
 
 def _structured_outputs(

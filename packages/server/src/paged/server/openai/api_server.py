@@ -212,7 +212,8 @@ def build_app(
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(request, serving.create_chat_completion(body))
+        header_id = request.headers.get("X-Request-Id")
+        return await respond(request, serving.create_chat_completion(body, header_id))
 
     @app.post(
         "/v1/completions",
@@ -220,7 +221,8 @@ def build_app(
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await respond(request, serving.create_completion(body))
+        header_id = request.headers.get("X-Request-Id")
+        return await respond(request, serving.create_completion(body, header_id))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

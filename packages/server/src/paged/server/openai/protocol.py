@@ -159,8 +159,9 @@ class SamplingFields(TopLevelRequest):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    frequency_penalty: float = Field(0.0, json_schema_extra=_range(-2, 2))
-    presence_penalty: float = Field(0.0, json_schema_extra=_range(-2, 2))
+    # None (left out): the server default (--generation-config), then 0.
+    frequency_penalty: float | None = Field(None, json_schema_extra=_range(-2, 2))
+    presence_penalty: float | None = Field(None, json_schema_extra=_range(-2, 2))
     logit_bias: dict[str, float] | None = Field(
         None,
         json_schema_extra={
@@ -186,7 +187,7 @@ class SamplingFields(TopLevelRequest):
         None, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
     )
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None  # None: the server default, then true
     spaces_between_special_tokens: bool = True
     priority: int = Field(0, json_schema_extra=_range(INT64_MIN, INT64_MAX))
     request_id: str | None = None

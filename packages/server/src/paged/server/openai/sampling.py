@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import msgspec
 
 from paged.scheduler import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -59,27 +62,39 @@ def _float32_top_p(top_p: float) -> float:
     return _F32_TINY if 0.0 < top_p < _F32_TINY else top_p
 
 
-def _base(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _base(
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: Mapping[str, Any],
+) -> SamplingParams:
     _check_common(req)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+    def pick(name: str, value: Any, openai_default: Any) -> Any:
+        # vLLM's priority: the request's value, the server's default, OpenAI's default.
+        return value if value is not None else defaults.get(name, openai_default)
+
+    top_p = pick("top_p", req.top_p, 1.0)
+    skip_special = pick("skip_special_tokens", req.skip_special_tokens, True)
     return SamplingParams(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else _float32_top_p(req.top_p),
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=pick("temperature", req.temperature, 1.0),
+        top_p=_float32_top_p(top_p),
+        top_k=pick("top_k", req.top_k, 0),
+        min_p=pick("min_p", req.min_p, 0.0),
         seed=req.seed,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=pick("presence_penalty", req.presence_penalty, 0.0),
+        frequency_penalty=pick("frequency_penalty", req.frequency_penalty, 0.0),
+        repetition_penalty=pick("repetition_penalty", req.repetition_penalty, 1.0),
         logit_bias=_logit_bias(req.logit_bias),
-        max_tokens=max_tokens,
+        max_tokens=max_tokens,  # None: the server default or what fits (InputProcessor)
         min_tokens=req.min_tokens,
         stop=stop,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=skip_special,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
@@ -88,9 +103,12 @@ def _base(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> 
 
 
 def chat_sampling_params(
-    req: ChatCompletionRequest, tool_schema_json: str | None = None
+    req: ChatCompletionRequest,
+    tool_schema_json: str | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    """`tool_schema_json`: the schema a tool choice constrains the output to (tools.py)."""
+    """`tool_schema_json`: the schema a tool choice constrains the output to (tools.py);
+    `defaults`: the server's values for fields the request leaves out (generation_defaults)."""
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise InvalidRequestError("modalities", "only the 'text' modality is supported")
     if req.audio is not None:
@@ -113,7 +131,7 @@ def chat_sampling_params(
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequestError(param, f"{param} must be at least 1, got {max_tokens}")
-    params = _base(req, max_tokens, logprobs)
+    params = _base(req, max_tokens, logprobs, defaults or {})
     if tool_schema_json is None:
         return params
     if params.structured_outputs is not None:
@@ -133,7 +151,9 @@ def chat_sampling_params(
     )
 
 
-def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+def completion_sampling_params(
+    req: CompletionRequest, defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
     if req.suffix is not None:
         raise InvalidRequestError("suffix", "suffix is not supported")
     if req.best_of is not None and req.best_of != req.n:
@@ -144,4 +164,4 @@ def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
         raise InvalidRequestError(
             "max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}"
         )
-    return _base(req, req.max_tokens, req.logprobs)
+    return _base(req, req.max_tokens, req.logprobs, defaults or {})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,6 @@ from paged.server.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
-    random_id,
 )
 from paged.server.openai.sampling import chat_sampling_params, completion_sampling_params
 from paged.server.openai.tools import ResolvedToolConfig
@@ -154,10 +154,11 @@ class OpenAIServing:
         kv_transfer_params: KVTransferParams | None = None,
         ec_transfer_params: dict[str, Any] | None = None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
-        submitted: list[tuple[str, RequestOutputCollector]] = []
+        submitted: list[RequestOutputCollector] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                # The engine makes its own id unique: a client may reuse `rid`.
                 queue = await self.llm.add_request(
                     rid,
                     prompt,
@@ -167,11 +168,11 @@ class OpenAIServing:
                     kv_transfer_params=kv_transfer_params,
                     ec_transfer_params=ec_transfer_params,
                 )
-                submitted.append((rid, queue))
+                submitted.append(queue)
         except BaseException:
-            await self.llm.abort([rid for rid, _ in submitted])
+            await self.llm.abort([q.request_id for q in submitted], internal=True)
             raise
-        return [self.llm.stream_outputs(rid, q) for rid, q in submitted]
+        return [self.llm.stream_outputs(q) for q in submitted]
 
     # -- tokenizer endpoints ---------------------------------------------------------------
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
@@ -205,14 +206,15 @@ class OpenAIServing:
 
     # -- completions -------------------------------------------------------------------
     async def create_completion(
-        self, req: CompletionRequest
+        self, req: CompletionRequest, header_request_id: str | None = None
     ) -> CompletionResponse | AsyncIterator[str]:
+        """`header_request_id`: the X-Request-Id header, which names the request first."""
         self.check_model(req.model)
-        params = completion_sampling_params(req)
+        params = completion_sampling_params(req, self.llm.generation_defaults.sampling)
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         ec_params = parse_request_ec_transfer_params(req.ec_transfer_params)
         prompts = _completion_prompts(req)
-        base_id = req.request_id or random_id("cmpl")
+        base_id = response_id("cmpl", header_request_id, req.request_id)
         streams = await self._submit(
             base_id, prompts, params, req.priority, req.cache_salt, kv_params, ec_params
         )
@@ -304,13 +306,16 @@ class OpenAIServing:
 
     # -- chat ----------------------------------------------------------------------------
     async def create_chat_completion(
-        self, req: ChatCompletionRequest
+        self, req: ChatCompletionRequest, header_request_id: str | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """`header_request_id`: the X-Request-Id header, which names the request first."""
         self.check_model(req.model)
         tool_req = tools.parse_tool_request(
             req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_config
         )
-        params = chat_sampling_params(req, tools.structured_json(tool_req))
+        params = chat_sampling_params(
+            req, tools.structured_json(tool_req), self.llm.generation_defaults.sampling
+        )
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         ec_params = parse_request_ec_transfer_params(req.ec_transfer_params)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -339,7 +344,7 @@ class OpenAIServing:
         prompt: TextPrompt = {"prompt": prompt_text, "add_special_tokens": False}
         if image_urls and mm is not None:
             prompt["multi_modal_data"] = {"image": await _load_images(mm, image_urls)}
-        base_id = req.request_id or random_id("chatcmpl")
+        base_id = response_id("chatcmpl", header_request_id, req.request_id)
         (stream,) = await self._submit(
             base_id, [prompt], params, req.priority, req.cache_salt, kv_params, ec_params
         )
@@ -478,6 +483,13 @@ class OpenAIServing:
             model=self.model_name,
             choices=[ChatCompletionStreamChoice(index=index, delta=delta)],
         )
+
+
+def response_id(prefix: str, header_id: str | None, body_id: str | None) -> str:
+    """The response's `id`, as vLLM 0.33: the prefix, then X-Request-Id, else the body's
+    `request_id`, else 16 random hex digits (vLLM's random_uuid)."""
+    chosen = header_id if header_id is not None else body_id
+    return f"{prefix}-{chosen if chosen is not None else uuid.uuid4().hex[:16]}"
 
 
 def _running_usage(req: SamplingFields, totals: _Totals) -> UsageInfo | None:
