@@ -233,6 +233,24 @@ def test_long_prefill_threshold_only_when_contended() -> None:
     assert step(sched2, FakeRunner()).num_scheduled_tokens == {"a": 4, "b": 4}
 
 
+def test_adaptive_long_prefill_threshold_floors_at_a_fair_share() -> None:
+    # vLLM 0.33.0 v1/core/sched/scheduler.py:764-769: max(threshold, budget // requests).
+    def first_step(adaptive: bool, n: int) -> dict[str, int]:
+        sched = make_scheduler(
+            long_prefill_token_threshold=4,
+            long_prefill_token_threshold_adaptive=adaptive,
+            max_num_batched_tokens=64,
+        )
+        for i in range(n):
+            sched.add_request(make_request(f"r{i}", distinct(i + 1, 40), max_tokens=2))
+        return dict(step(sched, FakeRunner()).num_scheduled_tokens)
+
+    assert first_step(False, 2) == {"r0": 4, "r1": 4}
+    assert first_step(True, 2) == {"r0": 32, "r1": 32}
+    assert first_step(True, 3) == {"r0": 21, "r1": 21, "r2": 21}  # 64 // 3
+    assert first_step(True, 32) == {f"r{i}": 4 for i in range(16)}  # 64 // 32 < 4
+
+
 def test_chunked_prefill_disabled_stops_at_prompt_over_budget() -> None:
     sched = make_scheduler(
         max_model_len=32, max_num_batched_tokens=32, enable_chunked_prefill=False
