@@ -167,9 +167,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_structured_outputs_config,
         default=None,
         metavar="JSON",
-        help='vLLM\'s structured-output options: "backend" "auto"/"guidance" (llguidance); '
+        help='vLLM\'s structured-output options: "backend" "auto"/"guidance" (llguidance), '
+        '"disable_any_whitespace", "disable_additional_properties"; '
         'paged only: "compile_timeout_s" (default 10; a slower grammar is a 400), '
-        '"cache_size" (compiled grammars kept, default 256)',
+        '"cache_size" (compiled grammars kept, default 256), "max_json_whitespace" '
+        "(JSON whitespace between tokens: one line break then at most N spaces/tabs; "
+        "default 8; null: unbounded, as vLLM)",
     )
     c.add_argument(
         "--kv-events-config",
