@@ -8,11 +8,15 @@ runs 50 varied JSON schemas (plus, with `--json-object`, the same prompts under
 - unbounded: `{"max_json_whitespace": null}`, llguidance's flexible whitespace
   `[ \\t\\r\\n]+` between tokens (what vLLM 0.33 and paged before the bound did);
 - bounded: paged's default, one line break then at most 8 spaces or tabs;
-- compact: `{"disable_any_whitespace": true}` (vLLM's key), no whitespace.
+- compact: `{"disable_any_whitespace": true}` (vLLM's key), no whitespace;
+- bounded_closed: the bound plus `{"disable_additional_properties": true}` (vLLM's
+  key: a schema's objects take no keys beyond their `properties`).
 
-A reply counts as valid when `json.loads` accepts it. Also printed: how many
-replies stopped at max_tokens (finish_reason "length"), and the mean share of
-whitespace characters in the replies. Sampling is seeded per request, so each
+Half the prompts name the schema's fields, half are vague ("Output JSON.").
+A reply counts as valid when `json.loads` accepts it. Also printed, per kind
+(json_schema, json_object): how many replies stopped at max_tokens
+(finish_reason "length"), how many hold a whitespace run of 10 or more
+characters, and the mean share of whitespace characters. Sampling is seeded per request, so each
 setting sees the same random stream until the grammars' masks differ.
 
 Run: .venvs/all/bin/python benchmarks/structured_whitespace_bench.py \\
@@ -29,6 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import itertools
 import json
+import re
 import time
 from typing import Any
 
@@ -36,6 +41,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "unbounded": {"max_json_whitespace": None},
     "bounded": {},
     "compact": {"disable_any_whitespace": True},
+    "bounded_closed": {"disable_additional_properties": True},
 }
 
 _SUBJECTS = [
@@ -100,6 +106,25 @@ def schemas(n: int) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def prompt(i: int, subject: str, schema: dict[str, Any]) -> str:
+    """Half the prompts name the fields; the other half are vague, as users often write.
+
+    Vague prompts are where a small model pads JSON with runs of newlines.
+    """
+    if i % 2 == 0:
+        return f"Describe {subject} as JSON with the fields {', '.join(schema['properties'])}."
+    return _VAGUE[(i // 2) % len(_VAGUE)].format(subject=subject)
+
+
+_VAGUE = [
+    "Give me a JSON object about {subject}.",
+    "Tell me about {subject}. Answer in JSON.",
+    "JSON for {subject}, please.",
+    "Output JSON.",
+    "Hello! Can you describe {subject}?",
+]
+
+
 def run_setting(
     name: str, cases: list[tuple[str, dict[str, Any]]], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -114,20 +139,14 @@ def run_setting(
     try:
         conversations = []
         params = []
+        kinds: list[str] = []
         for i, (subject, schema) in enumerate(cases):
             constraints = [StructuredOutputsParams(json=json.dumps(schema))]
             if args.json_object:
                 constraints.append(StructuredOutputsParams(json_object=True))
             for so in constraints:
-                conversations.append(
-                    [
-                        {
-                            "role": "user",
-                            "content": f"Describe {subject} as JSON with the fields "
-                            f"{', '.join(schema['properties'])}.",
-                        }
-                    ]
-                )
+                conversations.append([{"role": "user", "content": prompt(i, subject, schema)}])
+                kinds.append("json_schema" if so.json is not None else "json_object")
                 params.append(
                     SamplingParams(
                         max_tokens=args.max_tokens,
@@ -141,28 +160,35 @@ def run_setting(
         elapsed = time.perf_counter() - start
     finally:
         llm.shutdown()
-    valid = length = 0
-    ws_share: list[float] = []
-    examples: list[str] = []
-    for out in outputs:
+    by_kind: dict[str, dict[str, Any]] = {}
+    for kind, out in zip(kinds, outputs, strict=True):
+        row = by_kind.setdefault(
+            kind,
+            {"requests": 0, "valid_json": 0, "finished_by_length": 0, "whitespace_run_ge_10": 0},
+        )
         completion = out.outputs[0]
         text = completion.text
+        row["requests"] += 1
         try:
             json.loads(text)
-            valid += 1
+            row["valid_json"] += 1
         except json.JSONDecodeError:
-            if len(examples) < 2:
-                examples.append(text[:160])
-        length += completion.finish_reason == "length"
-        ws_share.append(sum(c in " \t\r\n" for c in text) / max(1, len(text)))
+            row.setdefault("invalid_examples", [])
+            if len(row["invalid_examples"]) < 2:
+                row["invalid_examples"].append(text[:160])
+        row["finished_by_length"] += completion.finish_reason == "length"
+        longest = max((len(m) for m in re.findall(r"\s+", text)), default=0)
+        row["whitespace_run_ge_10"] += longest >= 10
+        row.setdefault("_ws", []).append(sum(c in " \t\r\n" for c in text) / max(1, len(text)))
+    for row in by_kind.values():
+        shares = row.pop("_ws")
+        row["mean_whitespace_share"] = round(sum(shares) / len(shares), 3)
     return {
         "config": SETTINGS[name],
+        "valid_json": sum(r["valid_json"] for r in by_kind.values()),
         "requests": len(outputs),
-        "valid_json": valid,
-        "finished_by_length": length,
-        "mean_whitespace_share": round(sum(ws_share) / len(ws_share), 3),
         "seconds": round(elapsed, 1),
-        "invalid_examples": examples,
+        "by_kind": by_kind,
     }
 
 
@@ -173,12 +199,21 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-object", action="store_true", help="also json_object prompts")
-    parser.add_argument("--settings", default="unbounded,bounded,compact")
+    parser.add_argument("--settings", default="unbounded,bounded,compact,bounded_closed")
+    parser.add_argument(
+        "--max-json-whitespace",
+        type=int,
+        default=None,
+        help="the bound of the bounded settings (default: paged's default, 8)",
+    )
     args = parser.parse_args()
     names = [s for s in args.settings.split(",") if s]
     unknown = [s for s in names if s not in SETTINGS]
     if unknown:
         parser.error(f"--settings: unknown {unknown}; choose from {list(SETTINGS)}")
+    if args.max_json_whitespace is not None:
+        for key in ("bounded", "bounded_closed"):
+            SETTINGS[key] = {**SETTINGS[key], "max_json_whitespace": args.max_json_whitespace}
     cases = schemas(args.schemas)
     results = {name: run_setting(name, cases, args) for name in names}
     print(
