@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -82,9 +83,44 @@ def with_kv(mro: ModelRunnerOutput, **kwargs: list[str] | list[int]) -> ModelRun
     return msgspec.structs.replace(mro, kv_connector_output=KVConnectorOutput(**kwargs))  # type: ignore[arg-type]
 
 
+def protocol_mismatches(protocol: type, obj: object) -> list[str]:
+    """Methods of `protocol` that `obj` lacks or takes with other parameter names or kinds.
+
+    The runtime half of the conformance check; the types are mypy's half (below).
+    """
+    problems: list[str] = []
+    for name, member in vars(protocol).items():
+        if name.startswith("_") or not callable(member):
+            continue
+        impl = getattr(obj, name, None)
+        if not callable(impl):
+            problems.append(f"{name}: missing")
+            continue
+        want = [(p.name, p.kind) for p in inspect.signature(member).parameters.values()][1:]
+        got = [(p.name, p.kind) for p in inspect.signature(impl).parameters.values()]
+        if want != got:
+            problems.append(f"{name}: {got} != {want}")
+    return problems
+
+
 def test_fake_satisfies_protocol() -> None:
+    # Static half: mypy --strict rejects this assignment if a method's types drift.
     conn: KVConnectorScheduler = FakeKVConnector()
-    assert conn is not None
+    assert protocol_mismatches(KVConnectorScheduler, conn) == []
+
+
+def test_protocol_check_catches_missing_and_renamed_methods() -> None:
+    class Drifted(FakeKVConnector):
+        take_events = None  # type: ignore[assignment]
+
+        def update_connector_output(self, output: KVConnectorOutput) -> None:
+            pass
+
+    assert protocol_mismatches(KVConnectorScheduler, Drifted()) == [
+        "update_connector_output: [('output', <_ParameterKind.POSITIONAL_OR_KEYWORD: 1>)] != "
+        "[('connector_output', <_ParameterKind.POSITIONAL_OR_KEYWORD: 1>)]",
+        "take_events: missing",
+    ]
 
 
 def test_sync_external_hit_skips_tokens_and_builds_metadata() -> None:

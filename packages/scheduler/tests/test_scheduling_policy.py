@@ -233,6 +233,24 @@ def test_long_prefill_threshold_only_when_contended() -> None:
     assert step(sched2, FakeRunner()).num_scheduled_tokens == {"a": 4, "b": 4}
 
 
+def test_adaptive_long_prefill_threshold_floors_at_a_fair_share() -> None:
+    # vLLM 0.33.0 v1/core/sched/scheduler.py:764-769: max(threshold, budget // requests).
+    def first_step(adaptive: bool, n: int) -> dict[str, int]:
+        sched = make_scheduler(
+            long_prefill_token_threshold=4,
+            long_prefill_token_threshold_adaptive=adaptive,
+            max_num_batched_tokens=64,
+        )
+        for i in range(n):
+            sched.add_request(make_request(f"r{i}", distinct(i + 1, 40), max_tokens=2))
+        return dict(step(sched, FakeRunner()).num_scheduled_tokens)
+
+    assert first_step(False, 2) == {"r0": 4, "r1": 4}
+    assert first_step(True, 2) == {"r0": 32, "r1": 32}
+    assert first_step(True, 3) == {"r0": 21, "r1": 21, "r2": 21}  # 64 // 3
+    assert first_step(True, 32) == {f"r{i}": 4 for i in range(16)}  # 64 // 32 < 4
+
+
 def test_chunked_prefill_disabled_stops_at_prompt_over_budget() -> None:
     sched = make_scheduler(
         max_model_len=32, max_num_batched_tokens=32, enable_chunked_prefill=False
@@ -263,30 +281,39 @@ def test_finished_id_reported_in_next_scheduler_output() -> None:
 
 def _self_preemption_run(c_joins_after_first_step: bool) -> list[SchedulerOutput]:
     """Block size 4, 4 usable blocks, priority policy; a (priority 1) then c (priority 0)."""
-    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=64, policy="priority")
+    sched = make_scheduler(
+        num_blocks=5, max_model_len=64, policy="priority", max_num_batched_tokens=64, max_num_seqs=4
+    )
     runner = FakeRunner()
-    sched.add_request(make_request("a", 4, max_tokens=20, priority=1))
+    sched.add_request(make_request("a", 4, max_tokens=20, priority=1, arrival=0.0))
     if not c_joins_after_first_step:
-        sched.add_request(make_request("c", 4, max_tokens=20, priority=0))
+        sched.add_request(make_request("c", 4, max_tokens=20, priority=0, arrival=1.0))
     outs = [step(sched, runner)]
     if c_joins_after_first_step:
-        sched.add_request(make_request("c", 4, max_tokens=20, priority=0))
+        sched.add_request(make_request("c", 4, max_tokens=20, priority=0, arrival=1.0))
     outs += [step(sched, runner) for _ in range(5)]
     return outs
 
 
-def test_priority_request_preempting_itself_ends_the_running_pass_as_vllm() -> None:
+def test_priority_request_preempting_itself_lets_the_better_ones_after_it_run() -> None:
     # running = [a, c]: a is one token ahead, so it reaches a block boundary first with
     # no block free; it is the largest (priority, arrival), so it preempts itself. vLLM
-    # (scheduler.py: `if preempted_req == request: break` then `if new_blocks is None:
-    # break`) ends the whole running pass there: c, behind a with a better priority,
-    # is not scheduled this step, and no waiting request is admitted (a step that
-    # preempted). The step is empty; c resumes next step.
+    # 0.33.0 (v1/core/sched/scheduler.py:982-992) then `continue`s under the priority
+    # policy: c, behind a with a better priority, gets one of a's freed blocks in the
+    # same step. No waiting request is admitted (a step that preempted).
     outs = _self_preemption_run(c_joins_after_first_step=True)
-    assert [dict(o.num_scheduled_tokens) for o in outs[:5]] == [
-        {"a": 4}, {"a": 1, "c": 4}, {"a": 1, "c": 1}, {"a": 1, "c": 1}, {"a": 1, "c": 1},
-    ]  # fmt: skip
-    assert dict(outs[5].num_scheduled_tokens) == {} and outs[5].preempted_req_ids == ["a"]
+    assert [(dict(o.num_scheduled_tokens), list(o.preempted_req_ids)) for o in outs] == [
+        ({"a": 4}, []),
+        ({"a": 1, "c": 4}, []),
+        ({"a": 1, "c": 1}, []),
+        ({"a": 1, "c": 1}, []),
+        ({"a": 1, "c": 1}, []),
+        ({"c": 1}, ["a"]),
+    ]
+    # c decodes its 8th token inside its own 2 blocks; a is not resumed in this step.
+    last = outs[5]
+    assert last.scheduled_cached_reqs.req_ids == ["c"] and not last.scheduled_new_reqs
+    assert last.scheduled_cached_reqs.new_block_ids == [None]
 
 
 def test_priority_victim_behind_the_asking_request_frees_its_blocks() -> None:
@@ -294,3 +321,42 @@ def test_priority_victim_behind_the_asking_request_frees_its_blocks() -> None:
     # is another request, so c gets a's freed block in the same step.
     outs = _self_preemption_run(c_joins_after_first_step=False)
     assert dict(outs[5].num_scheduled_tokens) == {"c": 1} and outs[5].preempted_req_ids == ["a"]
+
+
+def test_priority_victim_scheduled_earlier_in_step_gives_back_budget_and_blocks() -> None:
+    # vLLM 0.33.0 v1/core/sched/scheduler.py:944-968: a priority victim already scheduled
+    # in this step returns its tokens to the budget and drops its new blocks; it stood
+    # before the asking request, so the index moves back by one and the request after
+    # the asker is still reached. 9 usable blocks of 4, budget 8, chunks of 4.
+    sched = make_scheduler(
+        num_blocks=10,
+        max_model_len=64,
+        policy="priority",
+        max_num_batched_tokens=8,
+        max_num_seqs=3,
+        long_prefill_token_threshold=4,
+    )
+    runner = FakeRunner()
+    sched.add_request(make_request("low", distinct(1, 26), max_tokens=30, priority=9, arrival=0))
+    outs = [step(sched, runner)]
+    sched.add_request(make_request("high", distinct(2, 2), max_tokens=30, priority=0, arrival=1))
+    outs.append(step(sched, runner))
+    sched.add_request(make_request("mid", distinct(3, 12), max_tokens=30, priority=5, arrival=2))
+    outs += [step(sched, runner) for _ in range(3)]
+    assert [dict(o.num_scheduled_tokens) for o in outs[:4]] == [
+        {"low": 8}, {"low": 4, "high": 2}, {"low": 4, "high": 1, "mid": 3},
+        {"low": 4, "high": 1, "mid": 3},
+    ]  # fmt: skip
+    last = outs[4]
+    # low took the last free block for its chunk, then high (decoding into a new block)
+    # found none: low, the victim, gave back its 4 tokens, so mid gets a full chunk of 4
+    # (3 without the give-back), and its new block goes to high.
+    assert last.preempted_req_ids == ["low"]
+    assert dict(last.num_scheduled_tokens) == {"high": 1, "mid": 4}
+    assert last.total_num_scheduled_tokens == 5
+    cached = last.scheduled_cached_reqs
+    assert cached.req_ids == ["high", "mid"]
+    assert cached.new_block_ids == [([9],), ([7],)]
+    assert free_blocks(sched) == 4  # 9 usable - high's 2 - mid's 3
+    waiting = list(sched.state.waiting)
+    assert [r.request_id for r in waiting] == ["low"] and waiting[0].num_computed_tokens == 0

@@ -185,8 +185,21 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20
+    # Not used by the runner; carried to the scheduler (vLLM's SchedulerConfig fields).
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy: must be 'fcfs' or 'priority', got {self.policy!r}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold: must be >= 0, "
+                f"got {self.long_prefill_token_threshold}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

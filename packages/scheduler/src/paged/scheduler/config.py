@@ -26,6 +26,11 @@ class SchedulerConfig:
     - `long_prefill_token_threshold`: when > 0, a prompt chunk is cut to this
       many tokens per step so long prompts do not starve decodes (ignored when
       only one request is running or waiting).
+    - `long_prefill_token_threshold_adaptive`: floor that cap at a fair share of
+      the step, `max_num_batched_tokens // (running + waiting)` (vLLM 0.33's
+      `--long-prefill-token-threshold-adaptive`; only with a non-zero threshold).
+    - `policy`: "fcfs" (arrival order) or "priority" (smallest `priority`
+      first, arrival time breaking ties; victims of preemption are the largest).
     - `max_num_encoder_input_tokens` / `encoder_cache_size`: per-step encoder
       compute budget and encoder cache capacity, in embeddings; `None` means
       `max_num_batched_tokens` (vLLM's default). Both are raised to fit the
@@ -53,6 +58,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
     policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     disable_chunked_mm_input: bool = False

@@ -218,8 +218,11 @@ class Scheduler:
         state.kv.new_step_starts()
         plan = StepPlan(StepBudget(config.max_num_batched_tokens, self.encoder_compute_budget))
         # vLLM: the threshold only matters when requests compete for the step.
-        contended = len(state.running) + len(state.waiting) > 1
-        threshold = config.long_prefill_token_threshold if contended else 0
+        num_eligible = len(state.running) + len(state.waiting)
+        threshold = config.long_prefill_token_threshold if num_eligible > 1 else 0
+        if threshold > 0 and config.long_prefill_token_threshold_adaptive:
+            # vLLM 0.33 (scheduler.py:764-769): never cut a chunk below a fair share.
+            threshold = max(threshold, config.max_num_batched_tokens // num_eligible)
         schedule_running(state, plan, threshold)
         if not plan.preempted:
             schedule_waiting(state, plan, threshold)

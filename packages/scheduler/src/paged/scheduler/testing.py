@@ -44,6 +44,7 @@ def make_scheduler(num_blocks: int = 64, *, max_model_len: int = 256, **kwargs: 
         "max_num_batched_tokens",
         "enable_chunked_prefill",
         "long_prefill_token_threshold",
+        "long_prefill_token_threshold_adaptive",
         "policy",
         "max_logprobs",
         "disable_chunked_mm_input",

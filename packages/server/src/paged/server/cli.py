@@ -59,6 +59,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _structured_outputs_config(text: str) -> str:
     from paged.server.structured_output.options import parse_structured_outputs_config
 
@@ -164,9 +174,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=_structured_outputs_config,
         default=None,
         metavar="JSON",
-        help='vLLM\'s structured-output options: "backend" "auto"/"guidance" (llguidance); '
+        help='vLLM\'s structured-output options: "backend" "auto"/"guidance" (llguidance), '
+        '"disable_any_whitespace", "disable_additional_properties"; '
         'paged only: "compile_timeout_s" (default 10; a slower grammar is a 400), '
-        '"cache_size" (compiled grammars kept, default 256)',
+        '"cache_size" (compiled grammars kept, default 256), "max_json_whitespace" '
+        "(JSON whitespace between tokens: one line break then at most N spaces/tabs; "
+        "default 8; null: unbounded, as vLLM)",
     )
     c.add_argument(
         "--kv-events-config",
@@ -194,6 +207,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="split long prompts over several steps",
+    )
+    s.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs: arrival order; priority: a request's `priority` (lower first, then arrival) "
+        "orders admission and picks preemption victims (vLLM's flag)",
+    )
+    s.add_argument(
+        "--long-prefill-token-threshold",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="cap a prompt chunk at N tokens per step while other requests wait or run "
+        "(0: no cap; at most --max-model-len)",
+    )
+    s.add_argument(
+        "--long-prefill-token-threshold-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="floor that cap at max-num-batched-tokens / (running + waiting requests)",
     )
     s.add_argument(
         "--max-logprobs",
@@ -364,6 +398,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         enable_chunked_prefill=ns.enable_chunked_prefill,
+        scheduling_policy=ns.scheduling_policy,
+        long_prefill_token_threshold=ns.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=ns.long_prefill_token_threshold_adaptive,
         tensor_parallel_size=ns.tensor_parallel_size,
         pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,

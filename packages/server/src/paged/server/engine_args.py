@@ -48,6 +48,11 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (requests' `priority`, lower first).
+    scheduling_policy: str = "fcfs"
+    # vLLM's --long-prefill-token-threshold (0: no cap) and -adaptive (vLLM 0.33).
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
     tensor_parallel_size: int = 1
     # vLLM's --pipeline-parallel-size: decoder layers split over this many stages.
     pipeline_parallel_size: int = 1
@@ -276,6 +281,9 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 max_logprobs=self.max_logprobs,
+                policy=self.scheduling_policy,  # type: ignore[arg-type]  # checked there
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                long_prefill_token_threshold_adaptive=self.long_prefill_token_threshold_adaptive,
             ),
             seed=self.seed,
             block_hash_seed=self.block_hash_seed,

@@ -73,6 +73,7 @@ class LLM:
                     eos_token_ids=mc.eos_token_ids,
                     cache_size=so_options.cache_size,
                     compile_timeout_s=so_options.compile_timeout_s,
+                    json_options=so_options.json_options,
                 )
             )
         mm_frontend = build_frontend_for(args, config)

@@ -195,12 +195,14 @@ def _structured_outputs(
         tuple(mc.eos_token_ids),
         cache_size=so_options.cache_size,
         compile_timeout_s=so_options.compile_timeout_s,
+        json_options=so_options.json_options,
     )
     compiler = GrammarCompiler(
         ll_tokenizer,
         eos_token_ids=mc.eos_token_ids,
         cache_size=so_options.cache_size,
         compile_timeout_s=so_options.compile_timeout_s,
+        json_options=so_options.json_options,
     )
     return so_config, compiler
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from paged.server.cli import build_parser, engine_args_from
+from paged.server.structured_output.json_options import JsonGrammarOptions
 from paged.server.structured_output.options import (
     StructuredOutputOptions,
     parse_structured_outputs_config,
@@ -22,12 +23,31 @@ def test_vllm_keys_and_paged_keys() -> None:
     assert got == StructuredOutputOptions(compile_timeout_s=2.0, cache_size=8)
 
 
+def test_vllm_json_keys_and_the_whitespace_bound() -> None:
+    got = parse_structured_outputs_config(
+        '{"disable_any_whitespace": true, "disable_additional_properties": true}'
+    )
+    assert got.json_options == JsonGrammarOptions(
+        disable_any_whitespace=True, disable_additional_properties=True
+    )
+    # vLLM's defaults for the reasoning keys mean "off": accepted.
+    off = '{"reasoning_parser": "", "reasoning_parser_plugin": "", "enable_in_reasoning": false}'
+    assert parse_structured_outputs_config(off) == StructuredOutputOptions()
+    assert StructuredOutputOptions().json_options.max_json_whitespace == 8
+    unbounded = parse_structured_outputs_config('{"max_json_whitespace": null}')
+    assert unbounded.json_options.max_json_whitespace is None
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
         ('{"backend": "xgrammar"}', "'xgrammar' is not available"),
-        ('{"disable_any_whitespace": true}', "not supported by paged"),
         ('{"reasoning_parser": "deepseek_r1"}', "not supported by paged"),
+        ('{"enable_in_reasoning": true}', "not supported by paged"),
+        ('{"disable_any_whitespace": 1}', "disable_any_whitespace must be true or false"),
+        ('{"max_json_whitespace": -1}', "max_json_whitespace must be >= 0"),
+        ('{"max_json_whitespace": "4"}', "max_json_whitespace must be an integer"),
+        ('{"whitespace_pattern": " "}', "unknown keys"),
         ('{"compile_timeout": 3}', "unknown keys"),
         ('{"compile_timeout_s": 0}', "compile_timeout_s must be > 0"),
         ('{"compile_timeout_s": "3"}', "number of seconds"),
@@ -58,10 +78,32 @@ def test_llm_compiler_gets_the_options(tiny_model_dir: Path) -> None:
         str(tiny_model_dir),
         max_model_len=256,
         kv_cache_memory_bytes=1 << 22,
-        structured_outputs_config={"compile_timeout_s": 0.5, "cache_size": 3},
+        structured_outputs_config={
+            "compile_timeout_s": 0.5,
+            "cache_size": 3,
+            "disable_any_whitespace": True,
+        },
     )
     try:
         assert llm.grammar_compiler.compile_timeout_s == 0.5
         assert llm.grammar_compiler.cache_size == 3
+        assert llm.grammar_compiler.json_options.disable_any_whitespace is True
     finally:
         llm.shutdown()
+
+
+def test_engine_process_recipe_carries_the_json_options(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    # `paged serve` sends this record to the engine process (pickled), which builds its compiler.
+    import pickle
+
+    from paged.server.structured_output import StructuredOutputConfig
+
+    options = parse_structured_outputs_config('{"disable_any_whitespace": true}').json_options
+    config = StructuredOutputConfig(
+        str(tiny_model_dir), len(tokenizer), (tokenizer.eos_token_id,), json_options=options
+    )
+    copy = pickle.loads(pickle.dumps(config))
+    assert copy == config
+    assert copy.build_compiler().json_options == options

@@ -5,17 +5,22 @@ model): each request asks for `num_tokens_with_spec - num_computed_tokens`
 tokens, cut by `long_prefill_token_threshold`, the remaining budget and
 `max_model_len`. When `allocate_slots` finds no blocks, requests are
 preempted (see preemption.py) until it succeeds or the asking request itself
-was the victim; in that case the phase ends, as in vLLM (`break`, not
-`continue`): under the priority policy the requests after it in running order
-(better priorities, admitted later) get nothing this step, and the step may be
-empty. vLLM's own reasoning: with no block for this request the later ones
-would mostly fail too, preempting more for nothing.
+was the victim. What follows a self-preemption depends on the policy, as in
+vLLM 0.33.0 (vllm/v1/core/sched/scheduler.py:982-994):
+
+- FCFS: the victim is the last running request, so nothing after it is left
+  to schedule; the phase ends.
+- priority: the victim was the largest `(priority, arrival_time)`, so every
+  request after it in running order ranks better and may fit in the blocks it
+  just freed; the pass goes on with them. The victim left `running`, so the
+  index already points at the next request (and it moved back by one for each
+  victim that stood before it).
 """
 
 from __future__ import annotations
 
 from paged.kvcache import KVCacheBlocks
-from paged.scheduler.request import Request
+from paged.scheduler.request import Request, RequestStatus
 from paged.scheduler.state import SchedulerState, StepPlan
 from paged.scheduler.steps.encoder_inputs import (
     EncoderDecision,
@@ -90,6 +95,8 @@ def schedule_running(state: SchedulerState, plan: StepPlan, long_prefill_thresho
             if victim is request:
                 break
         if new_blocks is None:
+            if config.policy == "priority" and request.status is RequestStatus.PREEMPTED:
+                continue  # `index` already names the request after the victim
             break
         _record(state, plan, request, num_new, new_blocks, decision)
         index += 1

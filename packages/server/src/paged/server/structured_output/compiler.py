@@ -29,6 +29,7 @@ import llguidance
 
 from paged.server.structured_output.defaults import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
 from paged.server.structured_output.grammar import GrammarError, GrammarKey, grammar_text
+from paged.server.structured_output.json_options import JsonGrammarOptions
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +84,15 @@ class GrammarCompiler:
         eos_token_ids: Sequence[int] = (),
         cache_size: int = DEFAULT_CACHE_SIZE,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        json_options: JsonGrammarOptions | None = None,
     ) -> None:
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
         if not compile_timeout_s > 0:
             raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
         self.compile_timeout_s = compile_timeout_s
+        # Fixed for the compiler's life, so the cache key need not carry them.
+        self.json_options = json_options or JsonGrammarOptions()
         self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="paged-compile")
         self._in_flight: dict[GrammarKey, Future[llguidance.LLMatcher]] = {}
         self._too_slow: OrderedDict[GrammarKey, None] = OrderedDict()
@@ -162,7 +166,7 @@ class GrammarCompiler:
         return self.compile(key).deep_copy()
 
     def _build(self, key: GrammarKey) -> llguidance.LLMatcher:
-        grammar = grammar_text(key)
+        grammar = grammar_text(key, self.json_options)
         # log_level 0: errors are read from the matcher and reported, not logged.
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():

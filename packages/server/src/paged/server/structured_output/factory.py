@@ -7,10 +7,11 @@ two numbers) crosses instead, and `build()` loads the tokenizer there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from paged.server.structured_output.defaults import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
+from paged.server.structured_output.json_options import JsonGrammarOptions
 
 if TYPE_CHECKING:  # imported in build(): the engine core imports this module at start-up
     from paged.server.structured_output.backend import StructuredOutputBackend
@@ -29,6 +30,7 @@ class StructuredOutputConfig:
     eos_token_ids: tuple[int, ...] = ()
     cache_size: int = DEFAULT_CACHE_SIZE
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    json_options: JsonGrammarOptions = field(default_factory=JsonGrammarOptions)
 
     def build_compiler(self) -> GrammarCompiler:
         from paged.server.structured_output.compiler import GrammarCompiler, load_ll_tokenizer
@@ -41,6 +43,7 @@ class StructuredOutputConfig:
             eos_token_ids=self.eos_token_ids,
             cache_size=self.cache_size,
             compile_timeout_s=self.compile_timeout_s,
+            json_options=self.json_options,
         )
 
     def build(self) -> StructuredOutputBackend:

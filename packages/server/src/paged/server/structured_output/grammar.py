@@ -8,12 +8,16 @@ touches a tokenizer, so the API process can turn bad input into a 400 cheaply.
 from __future__ import annotations
 
 import json
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from paged.scheduler import StructuredOutputsParams
+from paged.server.structured_output.json_options import (
+    JsonGrammarOptions,
+    forbid_additional_properties,
+)
 
 
 class GrammarError(ValueError):
@@ -53,25 +57,19 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     return GrammarKey(kind, text, params.disable_any_whitespace)
 
 
-def _json_options(disable_any_whitespace: bool) -> dict[str, Any]:
-    # vLLM's guidance backend: flexible whitespace unless the request disables it.
-    # Without it, JSON is compact (", " and ": " as Python's json.dumps writes).
-    if disable_any_whitespace:
-        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-    return {"whitespace_flexible": True}
-
-
-def _json_schema(text: str, key: GrammarKey) -> str:
+def _json_schema(text: str, key: GrammarKey, options: JsonGrammarOptions) -> str:
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
         raise GrammarError("json", f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, dict | bool):
         raise GrammarError("json", "the JSON schema must be an object or a boolean")
+    if options.disable_additional_properties and key.kind == "json":
+        schema = forbid_additional_properties(schema)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema),
-            defaults=_json_options(key.disable_any_whitespace),  # type: ignore[arg-type]
+            defaults=options.llguidance_defaults(key.disable_any_whitespace),  # type: ignore[arg-type]
         )
     except ValueError as e:
         raise GrammarError("json", f"invalid JSON schema: {e}") from None
@@ -149,17 +147,19 @@ def _structural_tag(text: str) -> str:
     return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
 
-def grammar_text(key: GrammarKey) -> str:
+def grammar_text(key: GrammarKey, options: JsonGrammarOptions | None = None) -> str:
     """The llguidance grammar for `key` (`GrammarError` for input that is malformed up front).
 
-    Errors that only compilation finds (an unsupported schema keyword, a regex
-    that does not parse) come from `GrammarCompiler`.
+    `options` shape JSON grammars (default: `JsonGrammarOptions()`). Errors that
+    only compilation finds (an unsupported schema keyword, a regex that does not
+    parse) come from `GrammarCompiler`.
     """
     kind, text = key.kind, key.text
+    options = options or JsonGrammarOptions()
     if kind == "json":
-        return _json_schema(text, key)
+        return _json_schema(text, key, options)
     if kind == "json_object":
-        return _json_schema('{"type": "object"}', key)
+        return _json_schema('{"type": "object"}', key, options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":

@@ -1,32 +1,58 @@
 """`--structured-outputs-config` (vLLM's flag): JSON text -> `StructuredOutputOptions`.
 
-vLLM's keys are read with vLLM's meaning where paged can honour them and refused
-by name where it cannot (never silently ignored):
+vLLM 0.33.0's keys (config/structured_outputs.py) are read with vLLM's meaning
+where paged can honour them and refused by name where it cannot (never
+silently ignored):
 
-    backend                "auto" or "guidance" (llguidance is paged's only backend)
-    disable_fallback       accepted; there is no other backend to fall back to
-    disable_any_whitespace, disable_additional_properties, reasoning_parser,
-    enable_in_reasoning    refused (set per request, or not supported)
+    backend                        "auto" or "guidance" (llguidance is paged's only
+                                   backend; "auto" therefore means guidance)
+    disable_any_whitespace         compact JSON, no whitespace between tokens
+    disable_additional_properties  object schemas with `properties` close their key set
+    reasoning_parser, reasoning_parser_plugin, enable_in_reasoning
+                                   refused unless left at vLLM's default ("", "", false):
+                                   paged has no reasoning parsers
+    disable_fallback               (older vLLM) accepted; no other backend to fall back to
 
 paged's own: `compile_timeout_s` (wall-clock bound of one grammar compile; past
-it the request is a 400) and `cache_size` (compiled grammars kept).
+it the request is a 400), `cache_size` (compiled grammars kept) and
+`max_json_whitespace` (whitespace between two JSON tokens: one optional line
+break, then at most this many spaces or tabs; default 8; null: unbounded, as
+vLLM).
+
+vLLM itself refuses `disable_any_whitespace` unless `backend` is "xgrammar" or
+"guidance" (config/structured_outputs.py:67-71); paged's "auto" is guidance, so
+paged accepts it with "auto" too.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from paged.server.structured_output.defaults import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
+from paged.server.structured_output.json_options import (
+    DEFAULT_MAX_JSON_WHITESPACE,
+    JsonGrammarOptions,
+)
 
 _BACKENDS = ("auto", "guidance")
-_REFUSED = (
+# vLLM keys paged cannot honour, with the value that means "off" (accepted as such).
+_UNSUPPORTED_DEFAULTS: dict[str, object] = {
+    "reasoning_parser": "",
+    "reasoning_parser_plugin": "",
+    "enable_in_reasoning": False,
+}
+_KNOWN = {
+    "backend",
+    "disable_fallback",
     "disable_any_whitespace",
     "disable_additional_properties",
-    "reasoning_parser",
-    "enable_in_reasoning",
-)
+    "compile_timeout_s",
+    "cache_size",
+    "max_json_whitespace",
+    *_UNSUPPORTED_DEFAULTS,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +61,7 @@ class StructuredOutputOptions:
 
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
     cache_size: int = DEFAULT_CACHE_SIZE
+    json_options: JsonGrammarOptions = field(default_factory=JsonGrammarOptions)
 
     def __post_init__(self) -> None:
         if not self.compile_timeout_s > 0:
@@ -48,23 +75,38 @@ def parse_structured_outputs_config(text: str | dict[str, Any]) -> StructuredOut
     raw = json.loads(text) if isinstance(text, str) else dict(text)
     if not isinstance(raw, dict):
         raise ValueError("--structured-outputs-config must be a JSON object")
-    backend = raw.pop("backend", "auto")
+    unknown = sorted(set(raw) - _KNOWN)
+    if unknown:
+        raise ValueError(f"--structured-outputs-config: unknown keys {unknown}")
+    backend = raw.get("backend", "auto")
     if backend not in _BACKENDS:
         raise ValueError(
             f"structured outputs backend {backend!r} is not available: paged uses llguidance "
             f"(choose from {', '.join(_BACKENDS)})"
         )
-    raw.pop("disable_fallback", None)
-    refused = sorted(k for k in raw if k in _REFUSED)
+    refused = sorted(k for k, off in _UNSUPPORTED_DEFAULTS.items() if k in raw and raw[k] != off)
     if refused:
-        raise ValueError(f"--structured-outputs-config: not supported by paged: {refused}")
-    unknown = sorted(set(raw) - {"compile_timeout_s", "cache_size"})
-    if unknown:
-        raise ValueError(f"--structured-outputs-config: unknown keys {unknown}")
+        raise ValueError(
+            f"--structured-outputs-config: not supported by paged (no reasoning parsers): {refused}"
+        )
+    for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+        if not isinstance(raw.get(name, False), bool):
+            raise ValueError(f"--structured-outputs-config: {name} must be true or false")
     timeout = raw.get("compile_timeout_s", DEFAULT_COMPILE_TIMEOUT_S)
     cache = raw.get("cache_size", DEFAULT_CACHE_SIZE)
+    whitespace = raw.get("max_json_whitespace", DEFAULT_MAX_JSON_WHITESPACE)
     if not isinstance(timeout, int | float) or isinstance(timeout, bool):
         raise ValueError("compile_timeout_s must be a number of seconds")
     if not isinstance(cache, int) or isinstance(cache, bool):
         raise ValueError("cache_size must be an integer")
-    return StructuredOutputOptions(compile_timeout_s=float(timeout), cache_size=cache)
+    if whitespace is not None and (not isinstance(whitespace, int) or isinstance(whitespace, bool)):
+        raise ValueError("max_json_whitespace must be an integer >= 0 or null")
+    return StructuredOutputOptions(
+        compile_timeout_s=float(timeout),
+        cache_size=cache,
+        json_options=JsonGrammarOptions(
+            disable_any_whitespace=raw.get("disable_any_whitespace", False),
+            disable_additional_properties=raw.get("disable_additional_properties", False),
+            max_json_whitespace=whitespace,
+        ),
+    )
