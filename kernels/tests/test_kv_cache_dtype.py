@@ -177,3 +177,19 @@ def test_cache_dtype_and_scale_checks() -> None:
     with pytest.raises(ValueError, match="key_cache dtype must be one of"):
         ints = torch.zeros(2, 2, 1, 4, dtype=torch.int8)
         reference.reshape_and_cache(key, key, ints, ints.clone(), slots)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_copy_blocks_of_fp8_caches(
+    triton_device: str, cache_dtype: torch.dtype, gen: torch.Generator
+) -> None:
+    # Offloading and swapping move fp8 blocks as they are (torch has no CPU
+    # index_copy_ for fp8, so the reference copies their bytes).
+    src = quantize_kv(torch.randn(6, 4, 2, 8, generator=gen), cache_dtype, 1.0).to(triton_device)
+    ids = torch.tensor([4, 1], device=triton_device), torch.tensor([0, 3], device=triton_device)
+    for backend in (reference, triton_ops):
+        dst = torch.zeros(5, 4, 2, 8, dtype=cache_dtype, device=triton_device)
+        backend.copy_blocks(src, dst, *ids)
+        assert torch.equal(dst[0].view(torch.uint8), src[4].view(torch.uint8))
+        assert torch.equal(dst[3].view(torch.uint8), src[1].view(torch.uint8))
+        assert not bool(dst[1].view(torch.uint8).any())

@@ -48,3 +48,14 @@ def test_engine_config_carries_the_cache_dtype() -> None:
         device="cpu", max_model_len=256, kv_cache_dtype="fp8"
     ).create_engine_config()
     assert config.cache_config.cache_dtype == "fp8"
+
+
+def test_fp8_cache_with_a_kv_connector_is_refused_before_loading() -> None:
+    args = EngineArgs(
+        model="/nonexistent/model.gguf",
+        device="cpu",
+        kv_cache_dtype="fp8",
+        kv_offloading_size=1.0,
+    )
+    with pytest.raises(ValueError, match="not supported with a KV connector"):
+        args.create_engine_config()

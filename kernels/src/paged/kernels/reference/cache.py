@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from paged.kernels.kv_quant import quantize_kv
+from paged.kernels.kv_quant import is_fp8, quantize_kv
 from paged.kernels.layout import PAD_SLOT_ID
 from paged.kernels.validation import check_copy_blocks, check_reshape_and_cache
 
@@ -70,5 +70,8 @@ def copy_blocks(
             raise ValueError(
                 f"{name} must be in [0, {limit}), got range [{int(ids.min())}, {int(ids.max())}]"
             )
+    if is_fp8(src.dtype) and dst.dtype == src.dtype:
+        # torch has no CPU index_copy_ for fp8 dtypes; a block copy moves bytes anyway.
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     gathered = src.index_select(0, src_ids).to(dst.device)
     dst.index_copy_(0, dst_ids, gathered)

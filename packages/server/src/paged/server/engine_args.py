@@ -175,6 +175,13 @@ class EngineArgs:
             self._kv_transfer_config(), self.block_size, model_name=self.model_name()
         )
         ec_connector = ec_connector_builder(self.ec_transfer_config, model_name=self.model_name())
+        if kv_connector is not None and self.kv_cache_dtype.startswith("fp8"):
+            # The connectors move blocks with index_copy_, which torch lacks for fp8 on CPU;
+            # refused until they move fp8 blocks as bytes.
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not supported with a KV connector "
+                "(kv_transfer_config / kv_offloading_size) yet; use auto, float16 or bfloat16"
+            )
         device = self.resolved_device()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
