@@ -193,3 +193,18 @@ def test_copy_blocks_of_fp8_caches(
         assert torch.equal(dst[0].view(torch.uint8), src[4].view(torch.uint8))
         assert torch.equal(dst[3].view(torch.uint8), src[1].view(torch.uint8))
         assert not bool(dst[1].view(torch.uint8).any())
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_cpu_dequantize_matches_torch_conversion_on_every_code(
+    cache_dtype: torch.dtype, dtype: torch.dtype, scale: float
+) -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(cache_dtype)
+    want = (codes.float() * scale).to(dtype)
+    got = dequantize_kv(codes, dtype, scale)
+    finite = want.isfinite() & codes.float().isfinite()  # NaN/inf codes are never stored
+    assert got.dtype == dtype
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
