@@ -24,6 +24,9 @@ class KernelBackend(Protocol):
         key_cache: torch.Tensor,  # [N, B, Hkv, D]
         value_cache: torch.Tensor,  # [N, B, Hkv, D]
         slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+        *,
+        k_scale: float = 1.0,  # per-tensor fp8 scales (kv_quant); ignored by float caches
+        v_scale: float = 1.0,
     ) -> None: ...
 
     def paged_attention(
@@ -42,6 +45,8 @@ class KernelBackend(Protocol):
         soft_cap: float | None = None,
         out: torch.Tensor | None = None,
         bidirectional_ranges: torch.Tensor | None = None,  # [T, 2] int32
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
     def compute_cos_sin_cache(

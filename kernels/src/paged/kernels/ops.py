@@ -97,8 +97,13 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    backend_for(key).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    backend_for(key).reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def paged_attention(
@@ -116,12 +121,14 @@ def paged_attention(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
     bidirectional_ranges: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     return backend_for(query).paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
         max_query_len=max_query_len, max_seq_len=max_seq_len,
         sliding_window=sliding_window, soft_cap=soft_cap, out=out,
-        bidirectional_ranges=bidirectional_ranges,
+        bidirectional_ranges=bidirectional_ranges, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 

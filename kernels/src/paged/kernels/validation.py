@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from paged.kernels.kv_quant import KV_CACHE_DTYPES, check_kv_scale
+
 __all__ = [
     "FLOAT_DTYPES",
     "check_copy_blocks",
@@ -46,6 +48,16 @@ def _check_int(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = _I
         raise ValueError(f"{name} must have dtype in {allowed}, got {t.dtype}")
 
 
+def _check_cache_dtypes(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Both caches hold one storage dtype: a float dtype or a scaled fp8 one (kv_quant)."""
+    if key_cache.dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"key_cache dtype must be one of {KV_CACHE_DTYPES}, got {key_cache.dtype}")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"value_cache dtype {value_cache.dtype} must equal key_cache dtype {key_cache.dtype}"
+        )
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     """All tensors on one device; the error names each argument's device."""
     devices = {t.device for t in tensors.values()}
@@ -60,6 +72,8 @@ def check_reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     _check_dim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
     if value.shape != key.shape:
@@ -76,9 +90,12 @@ def check_reshape_and_cache(
             f"{_shape(key_cache)}"
         )
     _check_float("key", key)
-    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != key.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} must equal key dtype {key.dtype}")
+    if value.dtype != key.dtype:
+        raise ValueError(f"value dtype {value.dtype} must equal key dtype {key.dtype}")
+    # The cache may store another dtype than the activations (--kv-cache-dtype).
+    _check_cache_dtypes(key_cache, value_cache)
+    check_kv_scale("k_scale", k_scale)
+    check_kv_scale("v_scale", v_scale)
     _check_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
     _check_int("slot_mapping", slot_mapping, (torch.int64,))
     if slot_mapping.shape[0] > key.shape[0]:
@@ -109,6 +126,8 @@ def check_paged_attention(
     soft_cap: float | None,
     out: torch.Tensor | None,
     bidirectional_ranges: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     _check_dim("query", query, 3, "[num_tokens, num_heads, head_size]")
     if bidirectional_ranges is not None:
@@ -128,9 +147,10 @@ def check_paged_attention(
             f"{_shape(key_cache)}"
         )
     _check_float("query", query)
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != query.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} must equal query dtype {query.dtype}")
+    # Cached K/V are read back into the query's dtype (kv_quant.dequantize_kv).
+    _check_cache_dtypes(key_cache, value_cache)
+    check_kv_scale("k_scale", k_scale)
+    check_kv_scale("v_scale", v_scale)
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     if key_cache.shape[3] != head_size:

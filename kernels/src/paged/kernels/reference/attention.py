@@ -9,6 +9,7 @@ import itertools
 
 import torch
 
+from paged.kernels.kv_quant import dequantize_kv
 from paged.kernels.validation import check_paged_attention
 
 __all__ = ["gather_request_kv", "paged_attention"]
@@ -80,6 +81,8 @@ def paged_attention(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
     bidirectional_ranges: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its cached keys; ``[T, Hq, D]``.
 
@@ -96,10 +99,15 @@ def paged_attention(
     (still within the sliding window), so the tokens of one span (Gemma3's image)
     attend to each other both ways; ``start == end`` adds nothing. Every span a
     query sits in must be complete in the cache: ``ranges[t, 1] <= seq_len``.
+
+    The caches may hold another dtype than the query: K/V are read back as
+    ``float(cache) * k_scale`` / ``* v_scale`` for fp8 caches, a plain cast
+    otherwise (``paged.kernels.kv_quant.dequantize_kv``).
     """
     check_paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
         max_query_len, max_seq_len, sliding_window, soft_cap, out, bidirectional_ranges,
+        k_scale, v_scale,
     )  # fmt: skip
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -120,8 +128,10 @@ def paged_attention(
             )
         if q_len == 0:
             continue
-        k = gather_request_kv(key_cache, block_table[r], seq_len)
-        v = gather_request_kv(value_cache, block_table[r], seq_len)
+        k = dequantize_kv(gather_request_kv(key_cache, block_table[r], seq_len), torch.float32,
+                          k_scale)  # fmt: skip
+        v = dequantize_kv(gather_request_kv(value_cache, block_table[r], seq_len), torch.float32,
+                          v_scale)  # fmt: skip
         ranges = None
         if bidirectional_ranges is not None:
             ranges = bidirectional_ranges[q_start:q_end]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from paged.kernels.kv_quant import is_fp8, quantize_kv
 from paged.kernels.layout import PAD_SLOT_ID
 from paged.kernels.validation import check_copy_blocks, check_reshape_and_cache
 
@@ -16,13 +17,18 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [N, B, Hkv, D]
     value_cache: torch.Tensor,  # [N, B, Hkv, D]
     slot_mapping: torch.Tensor,  # [T'] int64, T' <= T; slot = block * B + offset, -1 = skip
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write token ``t``'s K/V to ``cache[slot // B, slot % B]``; slots ``== -1`` are skipped.
 
     Only the first ``len(slot_mapping)`` tokens are written (``key`` may carry
-    padding rows beyond them, e.g. for CUDA graphs).
+    padding rows beyond them, e.g. for CUDA graphs). A cache of another dtype
+    gets the values cast; an fp8 cache gets ``x / scale`` saturated to the
+    format's range (``paged.kernels.kv_quant.quantize_kv``).
     """
-    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     num_tokens = slot_mapping.shape[0]
     valid = slot_mapping != PAD_SLOT_ID
@@ -34,8 +40,10 @@ def reshape_and_cache(
         )
     block_ids = slots // block_size
     offsets = slots % block_size
-    key_cache[block_ids, offsets] = key[:num_tokens][valid]
-    value_cache[block_ids, offsets] = value[:num_tokens][valid]
+    key_cache[block_ids, offsets] = quantize_kv(key[:num_tokens][valid], key_cache.dtype, k_scale)
+    value_cache[block_ids, offsets] = quantize_kv(
+        value[:num_tokens][valid], value_cache.dtype, v_scale
+    )
 
 
 def copy_blocks(
@@ -62,5 +70,8 @@ def copy_blocks(
             raise ValueError(
                 f"{name} must be in [0, {limit}), got range [{int(ids.min())}, {int(ids.max())}]"
             )
+    if is_fp8(src.dtype) and dst.dtype == src.dtype:
+        # torch has no CPU index_copy_ for fp8 dtypes; a block copy moves bytes anyway.
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     gathered = src.index_select(0, src_ids).to(dst.device)
     dst.index_copy_(0, dst_ids, gathered)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from paged.kernels.kv_quant import is_fp8
 from paged.kernels.triton_ops._common import (
     check_last_dim_contiguous,
     check_triton_device,
@@ -90,6 +91,8 @@ def paged_attention(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
     bidirectional_ranges: torch.Tensor | None = None,  # [T, 2] int32
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same contract as ``paged.kernels.reference.paged_attention``, in one launch.
 
@@ -101,7 +104,7 @@ def paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
         max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window,
         soft_cap=soft_cap, out=out, num_segments=None,
-        bidirectional_ranges=bidirectional_ranges,
+        bidirectional_ranges=bidirectional_ranges, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -121,6 +124,8 @@ def paged_attention_split_kv(
     out: torch.Tensor | None = None,
     num_segments: int | None = None,
     bidirectional_ranges: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """``paged_attention`` with an explicit split-KV segment count (None = automatic).
 
@@ -131,6 +136,7 @@ def paged_attention_split_kv(
     check_paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
         max_query_len, max_seq_len, sliding_window, soft_cap, out, bidirectional_ranges,
+        k_scale, v_scale,
     )  # fmt: skip
     check_triton_device(query=query, key_cache=key_cache, block_table=block_table)
     use_ranges = bidirectional_ranges is not None
@@ -161,7 +167,8 @@ def paged_attention_split_kv(
     grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, segs)
     _paged_attention_kernel[grid](
         result, seg_out, seg_max, seg_sum, query, key_cache, value_cache, block_table,
-        query_start_loc, seq_lens, ranges, scale, float(soft_cap or 0.0),
+        query_start_loc, seq_lens, ranges, scale, float(k_scale), float(v_scale),
+        float(soft_cap or 0.0),
         int(sliding_window or 0), num_reqs,
         query.stride(0), query.stride(1), result.stride(0), result.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -172,6 +179,7 @@ def paged_attention_split_kv(
         BLOCK_N=launch.block_n, NUM_SEGMENTS=segs, USE_SOFT_CAP=soft_cap is not None,
         USE_WINDOW=sliding_window is not None, USE_RANGES=use_ranges,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_FP8=is_fp8(key_cache.dtype),
         num_warps=launch.num_warps,
     )  # fmt: skip
     if segs > 1:

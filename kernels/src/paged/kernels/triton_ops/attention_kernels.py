@@ -108,6 +108,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [R]
     ranges_ptr,  # [T, 2] int32 bidirectional spans (USE_RANGES)
     scale,
+    k_scale,  # KV_FP8: K = float(cache) * k_scale
+    v_scale,
     soft_cap,
     sliding_window,
     num_reqs,
@@ -134,6 +136,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_RANGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds scaled fp8 (paged.kernels.kv_quant)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -195,6 +198,14 @@ def _paged_attention_kernel(
             + kv_head * stride_vh + offs_d[None, :],
             mask=kv_mask, other=0.0,
         )  # [BLOCK_N, D_PAD]  # fmt: skip
+        # The cache may hold another dtype than the query (--kv-cache-dtype):
+        # dequantize fp8 tiles, cast float ones; the dots then run in q's dtype.
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = _masked_scores(
             q, k, offs_n, key_valid, q_pos, row_valid, scale, soft_cap, sliding_window,

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from paged.runner.kv_cache_dtype import check_kv_cache_dtype
 from paged.runner.layers.head_partition import partition_heads
 from paged.runner.model_config import (
     CpuWeightPanels,
@@ -47,14 +48,19 @@ class CacheConfig:
     kv_cache_memory_bytes: the byte budget for KV blocks (required on CPU,
     where there is no free-memory probe; on CUDA None means
     `gpu_memory_utilization` of the device minus what the profiling run used).
+    cache_dtype: vLLM's `--kv-cache-dtype` (kv_cache_dtype.py): "auto" stores
+    the model's dtype; float16/bfloat16/fp8 pages are smaller, so the same
+    budget holds more blocks.
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
         if self.block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

@@ -27,6 +27,9 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    # --kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2 (kv_cache_dtype.py): 1 byte per value.
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
 
 

@@ -56,6 +56,7 @@ from paged.runner.encoder_runner import (
 )
 from paged.runner.input_batch import CachedRequestState, InputBatch
 from paged.runner.input_prep import InputBuffers, StepInputs, prepare_inputs
+from paged.runner.kv_cache_dtype import with_kv_cache_dtype
 from paged.runner.kv_cache_setup import allocate_kv_caches, available_kv_cache_memory
 from paged.runner.kv_connector import KVConnectorStep, KVConnectorWorker
 from paged.runner.models.interface import CausalLM, SupportsMultiModal, supports_multimodal
@@ -224,8 +225,9 @@ class ModelRunner:
         return self.model
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
-        """Layer name -> `paged.kvcache` spec, in layer order."""
-        return self._require_model().kv_cache_specs(self.cache_config.block_size)
+        """Layer name -> `paged.kvcache` spec, in layer order, stored as --kv-cache-dtype says."""
+        specs = self._require_model().kv_cache_specs(self.cache_config.block_size)
+        return with_kv_cache_dtype(specs, self.cache_config.cache_dtype)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -259,8 +261,7 @@ class ModelRunner:
         Hybrid models (full and sliding-window layers) get several groups; each
         layer then reads and writes its cache through its own group's table.
         """
-        model = self._require_model()
-        specs = model.kv_cache_specs(self.cache_config.block_size)
+        specs = self.get_kv_cache_spec()
         if self.pipeline is not None:
             # The engine's config spans every stage's layers; allocate ours only.
             kv_cache_config = stage_kv_cache_config(kv_cache_config, specs)

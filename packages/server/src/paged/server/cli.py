@@ -69,6 +69,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _kv_cache_dtype(text: str) -> str:
+    # Checked here so a format paged lacks stops the CLI before any model loads.
+    from paged.runner.kv_cache_dtype import check_kv_cache_dtype
+
+    try:
+        return check_kv_cache_dtype(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("kv_cache_dtype: ")) from None
+
+
 def _structured_outputs_config(text: str) -> str:
     from paged.server.structured_output.options import parse_structured_outputs_config
 
@@ -156,6 +166,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="KV cache budget, e.g. 512MiB or 4GiB "
         "(default: 1GiB on CPU, --gpu-memory-utilization on GPU)",
+    )
+    c.add_argument(
+        "--kv-cache-dtype",
+        type=_kv_cache_dtype,
+        default="auto",
+        metavar="{auto,float16,bfloat16,fp8,fp8_e4m3,fp8_e5m2}",
+        help="dtype the KV cache stores (vLLM's flag): auto = the model's dtype; fp8 "
+        "(= fp8_e4m3) and fp8_e5m2 store 1 byte a value with per-layer K/V scales of 1.0, "
+        "so the same budget holds 2-4x the blocks",
     )
     c.add_argument(
         "--gpu-memory-utilization",
@@ -393,6 +412,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_model_len=ns.max_model_len,
         block_size=ns.block_size,
         kv_cache_memory_bytes=ns.kv_cache_memory,
+        kv_cache_dtype=ns.kv_cache_dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enable_prefix_caching=ns.enable_prefix_caching,
         max_num_seqs=ns.max_num_seqs,

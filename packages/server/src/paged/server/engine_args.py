@@ -43,6 +43,8 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
+    # vLLM's --kv-cache-dtype (paged.runner.kv_cache_dtype): auto, float16, bfloat16, fp8*.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -225,14 +227,23 @@ class EngineArgs:
             ParallelConfig,
             SchedulerLimits,
         )
+        from paged.runner.kv_cache_dtype import check_kv_cache_dtype
         from paged.server.ec_transfer import ec_connector_builder
         from paged.server.kv_transfer import kv_connector_builder
 
+        check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
         # Validated first: a bad connector config must stop start-up before the model loads.
         kv_connector = kv_connector_builder(
             self._kv_transfer_config(), self.block_size, model_name=self.model_name()
         )
         ec_connector = ec_connector_builder(self.ec_transfer_config, model_name=self.model_name())
+        if kv_connector is not None and self.kv_cache_dtype.startswith("fp8"):
+            # The connectors move blocks with index_copy_, which torch lacks for fp8 on CPU;
+            # refused until they move fp8 blocks as bytes.
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not supported with a KV connector "
+                "(kv_transfer_config / kv_offloading_size) yet; use auto, float16 or bfloat16"
+            )
         device = self.resolved_device()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
@@ -264,6 +275,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 kv_cache_memory_bytes=kv_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                cache_dtype=self.kv_cache_dtype,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             parallel_config=ParallelConfig(

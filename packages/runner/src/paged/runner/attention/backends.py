@@ -32,6 +32,9 @@ class AttentionKernels(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None: ...
 
     def paged_attention(
@@ -50,6 +53,8 @@ class AttentionKernels(Protocol):
         soft_cap: float | None = None,
         out: torch.Tensor | None = None,
         bidirectional_ranges: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
 

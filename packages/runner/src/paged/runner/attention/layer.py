@@ -47,6 +47,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.layer_name = layer_name
+        # Per-tensor scales of an fp8 KV cache (--kv-cache-dtype fp8*): stored = K / k_scale.
+        # 1.0 is vLLM 0.33's default when the checkpoint has none; float caches ignore them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         # The torch backend may take a CPU decode step in one C call (attention/cpu_decode.py).
         self._cpu_decode = backend.name == "torch"
 
@@ -74,8 +78,9 @@ class Attention(nn.Module):
         n = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.kernels.reshape_and_cache(
-            k[:n], v[:n], key_cache, value_cache, attn_metadata.slot_mapping[:n]
-        )
+            k[:n], v[:n], key_cache, value_cache, attn_metadata.slot_mapping[:n],
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
         out = torch.zeros_like(q) if n < num_tokens else torch.empty_like(q)
         ranges = attn_metadata.bidirectional_ranges
         self.kernels.paged_attention(
@@ -92,6 +97,8 @@ class Attention(nn.Module):
             soft_cap=self.logits_soft_cap,
             out=out[:n],
             bidirectional_ranges=None if ranges is None else ranges[:n],
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out.reshape(num_tokens, -1)
 

@@ -15,6 +15,12 @@ fewer, larger ops, which is what makes the CPU backend usable:
 
 Soft-capping is not expressible with SDPA; with soft_cap set, the reference
 kernel runs instead. Results match the reference to float rounding (tested).
+
+A cache of another dtype than the activations (--kv-cache-dtype) is gathered
+as stored (an fp8 gather moves a quarter of float32's bytes) and converted
+after the gather: fp8 times its per-tensor scale, float dtypes cast
+(paged.kernels.kv_quant). This is the CPU path for fp8 caches: the C
+attention kernel (cpu_decode) reads bfloat16 caches only.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from paged.kernels import reference
+from paged.kernels.kv_quant import dequantize_kv, is_fp8, quantize_kv
 
 
 def reshape_and_cache(
@@ -31,6 +38,9 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Same contract as paged.kernels.reference.reshape_and_cache (slots -1 skipped)."""
     n = slot_mapping.shape[0]
@@ -40,8 +50,14 @@ def reshape_and_cache(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+    stored_k = quantize_kv(key, flat_k.dtype, k_scale)
+    stored_v = quantize_kv(value, flat_v.dtype, v_scale)
+    if is_fp8(flat_k.dtype):
+        # torch has no CPU index_copy_ for fp8 dtypes; the bytes are what move.
+        flat_k, stored_k = flat_k.view(torch.uint8), stored_k.view(torch.uint8)
+        flat_v, stored_v = flat_v.view(torch.uint8), stored_v.view(torch.uint8)
+    flat_k.index_copy_(0, slot_mapping, stored_k)
+    flat_v.index_copy_(0, slot_mapping, stored_v)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -183,6 +199,8 @@ def paged_attention(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
     bidirectional_ranges: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same contract as paged.kernels.reference.paged_attention.
 
@@ -195,7 +213,7 @@ def paged_attention(
             query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
             sliding_window=sliding_window, soft_cap=soft_cap, out=out,
-            bidirectional_ranges=bidirectional_ranges,
+            bidirectional_ranges=bidirectional_ranges, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     if out is None:
         out = torch.zeros_like(query)
@@ -215,6 +233,8 @@ def paged_attention(
             k = _gather(key_cache, block_table, max_seq_len)
             v = _gather(value_cache, block_table, max_seq_len)
             mask = _decode_key_mask(seq_lens, max_seq_len, sliding_window)
+        cdt = _decode_dtype(query)
+        k, v = dequantize_kv(k, cdt, k_scale), dequantize_kv(v, cdt, v_scale)
         out[:num_reqs] = _decode_sdpa(query, k, v, mask, scale)
         return out
     seq = seq_lens.long()
@@ -238,6 +258,8 @@ def paged_attention(
             k = _gather(key_cache, block_table[decode], max_seq_len)
             v = _gather(value_cache, block_table[decode], max_seq_len)
             mask = _key_mask(seq[decode], (seq[decode] - 1)[:, None], max_seq_len, sliding_window)
+        cdt = _decode_dtype(query)
+        k, v = dequantize_kv(k, cdt, k_scale), dequantize_kv(v, cdt, v_scale)
         out[rows] = _decode_sdpa(query[rows], k, v, mask, scale)
     for r in prefill:
         start, q_len, seq_len = int(starts[r]), int(q_lens[r]), int(seq[r])
@@ -249,8 +271,8 @@ def paged_attention(
             first_block = max(0, seq_len - q_len - sliding_window + 1) // key_cache.shape[1]
         key_start = first_block * key_cache.shape[1]
         table = block_table[r : r + 1, first_block:]
-        k = _gather(key_cache, table, seq_len - key_start)
-        v = _gather(value_cache, table, seq_len - key_start)
+        k = dequantize_kv(_gather(key_cache, table, seq_len - key_start), q.dtype, k_scale)
+        v = dequantize_kv(_gather(value_cache, table, seq_len - key_start), q.dtype, v_scale)
         ranges = None
         if bidirectional_ranges is not None:
             ranges = bidirectional_ranges[start : start + q_len].long()

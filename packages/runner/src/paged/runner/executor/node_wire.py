@@ -53,6 +53,7 @@ class Fingerprint(msgspec.Struct, array_like=True, frozen=True):
     max_num_seqs: int
     max_num_batched_tokens: int
     seed: int
+    kv_cache_dtype: str = "auto"  # nodes must store the same cache format
 
     @classmethod
     def of(cls, config: EngineConfig) -> Fingerprint:
@@ -72,6 +73,7 @@ class Fingerprint(msgspec.Struct, array_like=True, frozen=True):
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             seed=config.seed,
+            kv_cache_dtype=config.cache_config.cache_dtype,
         )
 
     def differences(self, other: Fingerprint) -> list[str]:
