@@ -215,6 +215,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     p = parser.add_argument_group("parallelism")
     p.add_argument(
+        "--cpu-threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="CPU: threads per rank for the kernels and torch (default: "
+        "VLLM_CPU_OMP_THREADS_BIND's CPU list, else OMP_NUM_THREADS, else the physical "
+        "cores this process may run on)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=_positive_int,
@@ -348,6 +357,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         enable_chunked_prefill=ns.enable_chunked_prefill,
         tensor_parallel_size=ns.tensor_parallel_size,
+        cpu_threads=ns.cpu_threads,
         pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         ray_placement_strategy=ns.ray_placement_strategy,

@@ -45,6 +45,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    # paged's --cpu-threads: threads per CPU rank (None: paged.runner.cpu_threads decides).
+    cpu_threads: int | None = None
     # vLLM's --pipeline-parallel-size: decoder layers split over this many stages.
     pipeline_parallel_size: int = 1
     # vLLM's --distributed-executor-backend ("uni" | "mp" | "ray"; None: mp for TP > 1).
@@ -206,6 +208,7 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
+                cpu_threads=self.cpu_threads,
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
                 ray_placement_strategy=self.ray_placement_strategy,
