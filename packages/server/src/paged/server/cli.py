@@ -137,14 +137,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=_byte_size,
         metavar="BYTES",
-        help="KV cache budget, e.g. 512MiB or 4GiB "
-        "(default: 1GiB on CPU, --gpu-memory-utilization on GPU)",
+        help="KV cache budget, e.g. 512MiB or 4GiB (default on CPU: VLLM_CPU_KVCACHE_SPACE "
+        "GiB, else a quarter of the available memory; on GPU: --gpu-memory-utilization)",
     )
     c.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="fraction of GPU memory the engine may use",
+        default=None,
+        help="fraction of GPU memory the engine may use (default 0.9; ignored on CPU, "
+        "with a warning)",
     )
     c.add_argument(
         "--enable-prefix-caching",
