@@ -96,7 +96,7 @@ def test_a_pool_needs_a_positive_count(bad: int) -> None:
 
 def _qgemm_outputs(lib: Any) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    n, k = 200, 256  # 13 tiles, the last one partial
+    n, k = 1000, 512  # 63 tiles, the last one partial; over the threshold at one row
     w4 = QGemm.int4(
         lib, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
         torch.rand(n, k // 32, generator=gen), torch.rand(n, k // 32, generator=gen),

@@ -16,9 +16,10 @@
      server sleep while a step runs (on a 2-core machine the reservation would
      halve the step's cores).
 
-`CpuThreads.start` applies the count: torch's intra-op threads, and a CpuPool
-(cpu_kernels/pool.c) attached to the quantised matmuls (qgemm.c, which the
-fused decoder layers and the LM head call) and the CPU attention. The kernels
+`CpuThreads.start` applies the count: a CpuPool (cpu_kernels/pool.c) attached to
+the quantised matmuls (qgemm.c, which the fused decoder layers and the LM head
+call) and the CPU attention, with torch left at one thread for the glue around
+them; without the quantised path (float32 weights), torch's intra-op threads. The kernels
 split their work into small tasks taken from a shared counter, so a core
 stalled by another process delays a step by its share, not by a whole static
 slice; results do not depend on the thread count (tests/test_cpu_threads.py).
@@ -166,12 +167,16 @@ class CpuThreads:
         kernels (kernels=False, or no compiler: no pool, the kernels run on one thread)."""
         if plan.cpus is not None:
             os.sched_setaffinity(0, plan.cpus)
-        torch.set_num_threads(plan.threads)
         pool = None
         if kernels and plan.threads > 1 and load_pool_library() is not None:
             pool = CpuPool(plan.threads)
             for use_pool in _kernel_setters():
                 pool.attach(use_pool)
+        # With the pool, torch runs only the step's glue (embedding rows, sampling):
+        # one thread, because its OpenMP barrier waits for every thread and, on a
+        # loaded machine, a descheduled one (SmolLM2-135M decode at 2 threads, load
+        # 6-9: 0.44x one thread with torch at 2 threads, 0.74x with torch at 1).
+        torch.set_num_threads(1 if pool is not None else plan.threads)
         logger.info(
             "CPU threads: %d (%s)%s",
             plan.threads,

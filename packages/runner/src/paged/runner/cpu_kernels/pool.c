@@ -44,10 +44,24 @@ int paged_pool_abi(void) { return 1; }
 typedef int (*pool_task_fn)(void *ctx, int64_t task);
 
 enum { SPIN_NS = 200000 }; /* 0.2 ms of spinning before a worker sleeps */
+enum { BENCH_RUNS = 256, STALL_SLACK_NS = 50000 };
 
-typedef struct Pool {
+typedef struct Pool Pool;
+typedef struct {
+    Pool *pool;
+    int index; /* 0 .. threads - 2 */
+} Worker;
+
+struct Pool {
     int threads; /* participants, the caller included */
     pthread_t *workers;
+    Worker *slots;
+    /* Stall backoff: workers with index >= active take no tasks. A run whose caller
+     * waited longer for the others' last tasks than its own share took (a worker's
+     * core was taken by another process) benches one worker for BENCH_RUNS runs, then
+     * it is tried again: a stalled core then costs a few runs, not every run. */
+    _Atomic int active;
+    int bench_left; /* runs until a benched worker is tried again (caller-only) */
     int started; /* workers actually created */
     pthread_mutex_t run_lock; /* one run at a time */
     pthread_mutex_t sleep_lock;
@@ -61,7 +75,7 @@ typedef struct Pool {
     pool_task_fn fn;
     void *ctx;
     int64_t ntasks;
-} Pool;
+};
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -69,11 +83,13 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Claim and run tasks of generation `gen` until none is left (or the run changed). */
-static void work(Pool *p, uint32_t gen) {
+/* Claim and run tasks of generation `gen` until none is left (or the run changed);
+ * index < 0: the caller, always allowed; a worker stops once it is benched. */
+static void work(Pool *p, uint32_t gen, int index) {
     uint64_t c = atomic_load_explicit(&p->counter, memory_order_acquire);
     for (;;) {
         if ((uint32_t)(c >> 32) != gen) return;
+        if (index >= atomic_load_explicit(&p->active, memory_order_relaxed)) return;
         /* fields of `gen`: published before the counter that carried it (release) */
         const pool_task_fn fn = p->fn;
         void *ctx = p->ctx;
@@ -102,11 +118,13 @@ static int has_work(Pool *p, uint32_t *gen) {
 }
 
 static void *worker_main(void *arg) {
-    Pool *p = (Pool *)arg;
+    const Worker *self = (const Worker *)arg;
+    Pool *p = self->pool;
+    const int index = self->index;
     uint32_t gen = (uint32_t)(atomic_load(&p->counter) >> 32);
     while (!atomic_load_explicit(&p->stop, memory_order_acquire)) {
         if (has_work(p, &gen)) {
-            work(p, gen);
+            work(p, gen, index);
             continue;
         }
         const uint64_t until = now_ns() + SPIN_NS;
@@ -119,7 +137,7 @@ static void *worker_main(void *arg) {
             }
         }
         if (woke) {
-            if (!atomic_load(&p->stop)) work(p, gen);
+            if (!atomic_load(&p->stop)) work(p, gen, index);
             continue;
         }
         pthread_mutex_lock(&p->sleep_lock);
@@ -150,13 +168,16 @@ Pool *paged_pool_create(int threads) {
     atomic_init(&p->error, 0);
     atomic_init(&p->sleepers, 0);
     atomic_init(&p->stop, 0);
+    atomic_init(&p->active, threads - 1);
     p->workers = calloc((size_t)threads, sizeof(pthread_t));
-    if (!p->workers) {
+    p->slots = calloc((size_t)threads, sizeof(Worker));
+    if (!p->workers || !p->slots) {
         paged_pool_destroy(p);
         return NULL;
     }
     for (int i = 0; i < threads - 1; i++) {
-        if (pthread_create(&p->workers[i], NULL, worker_main, p) != 0) {
+        p->slots[i] = (Worker){p, i};
+        if (pthread_create(&p->workers[i], NULL, worker_main, &p->slots[i]) != 0) {
             paged_pool_destroy(p);
             return NULL;
         }
@@ -180,6 +201,7 @@ void paged_pool_destroy(Pool *p) {
     pthread_mutex_destroy(&p->sleep_lock);
     pthread_mutex_destroy(&p->run_lock);
     free(p->workers);
+    free(p->slots);
     free(p);
 }
 
@@ -199,6 +221,12 @@ int paged_pool_run(Pool *p, int64_t ntasks, pool_task_fn fn, void *ctx) {
     if (!p || p->threads == 1 || ntasks == 1 || ntasks > 0x7fffffff ||
         pthread_mutex_trylock(&p->run_lock) != 0)
         return run_alone(ntasks, fn, ctx);
+    if (p->bench_left > 0 && --p->bench_left == 0 && atomic_load(&p->active) < p->threads - 1)
+        atomic_fetch_add(&p->active, 1); /* try a benched worker again */
+    if (atomic_load(&p->active) == 0) {
+        pthread_mutex_unlock(&p->run_lock);
+        return run_alone(ntasks, fn, ctx);
+    }
     p->fn = fn;
     p->ctx = ctx;
     p->ntasks = ntasks;
@@ -213,17 +241,26 @@ int paged_pool_run(Pool *p, int64_t ntasks, pool_task_fn fn, void *ctx) {
         pthread_cond_broadcast(&p->wake);
         pthread_mutex_unlock(&p->sleep_lock);
     }
-    work(p, gen);
+    const uint64_t start = now_ns();
+    work(p, gen, -1);
+    const uint64_t mine = now_ns() - start, waiting = now_ns();
     /* tasks others still hold: spin briefly, then yield the core to them */
     for (unsigned spins = 0; atomic_load_explicit(&p->done, memory_order_acquire) < ntasks;
          spins++) {
         if (spins < 4096) POOL_PAUSE();
         else sched_yield();
     }
+    if (now_ns() - waiting > mine + STALL_SLACK_NS && atomic_load(&p->active) > 0) {
+        atomic_fetch_sub(&p->active, 1); /* a worker's core was taken: bench one */
+        p->bench_left = BENCH_RUNS;
+    }
     const int error = atomic_load(&p->error);
     pthread_mutex_unlock(&p->run_lock);
     return error;
 }
+
+/* Workers currently taking tasks (tests: the stall backoff). */
+int paged_pool_active(Pool *p) { return p ? atomic_load(&p->active) : 0; }
 
 /* Tests: each task writes its index + 1 into out[task] (and sleeps `delay_us` when
  * task % 7 == 3, so that tasks interleave); the task `fail_at` returns -7 instead. */

@@ -644,8 +644,14 @@ void paged_qgemm_use_pool(void *run, void *pool, int threads) {
     qg_threads = run && threads > 1 ? threads : 1;
 }
 
-static int qg_parallel(int64_t ntasks, pool_task_fn fn, void *ctx) {
-    if (qg_run != NULL && ntasks > 1) return qg_run(qg_pool, ntasks, fn, ctx);
+/* Work below this (weight bytes x row blocks) runs on the calling thread: a run's
+ * hand-off and wait cost more than its share (SmolLM2-135M's 576 x 576 projections
+ * are ~250 KB; a 1-2B model's smallest is several MB). */
+enum { QG_PARALLEL_MIN = 256 * 1024 };
+
+static int qg_parallel(int64_t ntasks, pool_task_fn fn, void *ctx, int64_t work) {
+    if (qg_run != NULL && ntasks > 1 && work >= QG_PARALLEL_MIN)
+        return qg_run(qg_pool, ntasks, fn, ctx);
     int error = 0;
     for (int64_t t = 0; t < ntasks; t++) {
         const int rc = fn(ctx, t);
@@ -768,10 +774,13 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
         c.xc = x_bf16 ? (const void *)((const uint16_t *)x + m0 * x_stride)
                       : (const void *)((const float *)x + m0 * x_stride);
         if (levels == 2) memset(o.mask2, 0, mbytes);
-        int rc = qg_parallel((mc + MB_ROWS - 1) / MB_ROWS, quantize_task, &c);
+        const int64_t row_blocks = (mc + MB_ROWS - 1) / MB_ROWS;
+        /* quantising reads the rows once: its work is the activations' bytes */
+        int rc = qg_parallel(row_blocks, quantize_task, &c, mc * k * 4);
         if (rc != 0) return rc;
-        c.per_task = tiles_per_task(tiles, tile_bytes, (mc + MB_ROWS - 1) / MB_ROWS);
-        rc = qg_parallel((tiles + c.per_task - 1) / c.per_task, tiles_task, &c);
+        c.per_task = tiles_per_task(tiles, tile_bytes, row_blocks);
+        rc = qg_parallel((tiles + c.per_task - 1) / c.per_task, tiles_task, &c,
+                         tiles * tile_bytes * row_blocks);
         if (rc != 0) return rc;
     }
     return 0;

@@ -491,8 +491,13 @@ void paged_attention_use_pool(void *run, void *pool, int threads) {
     at_pool = run ? pool : NULL;
 }
 
-static int at_parallel(int64_t ntasks, pool_task_fn fn, void *ctx) {
-    if (at_run != NULL && ntasks > 1) return at_run(at_pool, ntasks, fn, ctx);
+/* Work (query vectors x keys x head size) below this runs on the calling thread:
+ * a decode row over a few hundred keys takes microseconds, less than a hand-off. */
+enum { AT_PARALLEL_MIN = 1 << 18 };
+
+static int at_parallel(int64_t ntasks, pool_task_fn fn, void *ctx, int64_t work) {
+    if (at_run != NULL && ntasks > 1 && work >= AT_PARALLEL_MIN)
+        return at_run(at_pool, ntasks, fn, ctx);
     int error = 0;
     for (int64_t t = 0; t < ntasks; t++) {
         const int rc = fn(ctx, t);
@@ -671,10 +676,11 @@ int paged_attention_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k,
     }
     if (max_q == 0) return 0;
     /* tasks: (request, KV head, run of up to ROWS_PER_TASK query rows) */
-    int64_t ntasks = 0;
+    int64_t ntasks = 0, work = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
         ntasks += hkv * ((q_len + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
+        work += q_len * hq * d * seq_lens[r];
     }
     Task *tasks = malloc((size_t)ntasks * sizeof(Task));
     if (!tasks) return -1;
@@ -687,7 +693,7 @@ int paged_attention_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k,
     }
     const Call call = {q, q_stride, key_cache, value_cache, block_table, bt_stride, block_size,
                        query_start_loc, seq_lens, hq, hkv, d, scale, window, soft_cap, out, tasks};
-    const int rc = at_parallel(ntasks, attend_task, (void *)&call);
+    const int rc = at_parallel(ntasks, attend_task, (void *)&call, work);
     free(tasks);
     return rc;
 }
