@@ -258,3 +258,8 @@ def test_auto_counts_physical_cores_the_process_may_use(tmp_path: Path) -> None:
     assert reserved.threads == 3
     # no topology in sysfs: each CPU counts as a core
     assert resolve_cpu_threads(env={}, allowed={0, 1}, sys_cpu=tmp_path / "none").threads == 2
+
+
+def test_binding_to_cpus_this_process_may_not_use_names_the_variable() -> None:
+    with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND: cannot bind"):
+        CpuThreads.start(ThreadPlan(1, (100_000,), "VLLM_CPU_OMP_THREADS_BIND"))

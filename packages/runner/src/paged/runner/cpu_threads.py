@@ -166,7 +166,13 @@ class CpuThreads:
         """Bind (when the plan says), set torch's threads, and start the pool for the C
         kernels (kernels=False, or no compiler: no pool, the kernels run on one thread)."""
         if plan.cpus is not None:
-            os.sched_setaffinity(0, plan.cpus)
+            try:
+                os.sched_setaffinity(0, plan.cpus)
+            except OSError as exc:
+                raise ValueError(
+                    f"{BIND_ENV}: cannot bind to CPUs {list(plan.cpus)} ({exc.strerror}); "
+                    f"this process may use {sorted(os.sched_getaffinity(0))}"
+                ) from None
         pool = None
         if kernels and plan.threads > 1 and load_pool_library() is not None:
             pool = CpuPool(plan.threads)
