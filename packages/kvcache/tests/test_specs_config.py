@@ -128,3 +128,17 @@ def test_config_bad_inputs() -> None:
         get_kv_cache_config({"x": spec}, spec.page_size_bytes * 4, max_model_len=1000)
     with pytest.raises(ValueError, match="num_gpu_blocks_override"):
         get_kv_cache_config({"x": spec}, 10**6, num_gpu_blocks_override=0)
+
+
+def test_a_length_that_does_not_fit_names_the_longest_that_does_and_the_flags() -> None:
+    spec = FullAttentionSpec(block_size=16, **ATTN)  # type: ignore[arg-type]
+    # 10 blocks: 1 null + 9 for the request, so 9 * 16 = 144 tokens fit, 145 do not
+    budget = spec.page_size_bytes * 10
+    assert get_kv_cache_config({"x": spec}, budget, max_model_len=144).num_blocks == 10
+    with pytest.raises(ValueError) as info:
+        get_kv_cache_config({"x": spec}, budget, max_model_len=8192)
+    message = str(info.value)
+    assert "max_model_len=8192" in message
+    assert "the estimated maximum model length is 144" in message
+    for flag in ("--kv-cache-memory", "VLLM_CPU_KVCACHE_SPACE", "--max-model-len"):
+        assert flag in message

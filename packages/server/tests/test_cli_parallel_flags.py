@@ -1,4 +1,4 @@
-"""vLLM's --distributed-executor-backend and paged's --ray-placement-strategy flags."""
+"""vLLM's --distributed-executor-backend, paged's --ray-placement-strategy and --cpu-threads."""
 
 from __future__ import annotations
 
@@ -33,3 +33,17 @@ def test_unknown_backend_is_refused_by_the_parser(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--distributed-executor-backend", "slurm"])
     assert "invalid choice: 'slurm'" in capsys.readouterr().err
+
+
+def test_cpu_threads_flag_reaches_the_parallel_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from paged.runner.config import ParallelConfig
+
+    args = engine_args_from(build_parser().parse_args(["serve", "m", "--cpu-threads", "3"]))
+    assert args.cpu_threads == 3
+    assert engine_args_from(build_parser().parse_args(["serve", "m"])).cpu_threads is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--cpu-threads", "0"])
+    assert "--cpu-threads" in capsys.readouterr().err
+    assert ParallelConfig(cpu_threads=3).cpu_threads == 3
+    with pytest.raises(ValueError, match="cpu_threads"):
+        ParallelConfig(cpu_threads=0)

@@ -18,7 +18,7 @@ is laid out as `KVCacheTensor`s, each `num_blocks` pages long:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from paged.kvcache.specs import AttentionSpec, KVCacheSpec, MambaSpec
@@ -185,19 +185,41 @@ def get_kv_cache_config(
             f"{page_size * len(tensor_layers)} bytes; at least 2 are needed (1 is the null block)"
         )
     if max_model_len is not None:
-        blocks_needed = 1 + sum(
-            -(
-                -g.kv_cache_spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens)
-                // page_size
+
+        def blocks_needed(length: int) -> int:
+            return 1 + sum(
+                -(
+                    -g.kv_cache_spec.max_memory_usage_bytes(length, max_num_batched_tokens)
+                    // page_size
+                )
+                for g in groups
             )
-            for g in groups
-        )
-        if blocks_needed > num_blocks:
-            raise ValueError(
-                f"{num_blocks} blocks cannot hold one request of max_model_len={max_model_len} "
-                f"tokens ({blocks_needed} needed); give more memory or lower max_model_len"
-            )
+
+        needed = blocks_needed(max_model_len)
+        if needed > num_blocks:
+            raise ValueError(_too_short_message(num_blocks, needed, max_model_len, blocks_needed))
     tensors = [
         KVCacheTensor(size=page_size * num_blocks, shared_by=names) for names in tensor_layers
     ]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def _too_short_message(
+    num_blocks: int, needed: int, max_model_len: int, blocks_needed: Callable[[int], int]
+) -> str:
+    """vLLM's advice (v1/core/kv_cache_planning.py:67-86): the longest length that fits
+    (a binary search, as its estimate_max_model_len) and the options that change it."""
+    lo, hi = 0, max_model_len - 1  # the longest fitting length is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_needed(mid) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    fits = f"; the estimated maximum model length is {lo}" if lo > 0 else ""
+    return (
+        f"{num_blocks} blocks cannot hold one request of max_model_len={max_model_len} "
+        f"tokens ({needed} needed){fits}. Give the KV cache more memory (--kv-cache-memory; "
+        f"on CPU also VLLM_CPU_KVCACHE_SPACE in GiB; on GPU --gpu-memory-utilization) or "
+        f"lower --max-model-len"
+    )

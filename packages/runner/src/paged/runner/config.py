@@ -108,8 +108,15 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str | None = None  # node 0's address; required when nnodes > 1
     master_port: int = DEFAULT_MASTER_PORT
+    # paged's --cpu-threads: threads per CPU rank (None: paged.runner.cpu_threads decides
+    # from VLLM_CPU_OMP_THREADS_BIND, OMP_NUM_THREADS and the CPUs this process may use).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and (
+            isinstance(self.cpu_threads, bool) or self.cpu_threads < 1
+        ):
+            raise ValueError(f"cpu_threads: must be >= 1, got {self.cpu_threads!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from paged.kvcache import KVCacheConfig
 from paged.runner.config import EngineConfig
-from paged.runner.cpu_threads import apply_default_cpu_threads
+from paged.runner.cpu_threads import CpuThreads, resolve_cpu_threads
 from paged.runner.encode_only import EncodeOnlyRunner
 from paged.runner.model_runner import ModelRunner
 from paged.runner.pipeline.stage import PipelineStage, StageSetup, init_tp_groups
@@ -58,6 +58,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device = torch.device("cpu")
         self._runner: ModelRunner | EncodeOnlyRunner | None = None
+        self._cpu_threads: CpuThreads | None = None
 
     @property
     def model_runner(self) -> ModelRunner | EncodeOnlyRunner:
@@ -72,8 +73,15 @@ class Worker:
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
         self.device = device
-        if model_config.keeps_weights_quantized and self.world_size == 1:
-            apply_default_cpu_threads()  # measured: see paged.runner.cpu_threads
+        if device.type == "cpu":  # see paged.runner.cpu_threads
+            parallel = self.engine_config.parallel_config
+            local_world = max(1, self.world_size // parallel.nnodes)
+            plan = resolve_cpu_threads(
+                parallel.cpu_threads,
+                local_rank=self.local_rank % local_world,
+                local_world_size=local_world,
+            )
+            self._cpu_threads = CpuThreads.start(plan, kernels=model_config.keeps_weights_quantized)
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if device.type == "cuda" else "gloo",
@@ -164,3 +172,6 @@ class Worker:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
         self._runner = None
+        if self._cpu_threads is not None:  # after the last step: no kernel is running
+            self._cpu_threads.close()
+            self._cpu_threads = None

@@ -164,8 +164,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=_byte_size,
         metavar="BYTES",
-        help="KV cache budget, e.g. 512MiB or 4GiB "
-        "(default: 1GiB on CPU, --gpu-memory-utilization on GPU)",
+        help="KV cache budget, e.g. 512MiB or 4GiB (default on CPU: VLLM_CPU_KVCACHE_SPACE "
+        "GiB, else a quarter of the available memory; on GPU: --gpu-memory-utilization)",
     )
     c.add_argument(
         "--kv-cache-dtype",
@@ -179,8 +179,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="fraction of GPU memory the engine may use",
+        default=None,
+        help="fraction of GPU memory the engine may use (default 0.9; ignored on CPU, "
+        "with a warning)",
     )
     c.add_argument(
         "--enable-prefix-caching",
@@ -275,6 +276,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fraction of KV blocks tracked by --kv-cache-metrics, in (0, 1] (default 0.01)",
     )
     p = parser.add_argument_group("parallelism")
+    p.add_argument(
+        "--cpu-threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="CPU: threads per rank for the kernels and torch (default: "
+        "VLLM_CPU_OMP_THREADS_BIND's CPU list, else OMP_NUM_THREADS, else the physical "
+        "cores this process may run on)",
+    )
     p.add_argument(
         "--tensor-parallel-size",
         "-tp",
@@ -422,6 +432,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
         long_prefill_token_threshold_adaptive=ns.long_prefill_token_threshold_adaptive,
         tensor_parallel_size=ns.tensor_parallel_size,
+        cpu_threads=ns.cpu_threads,
         pipeline_parallel_size=ns.pipeline_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         ray_placement_strategy=ns.ray_placement_strategy,

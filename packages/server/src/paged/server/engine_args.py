@@ -7,6 +7,7 @@ the runner) happen only when a config is built.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +29,10 @@ if TYPE_CHECKING:
     from paged.server.mm_frontend import MultiModalEngineOptions, MultiModalFrontend
     from paged.server.structured_output.options import StructuredOutputOptions
 
-# On CPU there is no device memory to profile, so the KV cache gets a fixed
-# budget unless one is given: 1 GiB holds ~23k tokens of SmolLM2-135M in fp32.
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+logger = logging.getLogger(__name__)
+
+# On CUDA: the fraction of the device the engine may use when not given.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass
@@ -45,7 +47,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     # vLLM's --kv-cache-dtype (paged.runner.kv_cache_dtype): auto, float16, bfloat16, fp8*.
     kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
+    # None: DEFAULT_GPU_MEMORY_UTILIZATION on CUDA; ignored on CPU (a warning when given).
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -56,6 +59,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     long_prefill_token_threshold_adaptive: bool = False
     tensor_parallel_size: int = 1
+    # paged's --cpu-threads: threads per CPU rank (None: paged.runner.cpu_threads decides).
+    cpu_threads: int | None = None
     # vLLM's --pipeline-parallel-size: decoder layers split over this many stages.
     pipeline_parallel_size: int = 1
     # vLLM's --distributed-executor-backend ("uni" | "mp" | "ray"; None: mp for TP > 1).
@@ -213,6 +218,25 @@ class EngineArgs:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def _kv_cache_bytes(self, device: str) -> int | None:
+        """--kv-cache-memory, else on CPU paged.server.cpu_memory's default (None on CUDA:
+        the runner profiles the device under --gpu-memory-utilization)."""
+        if device != "cpu":
+            return self.kv_cache_memory_bytes
+        if self.gpu_memory_utilization is not None:
+            logger.warning(
+                "--gpu-memory-utilization is ignored on CPU; the KV cache budget is "
+                "--kv-cache-memory, else VLLM_CPU_KVCACHE_SPACE (GiB), else a quarter of the "
+                "available memory"
+            )
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        from paged.server.cpu_memory import cpu_kv_cache_bytes
+
+        kv_bytes, source = cpu_kv_cache_bytes()
+        logger.info("CPU KV cache budget: %.2f GiB (%s)", kv_bytes / 2**30, source)
+        return kv_bytes
+
     def model_name(self) -> str:
         """The name clients use in `model`: the served name, else the model as given."""
         if self.served_model_name:
@@ -266,20 +290,22 @@ class EngineArgs:
         speculative_config = resolve_speculative_config(self.speculative_config, model_config)
         if ec_connector is not None:
             _check_ec_model(model_config)
-        kv_bytes = self.kv_cache_memory_bytes
-        if kv_bytes is None and device == "cpu":
-            kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        kv_bytes = self._kv_cache_bytes(device)
+        utilization = self.gpu_memory_utilization
         config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=kv_bytes,
-                gpu_memory_utilization=self.gpu_memory_utilization,
+                gpu_memory_utilization=(
+                    DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization
+                ),
                 cache_dtype=self.kv_cache_dtype,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
+                cpu_threads=self.cpu_threads,
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
                 ray_placement_strategy=self.ray_placement_strategy,

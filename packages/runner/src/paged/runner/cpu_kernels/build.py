@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 ISA_ENV = "PAGED_QGEMM_ISA"
 ISAS = ("native", "avx2", "scalar")
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
-_ABI = 4  # paged_qgemm_abi() of the source this module drives
+_ABI = 5  # paged_qgemm_abi() of the source this module drives
 _FORCE = {
     "native": [],
     "avx2": ["-DPAGED_QGEMM_FORCE_AVX2"],
@@ -76,6 +76,11 @@ class QGemmLibrary:
         """paged_qgemm_quantize(x, x_bf16, m, k, levels, ratio, flip, scalar, q, xs, xsum,
         q2, xs2, xsum2, has2): the activations' codes, for tests (see qgemm_quantize.c)."""
         return int(self.lib.paged_qgemm_quantize(*args))
+
+    def use_pool(self, run: int | None, pool: int | None, threads: int) -> None:
+        """Run the kernels' tasks on a CpuPool (run: paged_pool_run's address, pool: its
+        handle); None, None: on the calling thread (cpu_kernels/pool.py attaches)."""
+        self.lib.paged_qgemm_use_pool(run, pool, threads)
 
 
 _PART = re.compile(r'^#include "(qgemm_[a-z_]+\.c)".*$', re.MULTILINE)
@@ -188,3 +193,5 @@ def _declare_test_hooks(lib: ctypes.CDLL) -> None:
         ptr, c_int, i64, i64, c_int, ctypes.c_float, c_int, c_int,
     ]  # fmt: skip
     lib.paged_qgemm_quantize.argtypes = args + [ptr] * 7  # q, xs, xsum, q2, xs2, xsum2, has2
+    lib.paged_qgemm_use_pool.restype = None  # ABI 5 on
+    lib.paged_qgemm_use_pool.argtypes = [ptr, ptr, c_int]

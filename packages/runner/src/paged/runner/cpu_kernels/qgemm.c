@@ -79,7 +79,7 @@ int paged_qgemm_isa(void) {
 #endif
 }
 
-int paged_qgemm_abi(void) { return 4; }
+int paged_qgemm_abi(void) { return 5; }
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -622,6 +622,113 @@ static void q8_tile_rows(const uint8_t *wt, int64_t groups, int sub, const QRows
     }
 }
 
+/* ------------------------------------------------------------ threads
+ *
+ * A call runs as tasks on the pool that pool.py's CpuPool attached (no pool: the
+ * same tasks in a loop on the calling thread). Two kinds, one pool run each:
+ * quantising blocks of MB_ROWS activation rows (prefill; a block's rows share
+ * their mask2 byte, so a block is one task), then runs of whole weight tiles for
+ * all the chunk's rows. Each output element is made by exactly one tile call,
+ * with the same operations in the same order whoever runs it: the result bits
+ * do not depend on the thread count (tests/test_cpu_threads.py). */
+typedef int (*pool_task_fn)(void *ctx, int64_t task);
+typedef int (*pool_run_fn)(void *pool, int64_t ntasks, pool_task_fn fn, void *ctx);
+
+static pool_run_fn qg_run = NULL; /* set once by the engine, before any kernel call */
+static void *qg_pool = NULL;
+static int64_t qg_threads = 1;
+
+void paged_qgemm_use_pool(void *run, void *pool, int threads) {
+    qg_run = (pool_run_fn)run;
+    qg_pool = run ? pool : NULL;
+    qg_threads = run && threads > 1 ? threads : 1;
+}
+
+/* Work below this (weight bytes x row blocks) runs on the calling thread: a run's
+ * hand-off and wait cost more than its share (SmolLM2-135M's 576 x 576 projections
+ * are ~250 KB; a 1-2B model's smallest is several MB). */
+enum { QG_PARALLEL_MIN = 256 * 1024 };
+
+static int qg_parallel(int64_t ntasks, pool_task_fn fn, void *ctx, int64_t work) {
+    if (qg_run != NULL && ntasks > 1 && work >= QG_PARALLEL_MIN)
+        return qg_run(qg_pool, ntasks, fn, ctx);
+    int error = 0;
+    for (int64_t t = 0; t < ntasks; t++) {
+        const int rc = fn(ctx, t);
+        if (rc != 0 && error == 0) error = rc;
+    }
+    return error;
+}
+
+typedef struct {
+    int fmt, sub, levels, x_bf16, y_bf16, flip;
+    float ratio;
+    const uint8_t *w;
+    int64_t n, k, groups, tiles, tile_bytes, per_task, y_stride, x_stride, m0, mc;
+    const void *xc;
+    void *y;
+    const QRows *o;
+} QCall;
+
+/* Rows MB_ROWS * task .. of the chunk quantised into their block of o (see QOFF:
+ * a block of MB_ROWS rows is a contiguous run of every array). */
+static int quantize_task(void *ctx, int64_t task) {
+    const QCall *c = (const QCall *)ctx;
+    const QRows *o = c->o;
+    const int64_t r0 = task * MB_ROWS, rows = c->mc - r0 < MB_ROWS ? c->mc - r0 : MB_ROWS;
+    const int64_t b = task;
+    QRows part = *o;
+    part.q = o->q + b * (o->bw * c->k);
+    part.q2 = o->q2 ? o->q2 + b * (o->bw * c->k) : NULL;
+    part.xs = o->xs + b * (o->bw * c->groups);
+    part.xsum = o->xsum + b * (o->bw * c->groups);
+    part.xs2 = o->xs2 ? o->xs2 + b * (o->bw * c->groups) : NULL;
+    part.xsum2 = o->xsum2 ? o->xsum2 + b * (o->bw * c->groups) : NULL;
+    part.mask2 = o->mask2 ? o->mask2 + b * c->groups : NULL;
+    const void *x = c->x_bf16 ? (const void *)((const uint16_t *)c->xc + r0 * c->x_stride)
+                              : (const void *)((const float *)c->xc + r0 * c->x_stride);
+    quantize_chunk(x, c->x_bf16, rows, c->k, c->x_stride, c->levels, c->ratio, c->flip, &part);
+    return 0;
+}
+
+/* Weight tiles per_task * task .. for every row of the chunk. */
+static int tiles_task(void *ctx, int64_t task) {
+    const QCall *c = (const QCall *)ctx;
+    const QRows *o = c->o;
+    float acc[MB_ROWS][TILE];
+    const int64_t t0 = task * c->per_task;
+    const int64_t t1 = t0 + c->per_task < c->tiles ? t0 + c->per_task : c->tiles;
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *wt = c->w + t * c->tile_bytes;
+        const int64_t n0 = t * TILE, count = c->n - n0 < TILE ? c->n - n0 : TILE;
+        for (int64_t r0 = 0; r0 < c->mc; r0 += MB_ROWS) {
+            const int mb = (int)(c->mc - r0 < MB_ROWS ? c->mc - r0 : MB_ROWS);
+            const uint8_t *mask2 = c->levels == 2 ? o->mask2 + (r0 / MB_ROWS) * c->groups : NULL;
+            /* the next tile during the first block (see prefetch_block), else
+             * this one (in L1: a no-op; a prefetch under a branch cost the 4-bit
+             * kernel 15% at many rows, code generation) */
+            const uint8_t *pf = r0 == 0 && t + 1 < t1 ? wt + c->tile_bytes : wt;
+            if (c->fmt == 4)
+                q4_tile_rows(wt, c->groups, o, r0, c->k, mask2, mb, acc, pf);
+            else
+                q8_tile_rows(wt, c->groups, c->sub, o, r0, c->k, mask2, mb, acc, pf);
+            for (int r = 0; r < mb; r++)
+                store_row(acc[r], c->y, c->y_bf16, c->y_stride, c->m0 + r0 + r, n0, count);
+        }
+    }
+    return 0;
+}
+
+/* Tiles per task: about 64 KiB of weights times the row blocks, so that a task
+ * outweighs taking it, yet at least 4 tasks a thread where the tiles allow (a
+ * stalled core then holds back a small share). */
+static int64_t tiles_per_task(int64_t tiles, int64_t tile_bytes, int64_t row_blocks) {
+    int64_t per = 65536 / (tile_bytes * row_blocks);
+    const int64_t spread = tiles / (4 * qg_threads);
+    if (per > spread) per = spread;
+    return per < 1 ? 1 : per;
+}
+
 /* fmt 4: 4-bit blocks; fmt 8: 8-bit blocks with `sub` scales per 32 (1 or 2);
  * levels 1 (int8 activations) or 2 (int8 + int8 residual for the groups with
  * amax > ratio * mean |x|; ratio 0: every group; see quantize_rows).
@@ -658,31 +765,23 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
 #else
     const int flip = 0;
 #endif
-    float acc[MB_ROWS][TILE];
+    QCall c = {fmt, sub, levels, x_bf16, y_bf16, flip, ratio, w, n, k, groups, tiles,
+               tile_bytes, 1, y_stride, x_stride, 0, 0, NULL, y, &o};
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t mc = m - m0 < chunk ? m - m0 : chunk;
-        const void *xc = x_bf16 ? (const void *)((const uint16_t *)x + m0 * x_stride)
-                                : (const void *)((const float *)x + m0 * x_stride);
+        c.m0 = m0;
+        c.mc = mc;
+        c.xc = x_bf16 ? (const void *)((const uint16_t *)x + m0 * x_stride)
+                      : (const void *)((const float *)x + m0 * x_stride);
         if (levels == 2) memset(o.mask2, 0, mbytes);
-        quantize_chunk(xc, x_bf16, mc, k, x_stride, levels, ratio, flip, &o);
-        for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *wt = w + t * tile_bytes;
-            const int64_t n0 = t * TILE, count = n - n0 < TILE ? n - n0 : TILE;
-            for (int64_t r0 = 0; r0 < mc; r0 += MB_ROWS) {
-                const int mb = (int)(mc - r0 < MB_ROWS ? mc - r0 : MB_ROWS);
-                const uint8_t *mask2 = levels == 2 ? o.mask2 + (r0 / MB_ROWS) * groups : NULL;
-                /* the next tile during the first block (see prefetch_block), else
-                 * this one (in L1: a no-op; a prefetch under a branch cost the 4-bit
-                 * kernel 15% at many rows, code generation) */
-                const uint8_t *pf = r0 == 0 && t + 1 < tiles ? wt + tile_bytes : wt;
-                if (fmt == 4)
-                    q4_tile_rows(wt, groups, &o, r0, k, mask2, mb, acc, pf);
-                else
-                    q8_tile_rows(wt, groups, sub, &o, r0, k, mask2, mb, acc, pf);
-                for (int r = 0; r < mb; r++)
-                    store_row(acc[r], y, y_bf16, y_stride, m0 + r0 + r, n0, count);
-            }
-        }
+        const int64_t row_blocks = (mc + MB_ROWS - 1) / MB_ROWS;
+        /* quantising reads the rows once: its work is the activations' bytes */
+        int rc = qg_parallel(row_blocks, quantize_task, &c, mc * k * 4);
+        if (rc != 0) return rc;
+        c.per_task = tiles_per_task(tiles, tile_bytes, row_blocks);
+        rc = qg_parallel((tiles + c.per_task - 1) / c.per_task, tiles_task, &c,
+                         tiles * tile_bytes * row_blocks);
+        if (rc != 0) return rc;
     }
     return 0;
 }

@@ -41,7 +41,7 @@
 #include <immintrin.h>
 #endif
 
-int paged_attention_abi(void) { return 2; }
+int paged_attention_abi(void) { return 3; }
 
 enum { LANES = 16 };
 
@@ -146,11 +146,13 @@ static inline __m512 exp_f32x16(__m512 x) {
  * step against 39 and 42 ms for 2 and 3, and 52 ms without prefetching, load ~4.5). */
 enum { PREFETCH_AHEAD = 1 };
 static void prefetch_block(const uint16_t *key_cache, const uint16_t *value_cache, int64_t at,
-                           int64_t n) {
-    for (int64_t i = 0; i < n; i += 32) {
-        _mm_prefetch((const char *)(key_cache + at + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(value_cache + at + i), _MM_HINT_T0);
-    }
+                           int64_t slots, int64_t row, int64_t d) {
+    /* one KV head's d values in each of the block's slots (a task is one head) */
+    for (int64_t t = 0; t < slots; t++)
+        for (int64_t i = 0; i < d; i += 32) {
+            _mm_prefetch((const char *)(key_cache + at + t * row + i), _MM_HINT_T0);
+            _mm_prefetch((const char *)(value_cache + at + t * row + i), _MM_HINT_T0);
+        }
 }
 #endif
 
@@ -469,6 +471,163 @@ static void pair_chunk(const uint16_t *ksrc, const uint16_t *vsrc, int64_t row, 
 #define PAGED_PAIRS 0
 #endif
 
+/* ------------------------------------------------------------ threads
+ *
+ * The attention runs as tasks on the pool pool.py's CpuPool attached (no pool: the
+ * same tasks in a loop on the calling thread): one task per (request, KV head, run
+ * of up to ROWS_PER_TASK query rows). A query vector's result depends only on its own
+ * keys, visited chunk by chunk in position order (see the top of this file), so a
+ * task computes exactly the bits the whole call computed for its vectors: the
+ * output does not depend on the thread count nor on how rows are split. */
+typedef int (*pool_task_fn)(void *ctx, int64_t task);
+typedef int (*pool_run_fn)(void *pool, int64_t ntasks, pool_task_fn fn, void *ctx);
+
+static pool_run_fn at_run = NULL; /* set once by the engine, before any kernel call */
+static void *at_pool = NULL;
+
+void paged_attention_use_pool(void *run, void *pool, int threads) {
+    (void)threads;
+    at_run = (pool_run_fn)run;
+    at_pool = run ? pool : NULL;
+}
+
+/* Work (query vectors x keys x head size) below this runs on the calling thread:
+ * a decode row over a few hundred keys takes microseconds, less than a hand-off. */
+enum { AT_PARALLEL_MIN = 1 << 18 };
+
+static int at_parallel(int64_t ntasks, pool_task_fn fn, void *ctx, int64_t work) {
+    if (at_run != NULL && ntasks > 1 && work >= AT_PARALLEL_MIN)
+        return at_run(at_pool, ntasks, fn, ctx);
+    int error = 0;
+    for (int64_t t = 0; t < ntasks; t++) {
+        const int rc = fn(ctx, t);
+        if (rc != 0 && error == 0) error = rc;
+    }
+    return error;
+}
+
+/* Query rows per task: prefill chunks split so that both cores get work even with
+ * one KV head; decode rows are one task per (request, head). */
+enum { ROWS_PER_TASK = 32 };
+
+typedef struct {
+    int64_t r, h, i0, i1; /* request, KV head, its query rows i0 .. i1 - 1 */
+} Task;
+
+typedef struct {
+    const uint16_t *q;
+    int64_t q_stride;
+    const uint16_t *key_cache, *value_cache;
+    const int32_t *block_table;
+    int64_t bt_stride, block_size;
+    const int32_t *query_start_loc, *seq_lens;
+    int64_t hq, hkv, d;
+    float scale;
+    int64_t window;
+    float soft_cap;
+    uint16_t *out;
+    const Task *tasks;
+} Call;
+
+static int attend_task(void *ctx, int64_t task) {
+    const Call *c = (const Call *)ctx;
+    const Task *tk = c->tasks + task;
+    const int64_t r = tk->r, h = tk->h, i0 = tk->i0, i1 = tk->i1, d = c->d;
+    const int64_t hkv = c->hkv, row = hkv * d, group = c->hq / hkv, block_size = c->block_size;
+    const int64_t window = c->window;
+    const int64_t q0 = c->query_start_loc[r], seq = c->seq_lens[r];
+    const int64_t q_len = c->query_start_loc[r + 1] - q0;
+    const int64_t p0 = seq - q_len; /* position of the request's first row */
+    const int64_t hi_key = p0 + i1;  /* the task's last row sees keys < hi_key */
+    int64_t lo_key = window > 0 ? p0 + i0 - window + 1 : 0;
+    if (lo_key < 0) lo_key = 0;
+    const int64_t nvec = (i1 - i0) * group; /* vector n = (i - i0) * group + g */
+    Chunk *chunk = aligned_alloc(64, sizeof(Chunk));
+    float *qf = malloc((size_t)(nvec * d * 2) * sizeof(float));
+    Running *state = malloc((size_t)nvec * sizeof(Running));
+    float *scores = malloc((size_t)(nvec * LANES) * sizeof(float));
+    const int pairs = PAGED_PAIRS && d % (4 * LANES) == 0;
+    /* the pair path: query vectors as bf16 pairs; the chunk buffer holds a PairChunk */
+    uint32_t *qb = pairs ? malloc((size_t)(nvec * d / 2) * sizeof(uint32_t)) : NULL;
+    if (!chunk || !qf || !state || !scores || (pairs && !qb)) {
+        free(chunk), free(qf), free(state), free(scores), free(qb);
+        return -1;
+    }
+    float *acc = qf + nvec * d;
+    const int32_t *table = c->block_table + r * c->bt_stride;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t g = 0; g < group; g++) {
+            const uint16_t *src = c->q + (q0 + i) * c->q_stride + (h * group + g) * d;
+            const int64_t n = (i - i0) * group + g;
+            if (pairs) {
+                memcpy(qb + n * d / 2, src, (size_t)d * sizeof(uint16_t));
+                continue;
+            }
+            float *dst = qf + n * d;
+            for (int64_t e = 0; e < d; e++) dst[e] = bf16_to_f32(src[e]);
+        }
+    memset(acc, 0, (size_t)(nvec * d) * sizeof(float));
+    for (int64_t n = 0; n < nvec; n++) state[n] = (Running){-INFINITY, 0.0f};
+    for (int64_t b = lo_key / block_size; b * block_size < hi_key; b++) {
+        const int64_t base = (int64_t)table[b] * block_size;
+#if defined(__AVX512F__)
+        if ((b + PREFETCH_AHEAD) * block_size < hi_key) /* see prefetch_block */
+            prefetch_block(c->key_cache, c->value_cache,
+                           (int64_t)table[b + PREFETCH_AHEAD] * block_size * row + h * d,
+                           block_size, row, d);
+#endif
+        for (int64_t off = 0; off < block_size && b * block_size + off < hi_key; off += LANES) {
+            const int64_t k0 = b * block_size + off; /* position of lane 0 */
+            int64_t count = block_size - off < LANES ? block_size - off : LANES;
+            if (seq - k0 < count) count = seq - k0;
+            if (k0 + count <= lo_key) continue;
+            /* the rows that see some key of this chunk, a contiguous run: row i
+             * sees it from k0 <= p0 + i on (causality), and, with a window, while
+             * its first key p0 + i - window + 1 is inside the chunk */
+            int64_t i_lo = k0 > p0 ? k0 - p0 : 0, i_hi = i1;
+            if (i_lo < i0) i_lo = i0;
+            if (window > 0 && k0 + count + window - 1 - p0 < i_hi)
+                i_hi = k0 + count + window - 1 - p0;
+            if (i_lo >= i_hi) continue;
+            const int64_t slot0 = base + off;
+            const int64_t n0 = (i_lo - i0) * group;
+            const uint16_t *ksrc = c->key_cache + slot0 * row + h * d;
+            const uint16_t *vsrc = c->value_cache + slot0 * row + h * d;
+#if PAGED_PAIRS
+            if (pairs) {
+                pair_chunk(ksrc, vsrc, row, d, count, k0, p0, i_lo, i_hi, group, window,
+                           c->scale, c->soft_cap, qb + n0 * d / 2, (PairChunk *)chunk, scores,
+                           state + n0, acc + n0 * d);
+                continue;
+            }
+#endif
+            load_chunk(ksrc, vsrc, row, d, count, chunk);
+            chunk_scores(qf + n0 * d, (i_hi - i_lo) * group, chunk, d, c->scale, scores);
+            for (int64_t i = i_lo; i < i_hi; i++) {
+                const int64_t p = p0 + i;
+                const int64_t first = window > 0 ? p - window + 1 : 0;
+                const int64_t lo = first > k0 ? first - k0 : 0;
+                const int64_t hi = p - k0 + 1 < count ? p - k0 + 1 : count;
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t n = (i - i0) * group + g;
+                    fold_chunk(scores + (n - n0) * LANES, lo, hi, c->soft_cap, chunk, d,
+                               state + n, acc + n * d);
+                }
+            }
+        }
+    }
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t n = (i - i0) * group + g;
+            const float inv = 1.0f / state[n].sum;
+            const float *a = acc + n * d;
+            uint16_t *o = c->out + (q0 + i) * c->hq * d + (h * group + g) * d;
+            for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(a[e] * inv);
+        }
+    free(chunk), free(qf), free(state), free(scores), free(qb);
+    return 0;
+}
+
 /* Write the step's T new K/V rows into the cache at slot_mapping (-1 = skip), then
  * attend every query row:
  *
@@ -516,107 +675,25 @@ int paged_attention_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k,
         memcpy(value_cache + slot * row, v + t * v_stride, (size_t)row * sizeof(uint16_t));
     }
     if (max_q == 0) return 0;
-    int64_t nvec = max_q * hq; /* every head of the longest request */
-    Chunk *chunk = aligned_alloc(64, sizeof(Chunk));
-    float *qf = malloc((size_t)(nvec * d * 2) * sizeof(float));
-    Running *state = malloc((size_t)nvec * sizeof(Running));
-    if (!chunk || !qf || !state) {
-        free(chunk), free(qf), free(state);
-        return -1;
-    }
-    float *acc = qf + nvec * d;
-    float *scores = malloc((size_t)(nvec * LANES) * sizeof(float));
-    const int pairs = PAGED_PAIRS && d % (4 * LANES) == 0;
-    /* the pair path: query vectors as bf16 pairs; the chunk buffer holds a PairChunk */
-    uint32_t *qb = pairs ? malloc((size_t)(nvec * d / 2) * sizeof(uint32_t)) : NULL;
-    if (!scores || (pairs && !qb)) {
-        free(chunk), free(qf), free(state), free(scores), free(qb);
-        return -1;
-    }
+    /* tasks: (request, KV head, run of up to ROWS_PER_TASK query rows) */
+    int64_t ntasks = 0, work = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
-        int64_t q0 = query_start_loc[r], q_len = query_start_loc[r + 1] - q0, seq = seq_lens[r];
-        if (q_len == 0) continue;
-        int64_t p0 = seq - q_len; /* position of the request's first row */
-        int64_t lo_key = window > 0 ? p0 - window + 1 : 0;
-        if (lo_key < 0) lo_key = 0;
-        const int32_t *table = block_table + r * bt_stride;
-        /* query vector n = (h * q_len + i) * group + g: KV head h, row i, group member g.
-         * Chunks outer, heads inner: a block's slots (all heads) are read once, in order. */
-        const int64_t per_head = q_len * group;
-        for (int64_t h = 0; h < hkv; h++)
-            for (int64_t i = 0; i < q_len; i++)
-                for (int64_t g = 0; g < group; g++) {
-                    const uint16_t *src = q + (q0 + i) * q_stride + (h * group + g) * d;
-                    int64_t n = h * per_head + i * group + g;
-                    if (pairs) {
-                        memcpy(qb + n * d / 2, src, (size_t)d * sizeof(uint16_t));
-                        continue;
-                    }
-                    float *dst = qf + n * d;
-                    for (int64_t e = 0; e < d; e++) dst[e] = bf16_to_f32(src[e]);
-                }
-        memset(acc, 0, (size_t)(hkv * per_head * d) * sizeof(float));
-        for (int64_t n = 0; n < hkv * per_head; n++) state[n] = (Running){-INFINITY, 0.0f};
-        for (int64_t b = lo_key / block_size; b * block_size < seq; b++) {
-            const int64_t base = (int64_t)table[b] * block_size;
-#if defined(__AVX512F__)
-            if ((b + PREFETCH_AHEAD) * block_size < seq) /* see prefetch_block */
-                prefetch_block(key_cache, value_cache,
-                               (int64_t)table[b + PREFETCH_AHEAD] * block_size * row,
-                               block_size * row);
-#endif
-            for (int64_t off = 0; off < block_size && b * block_size + off < seq; off += LANES) {
-                int64_t k0 = b * block_size + off; /* position of lane 0 */
-                int64_t count = block_size - off < LANES ? block_size - off : LANES;
-                if (seq - k0 < count) count = seq - k0;
-                if (k0 + count <= lo_key) continue;
-                /* the rows that see some key of this chunk, a contiguous run: row i
-                 * sees it from k0 <= p0 + i on (causality), and, with a window, while
-                 * its first key p0 + i - window + 1 is inside the chunk */
-                int64_t i_lo = k0 > p0 ? k0 - p0 : 0, i_hi = q_len;
-                if (window > 0 && k0 + count + window - 1 - p0 < i_hi)
-                    i_hi = k0 + count + window - 1 - p0;
-                if (i_lo >= i_hi) continue;
-                const int64_t slot0 = base + off;
-                for (int64_t h = 0; h < hkv; h++) {
-#if PAGED_PAIRS
-                    if (pairs) {
-                        const int64_t n0 = h * per_head + i_lo * group;
-                        pair_chunk(key_cache + slot0 * row + h * d,
-                                   value_cache + slot0 * row + h * d, row, d, count, k0, p0,
-                                   i_lo, i_hi, group, window, scale, soft_cap, qb + n0 * d / 2,
-                                   (PairChunk *)chunk, scores, state + n0, acc + n0 * d);
-                        continue;
-                    }
-#endif
-                    load_chunk(key_cache + slot0 * row + h * d, value_cache + slot0 * row + h * d,
-                               row, d, count, chunk);
-                    const int64_t n0 = h * per_head + i_lo * group;
-                    chunk_scores(qf + n0 * d, (i_hi - i_lo) * group, chunk, d, scale, scores);
-                    for (int64_t i = i_lo; i < i_hi; i++) {
-                        int64_t p = p0 + i;
-                        int64_t first = window > 0 ? p - window + 1 : 0;
-                        int64_t lo = first > k0 ? first - k0 : 0;
-                        int64_t hi = p - k0 + 1 < count ? p - k0 + 1 : count;
-                        for (int64_t g = 0; g < group; g++) {
-                            int64_t n = h * per_head + i * group + g;
-                            fold_chunk(scores + (n - n0) * LANES, lo, hi, soft_cap, chunk, d,
-                                       state + n, acc + n * d);
-                        }
-                    }
-                }
-            }
-        }
-        for (int64_t h = 0; h < hkv; h++)
-            for (int64_t i = 0; i < q_len; i++)
-                for (int64_t g = 0; g < group; g++) {
-                    int64_t n = h * per_head + i * group + g;
-                    float inv = 1.0f / state[n].sum;
-                    const float *a = acc + n * d;
-                    uint16_t *o = out + (q0 + i) * hq * d + (h * group + g) * d;
-                    for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(a[e] * inv);
-                }
+        const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
+        ntasks += hkv * ((q_len + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
+        work += q_len * hq * d * seq_lens[r];
     }
-    free(chunk), free(qf), free(state), free(scores), free(qb);
-    return 0;
+    Task *tasks = malloc((size_t)ntasks * sizeof(Task));
+    if (!tasks) return -1;
+    int64_t t = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
+        for (int64_t h = 0; h < hkv; h++)
+            for (int64_t i0 = 0; i0 < q_len; i0 += ROWS_PER_TASK)
+                tasks[t++] = (Task){r, h, i0, q_len - i0 < ROWS_PER_TASK ? q_len : i0 + ROWS_PER_TASK};
+    }
+    const Call call = {q, q_stride, key_cache, value_cache, block_table, bt_stride, block_size,
+                       query_start_loc, seq_lens, hq, hkv, d, scale, window, soft_cap, out, tasks};
+    const int rc = at_parallel(ntasks, attend_task, (void *)&call, work);
+    free(tasks);
+    return rc;
 }

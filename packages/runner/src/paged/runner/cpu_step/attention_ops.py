@@ -25,7 +25,7 @@ from paged.runner.cpu_step import build
 logger = logging.getLogger(__name__)
 
 BF16 = torch.bfloat16
-_ABI = 2  # paged_attention_abi() of the source this module drives
+_ABI = 3  # paged_attention_abi() of the source this module drives
 # No -ffp-contract=off here: fused multiply-adds change nothing this code promises
 # (it is within rounding of the reference, and equal to itself across layouts).
 _FLAGS = [
@@ -84,6 +84,8 @@ def _build_and_load(cc: str, flags: list[str] | None = None) -> ctypes.CDLL | No
             ptr, ptr, i64,  # query_start_loc, seq_lens, R
             i64, i64, i64, f32, i64, f32, ptr,  # hq, hkv, d, scale, window, cap, out
         ]  # fmt: skip
+        lib.paged_attention_use_pool.restype = None
+        lib.paged_attention_use_pool.argtypes = [ptr, ptr, ctypes.c_int]
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("CPU attention unavailable (%s); using torch SDPA", first_line(exc))
         return None
@@ -93,6 +95,14 @@ def _build_and_load(cc: str, flags: list[str] | None = None) -> ctypes.CDLL | No
 def _compiled(cc: str, flags: list[str]) -> Path:
     source = package_source("paged.runner.cpu_step", "attention.c")
     return compiled_library(cc, source, "attention.c", "attention", flags)
+
+
+def use_pool(run: int | None, pool: int | None, threads: int) -> None:
+    """Run the attention's tasks on a CpuPool (see paged.runner.cpu_kernels.pool); None, None:
+    on the calling thread. Nothing when the library is unavailable."""
+    lib = load_attention_ops()
+    if lib is not None:
+        lib.paged_attention_use_pool(run, pool, threads)
 
 
 def _lib() -> ctypes.CDLL:
