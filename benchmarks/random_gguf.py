@@ -390,7 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.shape is None or args.output is None:
         parser.error("shape and --output are required (or --list)")
     if args.type not in GGUF_NATIVE and args.type not in LLAMA_QUANTIZE_TYPES:
-        parser.error(f"--type {args.type!r}: one of {sorted(GGUF_NATIVE) + list(LLAMA_QUANTIZE_TYPES)}")
+        parser.error(
+            f"--type {args.type!r}: one of {sorted(GGUF_NATIVE) + list(LLAMA_QUANTIZE_TYPES)}"
+        )
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
     shape = SHAPES[args.shape]
@@ -405,8 +407,9 @@ def main(argv: list[str] | None = None) -> None:
     generate(args.output, shape, args.type, tokenizer=args.tokenizer, seed=args.seed,
              name=args.shape, llama_quantize=args.llama_quantize, threads=args.threads)  # fmt: skip
     size = args.output.stat().st_size
+    seconds = round(time.perf_counter() - start, 1)
     print(json.dumps({"output": str(args.output), "shape": args.shape, "type": args.type,
-                      "bytes": size, "seconds": round(time.perf_counter() - start, 1)}))  # fmt: skip
+                      "bytes": size, "seconds": seconds}))  # fmt: skip
 
 
 if __name__ == "__main__":
