@@ -362,6 +362,9 @@ def main() -> None:
     parser.add_argument("--no-default-model", action="store_true",
                         help="leave the 135M default model out (with --shapes)")  # fmt: skip
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--sides", default="paged,llama.cpp", help="which servers to run (one alone: no ratios)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--scenarios", default="abc")
     parser.add_argument(
@@ -378,12 +381,15 @@ def main() -> None:
     args = parser.parse_args()
     if not args.model and args.no_default_model and not args.shapes:
         parser.error("--no-default-model needs --shapes or --model")
-    sides = ["paged"]
-    if args.llama_server and Path(args.llama_server).is_file():
-        sides.append("llama.cpp")
-    else:
+    sides = [s for s in ("paged", "llama.cpp") if s in args.sides.split(",")]
+    if not sides:
+        parser.error(f"--sides {args.sides!r}: paged, llama.cpp or both")
+    if "llama.cpp" in sides and not (args.llama_server and Path(args.llama_server).is_file()):
+        sides.remove("llama.cpp")
         print(json.dumps({"skipped": "llama.cpp", "why": "no llama-server binary: pass "
                           "--llama-server PATH or set LLAMA_SERVER"}), flush=True)  # fmt: skip
+        if not sides:
+            parser.error("--sides llama.cpp needs --llama-server PATH or $LLAMA_SERVER")
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
     table = []
