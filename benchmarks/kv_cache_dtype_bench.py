@@ -62,6 +62,7 @@ def main() -> None:
     from paged.runner.config import ModelConfig
     from paged.runner.kv_cache_dtype import kv_cache_spec_dtype
     from paged.scheduler import SamplingParams
+    from paged.server.engine.client import InprocClient
     from paged.server.llm import LLM
 
     model_config = ModelConfig.from_pretrained(args.model, dtype=args.dtype)
@@ -87,7 +88,10 @@ def main() -> None:
             kv_cache_dtype=name,
         )
         try:
-            blocks = llm.engine_client.info.num_gpu_blocks
+            client = llm.engine_client
+            # LLM(model) runs its engine core in-process; its info has the block count.
+            assert isinstance(client, InprocClient), type(client)
+            blocks = client.info.num_gpu_blocks
             llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
