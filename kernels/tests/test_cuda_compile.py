@@ -38,33 +38,44 @@ def build(fn, types, consts, warps=4):
 # Launch configurations as choose_launch() makes them.
 attn = dict(HEAD_SIZE=128, D_PAD=128, QUERIES_PER_KV=4, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4,
             BLOCK_N=64, NUM_SEGMENTS=4, USE_SOFT_CAP=True, USE_WINDOW=True, USE_RANGES=False,
-            DOT_PRECISION="tf32")
+            DOT_PRECISION="tf32", KV_FP8=False)
 # Gemma3 image prompts: bidirectional spans inside a prefill.
 attn_prefill = dict(attn, HEAD_SIZE=256, D_PAD=256, BLOCK_M=64, BLOCK_Q=16, BLOCK_N=32,
                     NUM_SEGMENTS=1, USE_RANGES=True)
 attn_fp32 = dict(attn, HEAD_SIZE=80, D_PAD=128, QUERIES_PER_KV=1, BLOCK_M=64, BLOCK_Q=64,
                  BLOCK_N=32, NUM_SEGMENTS=1, USE_SOFT_CAP=False, USE_WINDOW=False,
                  DOT_PRECISION="ieee")
-def attn_types(dt):
-    t = {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+# --kv-cache-dtype fp8: e4m3 cache tiles dequantised into bf16 dots.
+attn_fp8 = dict(attn, KV_FP8=True)
+def attn_types(dt, cache_dt=None):
+    t = {n: f"*{dt}" for n in ("out_ptr", "q_ptr")}
+    t.update({n: f"*{cache_dt or dt}" for n in ("k_cache_ptr", "v_cache_ptr")})
     t.update({n: "*fp32" for n in ("seg_out_ptr", "seg_max_ptr", "seg_sum_ptr")})
     t.update({"block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
               "ranges_ptr": "*i32",
-              "scale": "fp32", "soft_cap": "fp32"})
+              "scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "soft_cap": "fp32"})
     return t
 cases = {
     "attention_bf16_split": build(ak._paged_attention_kernel, attn_types("bf16"), attn),
     "attention_bf16_prefill": build(ak._paged_attention_kernel, attn_types("bf16"),
                                     attn_prefill, 8),
     "attention_fp32": build(ak._paged_attention_kernel, attn_types("fp32"), attn_fp32, 8),
+    "attention_bf16_fp8_cache": build(ak._paged_attention_kernel,
+                                      attn_types("bf16", "fp8e4nv"), attn_fp8),
     "reduce_segments": build(ak._reduce_segments_kernel,
         {"out_ptr": "*bf16", "seg_out_ptr": "*fp32", "seg_max_ptr": "*fp32",
          "seg_sum_ptr": "*fp32", "query_start_loc_ptr": "*i32"},
         dict(HEAD_SIZE=128, D_PAD=128, NUM_SEGMENTS=4)),
     "reshape_and_cache": build(cache._reshape_and_cache_kernel,
         {"key_ptr": "*fp16", "value_ptr": "*fp16", "key_cache_ptr": "*fp16",
-         "value_cache_ptr": "*fp16", "slot_ptr": "*i64"},
-        dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_SIZE=16, H_PAD=8, D_PAD=128)),
+         "value_cache_ptr": "*fp16", "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32"},
+        dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_SIZE=16, H_PAD=8, D_PAD=128,
+             FP8_MANT=0, FP8_MIN_NORMAL=0.0, FP8_MAX=0.0)),
+    "reshape_and_cache_fp8": build(cache._reshape_and_cache_kernel,
+        {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*fp8e4nv",
+         "value_cache_ptr": "*fp8e4nv", "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32"},
+        dict(NUM_KV_HEADS=8, HEAD_SIZE=128, BLOCK_SIZE=16, H_PAD=8, D_PAD=128,
+             FP8_MANT=3, FP8_MIN_NORMAL=2.0**-6, FP8_MAX=448.0)),
     "copy_blocks": build(cache._copy_blocks_kernel,
         {"src_ptr": "*bf16", "dst_ptr": "*bf16", "src_ids_ptr": "*i64", "dst_ids_ptr": "*i64",
          "num_src_blocks": "i64", "num_dst_blocks": "i64", "block_numel": "i64",
@@ -116,4 +127,4 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = {k: v for k, v in results.items() if v != "ok"}
     assert failed == {}, failed
-    assert len(results) == 9
+    assert len(results) == 11
