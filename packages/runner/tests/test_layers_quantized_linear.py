@@ -15,6 +15,7 @@ from paged.runner.layers.quantized_linear import (
     Int4GroupMatmul,
     Int8ChannelMatmul,
     Int8GroupMatmul,
+    QGemmInt4Table,
     QGemmMatmul,
     QGemmTable,
     QuantStaging,
@@ -230,6 +231,42 @@ def test_tied_q8_0_embedding_looks_up_exact_rows_and_computes_logits(backend: st
     logits = head.compute_logits(h.bfloat16())
     assert logits.dtype == torch.float32 and logits.shape == (4, 200)
     assert _rel(logits, h @ dense.t()) < 1e-2
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K])
+def test_tied_int4_embedding_keeps_its_codes_on_the_c_kernel(qtype: Q, backend: str) -> None:
+    """A 4-bit table (Llama-3.2's tied Q4_0 head): exact rows and logits on the C kernel's
+    4-bit path (its threads), not torch's one-thread int8-per-channel re-quantisation."""
+    torch.manual_seed(0)
+    t = _quantized(qtype, 200, 256)
+    emb = VocabParallelEmbedding(200, 256, tp=TPGroup(), dtype=torch.bfloat16)
+    head = ParallelLMHead(200, 256, tp=TPGroup(), dtype=torch.bfloat16)
+    head.tie_to(emb)
+    for m in (emb, head):
+        m.start_quantized_load()
+    emb.load_weight("weight", t, None)
+    report = emb.finish_quantized_load(torch.bfloat16)
+    assert report is not None
+    assert head.finish_quantized_load(torch.bfloat16) is None
+    dense = t.dequantize()
+    ids = torch.tensor([0, 7, 199])
+    h = torch.randn(4, 256)
+    logits = head.compute_logits(h.bfloat16())
+    assert logits.dtype == torch.float32 and logits.shape == (4, 200)
+    if backend == "torch":  # no C kernel: re-quantised per channel, as before
+        assert isinstance(emb.quant, Int8ChannelMatmul)
+        assert _rel(logits, h @ dense.t()) < 3e-2
+        return
+    assert isinstance(emb.quant, QGemmInt4Table) and head.quant is emb.quant
+    assert report.rel_error < 1e-6 and "re-quantised" not in report.kernel
+    assert torch.equal(emb.quant.dequantized(), dense)
+    torch.testing.assert_close(emb(ids).float(), dense[ids].bfloat16().float(), rtol=0, atol=0)
+    assert _rel(logits, h @ dense.t()) < 1e-2
+    # the same kernel as a 4-bit projection of that weight: identical logits
+    assert torch.equal(
+        logits,
+        emb.quant.gemm.matmul(h.bfloat16(), torch.float32, outlier_ratio=emb.quant.outlier_ratio),
+    )
 
 
 def test_int4_layer_switches_to_its_bf16_copy_at_large_batch_rows() -> None:
