@@ -9,7 +9,10 @@ and says when not.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import pickle
 import random
 import subprocess
 import sys
@@ -86,6 +89,27 @@ class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):  # :144-14
 
 class VllmKVEventBatch(VllmEventBatch):  # :148-149
     events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+
+
+def _vllm_chain(parent: int | bytes | None, token_ids: list[int], block_size: int) -> list[int]:
+    """vLLM 0.33.0's sha256 block hashes of `token_ids`, as its events carry them (ints).
+
+    vllm/utils/hashing.py sha256 (SHA-256 of pickle protocol 5), kv_cache_utils.py
+    hash_block_tokens / init_none_hash (seed PYTHONHASHSEED, else "vllm-none-hash")
+    and maybe_convert_block_hash (low 64 bits, big-endian). Only a chain that starts
+    at the root (parent None) can be recomputed from the event alone.
+    """
+    assert parent is None
+
+    def h(obj: object) -> bytes:
+        return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+    prev = h(os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
+    out = []
+    for i in range(0, len(token_ids), block_size):
+        prev = h((prev, tuple(token_ids[i : i + block_size]), None))
+        out.append(int.from_bytes(prev, "big") & ((1 << 64) - 1))
+    return out
 
 
 def _replay_as_vllm_client(endpoint: str, topic: str) -> list[tuple[int, VllmKVEventBatch]]:
@@ -204,6 +228,7 @@ def test_example_subscriber_joins_late_and_matches_the_pool(
         vllm_batches = _replay_as_vllm_client(cfg.replay_endpoint, cfg.topic)
         assert [seq for seq, _ in vllm_batches] == list(range(publisher.next_seq))
         vllm_blocks: Counter[tuple[str, int | None, int | bytes]] = Counter()
+        roots = 0
         for _, vllm_batch in vllm_batches:
             assert vllm_batch.data_parallel_rank == 0
             for e in vllm_batch.events:
@@ -214,11 +239,14 @@ def test_example_subscriber_joins_late_and_matches_the_pool(
                     assert e.kv_cache_spec_sliding_window is None
                     assert len(e.token_ids) == 4 * len(e.block_hashes)
                     assert e.lora_id is None and e.lora_name is None
+                    if e.parent_block_hash is None:  # the hashes are vLLM's own
+                        roots += 1
+                        assert e.block_hashes == _vllm_chain(None, e.token_ids, e.block_size)
                     vllm_blocks.update(("GPU", e.group_idx, h) for h in e.block_hashes)
                 elif isinstance(e, VllmBlockRemoved):
                     assert (e.medium, e.group_idx) == ("GPU", 0)
                     vllm_blocks.subtract(("GPU", e.group_idx, h) for h in e.block_hashes)
-        assert +vllm_blocks == expected
+        assert +vllm_blocks == expected and roots > 0
 
         # The shipped example, started only now: everything comes by replay.
         out = subprocess.run(

@@ -124,7 +124,7 @@ def test_block_stored_carries_published_extra_keys_per_block() -> None:
     assert first.lora_name == "ad" and first.group_idx == 0
     # The published keys are the hashed keys without their tags.
     tagged, _ = generate_block_hash_extra_keys(r, 0, 4)
-    assert tagged == (("lora", "ad", "/w"), ("mm", "img", 2), ("salt", "s"))
+    assert tagged == (("lora", "ad", "/w"), ("mm", "img", 2), ("cache_salt", "s"))
     assert published_extra_keys(tagged) == ("ad", ("img", 2), "s")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,10 +17,12 @@ from paged.kvcache import (
     generate_block_hash_extra_keys,
     get_hash_fn_by_name,
     get_none_hash,
+    get_none_hash_seed,
     get_request_block_hasher,
     hash_block_tokens,
     init_none_hash,
     sha256,
+    sha256_cbor,
     xxhash,
 )
 from paged.kvcache import hashing as hashing_module
@@ -123,13 +126,20 @@ def test_hashes_agree_across_processes_regardless_of_pythonhashseed() -> None:
     assert _hash_in_subprocess("0") == _hash_in_subprocess("12345") == local
 
 
-def test_unseeded_none_hash_is_random_without_pythonhashseed(
+def test_unseeded_none_hash_follows_vllm_033s_seed_rule(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # vllm/v1/core/kv_cache_utils.py resolve_none_hash_seed: PYTHONHASHSEED wins;
+    # else SHA-256 gets the fixed "vllm-none-hash", xxhash a random seed.
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    assert init_none_hash(sha256) != init_none_hash(sha256)
+    assert init_none_hash(sha256) == init_none_hash(sha256) == sha256("vllm-none-hash")
+    assert get_none_hash_seed() == "vllm-none-hash"
+    assert init_none_hash(sha256_cbor) == sha256_cbor("vllm-none-hash")
+    if importlib.util.find_spec("xxhash") is not None:
+        assert init_none_hash(xxhash) != init_none_hash(xxhash)
     monkeypatch.setenv("PYTHONHASHSEED", "5")
-    assert init_none_hash(sha256) == init_none_hash(sha256)
+    assert init_none_hash(sha256) == sha256("5")
+    assert init_none_hash(sha256, seed=7) == sha256("7")  # paged's --block-hash-seed wins
 
 
 def test_cache_salt_only_in_block_zero_but_changes_chain() -> None:
@@ -139,7 +149,7 @@ def test_cache_salt_only_in_block_zero_but_changes_chain() -> None:
     r = SimpleRequest("r", range(8), None, cache_salt="tenant")
     keys0, _ = generate_block_hash_extra_keys(r, 0, 4)
     keys1, _ = generate_block_hash_extra_keys(r, 4, 8)
-    assert keys0 == (("salt", "tenant"),) and keys1 is None
+    assert keys0 == (("cache_salt", "tenant"),) and keys1 is None
     # Block 1's hash is the plain chain continued from the salted block 0.
     assert salted[1] == hash_block_tokens(sha256, salted[0], [4, 5, 6, 7])
 
@@ -184,8 +194,8 @@ def test_block_size_adapter() -> None:
     h = hashes(range(16))
     view = BlockHashListWithBlockSize(h, 4, 8)
     assert len(view) == 2
-    assert view[0] == h[0] + h[1] and view[-1] == h[2] + h[3]
-    assert list(view) == [h[0] + h[1], h[2] + h[3]] == view[0:2]
+    assert view[0] == h[1] and view[-1] == h[3]  # vLLM 0.33: the last covering hash
+    assert list(view) == [h[1], h[3]] == view[0:2]
     with pytest.raises(IndexError):
         view[2]
     with pytest.raises(ValueError, match="multiple"):
@@ -215,7 +225,7 @@ def test_fast_hasher_paths_match_generic_encoding() -> None:
         return sha256(("custom", obj))
 
     r = SimpleRequest("r", range(4), get_request_block_hasher(BS, custom), cache_salt="s")
-    assert r.block_hashes == [hash_block_tokens(custom, None, [0, 1, 2, 3], (("salt", "s"),))]
+    assert r.block_hashes == [hash_block_tokens(custom, None, [0, 1, 2, 3], (("cache_salt", "s"),))]
 
 
 def test_simple_request_appends_many_tokens() -> None:

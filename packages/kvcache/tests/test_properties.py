@@ -211,8 +211,8 @@ class ManagerMachine(RuleBasedStateMachine):
                         continue
                     if (i + 1) * ratio > len(req.block_hashes):
                         continue
-                    expected = b"".join(req.block_hashes[i * ratio : (i + 1) * ratio])
-                    if blk.block_hash == make_block_hash_with_group_id(expected, gid):  # type: ignore[arg-type]
+                    expected = req.block_hashes[(i + 1) * ratio - 1]
+                    if blk.block_hash == make_block_hash_with_group_id(expected, gid):
                         continue
                     # A block may also be a hit computed for another request's tokens
                     # only if the hashes matched at lookup: so they must match here.

@@ -420,7 +420,7 @@ def test_cache_salt_in_block_zero_key_only() -> None:
     assert n == 0
     h = r0.block_hashes
     none = get_none_hash()
-    assert h[0] == sha256((none, tuple(tokens[:16]), (("salt", "salt1"),)))
+    assert h[0] == sha256((none, tuple(tokens[:16]), (("cache_salt", "salt1"),)))
     assert h[1] == sha256((h[0], tuple(tokens[16:32]), None))
     assert h[2] == sha256((h[1], tuple(tokens[32:48]), None))
     new = kvm.allocate_slots(r0, 59, 0, hits)
@@ -437,7 +437,7 @@ def test_cache_salt_in_block_zero_key_only() -> None:
     r2 = req("2", tokens1, cache_salt="salt2")
     hits, n = kvm.get_computed_blocks(r2)
     assert n == 0 and len(hits.blocks[0]) == 0
-    assert r2.block_hashes[0] == sha256((none, tuple(tokens1[:16]), (("salt", "salt2"),)))
+    assert r2.block_hashes[0] == sha256((none, tuple(tokens1[:16]), (("cache_salt", "salt2"),)))
     assert r2.block_hashes[1] == sha256((r2.block_hashes[0], tuple(tokens1[16:32]), None))
 
 

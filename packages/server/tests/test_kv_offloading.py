@@ -39,7 +39,12 @@ def test_cli_flags_reach_the_engine_args() -> None:
     parsed = parse_kv_transfer_config(json.dumps(config))
     assert parsed.kv_connector == "OffloadingConnector"
     assert parsed.kv_connector_extra_config["kv_bytes_per_rank"] == 1.5 * (1 << 30)
-    assert engine_args_from(build_parser().parse_args(["serve", "m"])).block_hash_seed == 0
+    default = engine_args_from(build_parser().parse_args(["serve", "m"]))
+    assert default.block_hash_seed is None and default.prefix_caching_hash_algo == "sha256"
+    algo = build_parser().parse_args(["serve", "m", "--prefix-caching-hash-algo", "xxhash_cbor"])
+    assert engine_args_from(algo).prefix_caching_hash_algo == "xxhash_cbor"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--prefix-caching-hash-algo", "md5"])
 
 
 def test_offloading_size_and_a_transfer_config_are_exclusive() -> None:
@@ -50,7 +55,8 @@ def test_offloading_size_and_a_transfer_config_are_exclusive() -> None:
 
 def test_block_hashes_agree_across_processes_whatever_pythonhashseed() -> None:
     # What a disk tier relies on after a restart: the same tokens hash alike in a
-    # new process, even with a different (or random) PYTHONHASHSEED.
+    # new process, even with a different (or random) PYTHONHASHSEED, once
+    # --block-hash-seed fixes the seed.
     code = (
         "from paged.kvcache import init_none_hash, sha256, hash_block_tokens\n"
         "init_none_hash(sha256, 0)\n"

@@ -39,6 +39,9 @@ from paged.kvcache.events import (
 from paged.kvcache.free_queue import FreeKVCacheBlockQueue
 from paged.kvcache.hash_map import BlockHashToBlockMap
 from paged.kvcache.hashing import (
+    DEFAULT_NONE_HASH_SEED,
+    HASH_ALGOS,
+    VLLM_HASH_ALGOS,
     BlockHashListWithBlockSize,
     HashFn,
     RequestBlockHasher,
@@ -46,13 +49,18 @@ from paged.kvcache.hashing import (
     generate_block_hash_extra_keys,
     get_hash_fn_by_name,
     get_none_hash,
+    get_none_hash_seed,
     get_request_block_hasher,
     hash_block_tokens,
     init_none_hash,
     need_extra_keys,
+    paged_sha256,
+    paged_xxhash,
     published_extra_keys,
     sha256,
+    sha256_cbor,
     xxhash,
+    xxhash_cbor,
 )
 from paged.kvcache.ids import (
     BlockHash,
@@ -103,9 +111,12 @@ from paged.kvcache.specs import (
 from paged.kvcache.stats import PrefixCacheStats
 
 __all__ = [
+    "DEFAULT_NONE_HASH_SEED",
+    "HASH_ALGOS",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
+    "VLLM_HASH_ALGOS",
     "AllBlocksCleared",
     "AttentionSpec",
     "BlockHash",
@@ -170,6 +181,7 @@ __all__ = [
     "get_manager_for_kv_cache_spec",
     "get_max_concurrency_for_kv_cache_config",
     "get_none_hash",
+    "get_none_hash_seed",
     "get_request_block_hasher",
     "hash_block_tokens",
     "init_none_hash",
@@ -177,9 +189,13 @@ __all__ = [
     "kv_cache_spec_sliding_window",
     "make_block_hash_with_group_id",
     "need_extra_keys",
+    "paged_sha256",
+    "paged_xxhash",
     "published_extra_keys",
     "sha256",
+    "sha256_cbor",
     "spec_manager_map",
     "unify_kv_cache_spec_page_size",
     "xxhash",
+    "xxhash_cbor",
 ]

@@ -5,25 +5,33 @@ Block i's hash is `hash_fn((parent_hash, tokens_of_block_i, extra_keys))` with
 a block's hash depend on its whole prefix, so a left-to-right lookup that stops
 at the first miss finds the longest cached prefix.
 
-Hash functions take any value built from None, bool, int, float, str, bytes,
-tuples and lists, and hash a canonical byte encoding of it (`encode_canonical`),
-never `pickle` or Python's `hash()`: the result does not depend on
-`PYTHONHASHSEED`, the platform or the Python version, so separate processes and
-machines agree once they share the NONE_HASH seed (KV connectors rely on that).
-The encoding is this package's own (type tag + big-endian length + payload),
-not CBOR: hashes are stable across paged versions but do not equal vLLM's bytes.
+The hash functions are vLLM 0.33's (vllm/utils/hashing.py, selected by
+`--prefix-caching-hash-algo`): `sha256` (default) and `xxhash` digest
+`pickle.dumps(obj, protocol=5)`; `sha256_cbor` and `xxhash_cbor` digest
+canonical CBOR (`paged.kvcache.cbor`, byte-identical to cbor2's canonical
+mode). With the same NONE_HASH seed (vLLM's rule: PYTHONHASHSEED, else
+"vllm-none-hash" for the SHA-256 ones) paged's block hashes are vLLM's, bit for
+bit, so routers that compute vLLM's hashes from prompts match paged's KV
+events. `paged_sha256` / `paged_xxhash` are paged-only: the same digests over
+paged's own type-tagged encoding (`encode_canonical`), which never involves
+pickle; they do not equal vLLM's bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import pickle
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
+from paged.kvcache import cbor
 from paged.kvcache.ids import BlockHash
 from paged.kvcache.protocols import HashableRequest
+
+logger = logging.getLogger(__name__)
 
 HashFn = Callable[[Any], bytes]
 
@@ -94,91 +102,157 @@ def encode_canonical(obj: object) -> bytes:
 
 
 def sha256(obj: object) -> bytes:
-    """SHA-256 (32 bytes) of `encode_canonical(obj)`: the default hash."""
-    return hashlib.sha256(encode_canonical(obj)).digest()
+    """vLLM 0.33's default: SHA-256 (32 bytes) of `pickle.dumps(obj, protocol=5)`.
 
-
-def xxhash(obj: object) -> bytes:
-    """XXH3-128 (16 bytes) of `encode_canonical(obj)`; needs the `fast` extra.
-
-    Not cryptographic: a crafted prompt could collide with another tenant's
-    prefix. Use it only where that is acceptable.
+    Equal to vLLM's `sha256` (vllm/utils/hashing.py) for the same value: the
+    pickle of tuples, ints, str, bytes and None is the same bytes on every
+    CPython 3.8+. Token ids must be a tuple (a list pickles differently);
+    `hash_block_tokens` and the request hasher make it one, as vLLM does.
     """
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def sha256_cbor(obj: object) -> bytes:
+    """vLLM's `sha256_cbor`: SHA-256 of canonical CBOR (language-independent)."""
+    return hashlib.sha256(cbor.dumps(obj)).digest()
+
+
+def _xxh3_128(data: bytes) -> bytes:
     try:
         import xxhash as _xxhash  # lazy: optional dependency
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the 'xxhash' hash function needs the optional dependency: "
+            "the xxhash block-hash functions need the optional dependency: "
             "pip install 'paged-kvcache[fast]'"
         ) from e
-    digest: bytes = _xxhash.xxh3_128_digest(encode_canonical(obj))
+    digest: bytes = _xxhash.xxh3_128_digest(data)
     return digest
+
+
+def xxhash(obj: object) -> bytes:
+    """vLLM's `xxhash`: XXH3-128 (16 bytes) of the pickle; needs the `fast` extra.
+
+    Not cryptographic: a crafted prompt could collide with another tenant's
+    prefix, which is why its NONE_HASH seed is random unless PYTHONHASHSEED is set.
+    """
+    return _xxh3_128(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def xxhash_cbor(obj: object) -> bytes:
+    """vLLM's `xxhash_cbor`: XXH3-128 of canonical CBOR; needs the `fast` extra."""
+    return _xxh3_128(cbor.dumps(obj))
+
+
+def paged_sha256(obj: object) -> bytes:
+    """paged-only: SHA-256 of `encode_canonical(obj)` (not vLLM's bytes; see module doc)."""
+    return hashlib.sha256(encode_canonical(obj)).digest()
+
+
+def paged_xxhash(obj: object) -> bytes:
+    """paged-only: XXH3-128 of `encode_canonical(obj)`; needs the `fast` extra."""
+    return _xxh3_128(encode_canonical(obj))
 
 
 def _sha256_raw(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _xxhash_raw(data: bytes) -> bytes:
-    import xxhash as _xxhash  # lazy: optional dependency
-
-    digest: bytes = _xxhash.xxh3_128_digest(data)
-    return digest
-
-
-# Hash functions whose result is a digest of `encode_canonical(obj)`: the request
-# block hasher encodes (parent, tokens, extra_keys) itself, without recursion,
-# and hands the bytes to the raw digest. Other hash functions get the object.
-_RAW_DIGESTS: dict[HashFn, Callable[[bytes], bytes]] = {}
-
+# How each hash function serialises before its digest, so the request block
+# hasher can build the bytes of (parent, tokens, extra_keys) itself: "pickle",
+# "cbor" or "paged" (encode_canonical). Other (user) hash functions get the object.
+_SERIALIZERS: dict[HashFn, tuple[str, Callable[[bytes], bytes]]] = {
+    sha256: ("pickle", _sha256_raw),
+    xxhash: ("pickle", _xxh3_128),
+    sha256_cbor: ("cbor", _sha256_raw),
+    xxhash_cbor: ("cbor", _xxh3_128),
+    paged_sha256: ("paged", _sha256_raw),
+    paged_xxhash: ("paged", _xxh3_128),
+}
 
 _HASH_FNS: dict[str, HashFn] = {
     "sha256": sha256,
-    "sha256_cbor": sha256,  # vLLM's name for its canonical default; same role here
+    "sha256_cbor": sha256_cbor,
     "xxhash": xxhash,
-    "xxhash_cbor": xxhash,
+    "xxhash_cbor": xxhash_cbor,
+    "paged_sha256": paged_sha256,
+    "paged_xxhash": paged_xxhash,
 }
 
+# vLLM's --prefix-caching-hash-algo choices (vllm/config/cache.py PrefixCachingHashAlgo).
+VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+HASH_ALGOS = tuple(_HASH_FNS)
 
-_RAW_DIGESTS[sha256] = _sha256_raw
-_RAW_DIGESTS[xxhash] = _xxhash_raw
+# Not collision resistant: a predictable NONE_HASH seed would let a tenant build
+# colliding blocks offline, so these get a random seed unless PYTHONHASHSEED is set.
+_NON_CRYPTO_HASH_FNS = frozenset({xxhash, xxhash_cbor, paged_xxhash})
+
+# vLLM 0.33's fixed seed for cryptographic algorithms (kv_cache_utils.py
+# DEFAULT_NONE_HASH_SEED): independent processes agree without configuration.
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 
 def get_hash_fn_by_name(name: str) -> HashFn:
-    """Look up a hash function: "sha256" (default) or "xxhash" (fast extra)."""
+    """Look up a hash function by vLLM's algorithm name (or a paged-only one)."""
     try:
         return _HASH_FNS[name]
     except KeyError:
         raise ValueError(
-            f"unknown hash function name {name!r}; choose one of {sorted(_HASH_FNS)}"
+            f"unknown hash function name {name!r}; choose one of {list(_HASH_FNS)}"
         ) from None
 
 
 # ---------------------------------------------------------------------- NONE_HASH
-_none_hash: BlockHash = BlockHash(os.urandom(32))
+_none_hash: BlockHash = BlockHash(sha256(DEFAULT_NONE_HASH_SEED))
+_none_hash_seed: str = DEFAULT_NONE_HASH_SEED
 
 
-def init_none_hash(hash_fn: HashFn = sha256, seed: int | str | bytes | None = None) -> BlockHash:
-    """Set and return the seed of every hash chain in this process.
+def resolve_none_hash_seed(hash_fn: HashFn, seed: int | str | None = None) -> str:
+    """The seed NONE_HASH derives from, by vLLM 0.33's rule plus paged's explicit seed.
 
-    With `seed` None, the seed comes from `PYTHONHASHSEED` when that is set and
-    is random otherwise (hashes then differ between processes, which is safe but
-    defeats cross-process prefix sharing). Give the same seed to every process
-    and machine that must agree on hashes.
+    An explicit `seed` (paged's `--block-hash-seed`) wins, as its decimal string;
+    then `PYTHONHASHSEED`; then vLLM's fixed "vllm-none-hash" for cryptographic
+    algorithms and 32 random bytes (hex) for xxhash ones
+    (vllm/v1/core/kv_cache_utils.py resolve_none_hash_seed).
     """
-    global _none_hash
-    if seed is None:
-        seed = os.environ.get("PYTHONHASHSEED")
-    if seed is None:
-        _none_hash = BlockHash(os.urandom(32))
-    else:
-        _none_hash = BlockHash(hash_fn(("paged.kvcache.NONE_HASH", seed)))
+    if seed is not None:
+        return str(seed)
+    env = os.environ.get("PYTHONHASHSEED")
+    if env is not None:
+        return env
+    if hash_fn in _NON_CRYPTO_HASH_FNS:
+        return os.urandom(32).hex()
+    return DEFAULT_NONE_HASH_SEED
+
+
+def init_none_hash(hash_fn: HashFn = sha256, seed: int | str | None = None) -> BlockHash:
+    """Set and return the seed hash of every chain in this process: `hash_fn(seed string)`.
+
+    With sha256 and no seed, this is vLLM 0.33's NONE_HASH bit for bit, so a
+    router computing vLLM's hashes matches paged's. With xxhash and neither
+    `seed` nor PYTHONHASHSEED, the seed is random per process (a warning says
+    so: hashes then differ between processes, as in vLLM).
+    """
+    global _none_hash, _none_hash_seed
+    _none_hash_seed = resolve_none_hash_seed(hash_fn, seed)
+    if hash_fn in _NON_CRYPTO_HASH_FNS and seed is None and "PYTHONHASHSEED" not in os.environ:
+        logger.warning(
+            "Using a random per-process NONE_HASH seed because %s is not collision "
+            "resistant; block hashes are not reproducible across processes. Set "
+            "PYTHONHASHSEED (or --block-hash-seed) to share prefix caches, or use sha256.",
+            getattr(hash_fn, "__name__", hash_fn),
+        )
+    _none_hash = BlockHash(hash_fn(_none_hash_seed))
     return _none_hash
 
 
 def get_none_hash() -> BlockHash:
     """The current NONE_HASH (read it through this, not a copied constant)."""
     return _none_hash
+
+
+def get_none_hash_seed() -> str:
+    """The seed the current NONE_HASH was derived from (peers compare it)."""
+    return _none_hash_seed
 
 
 def __getattr__(name: str) -> BlockHash:
@@ -198,7 +272,9 @@ def hash_block_tokens(
     """Hash of one block given its parent's hash (None for block 0)."""
     if not parent_block_hash:
         parent_block_hash = _none_hash
-    return BlockHash(hash_function((parent_block_hash, curr_block_token_ids, extra_keys)))
+    # A tuple as vLLM passes it: the pickle-based functions hash a list differently.
+    tokens = tuple(curr_block_token_ids)
+    return BlockHash(hash_function((parent_block_hash, tokens, extra_keys)))
 
 
 def need_extra_keys(request: HashableRequest) -> bool:
@@ -213,7 +289,7 @@ def need_extra_keys(request: HashableRequest) -> bool:
 # and a LoRA adapter named "x" give different keys (untagged strings would not).
 LORA_KEY_TAG = "lora"
 MM_KEY_TAG = "mm"
-SALT_KEY_TAG = "salt"
+SALT_KEY_TAG = "cache_salt"  # vLLM 0.33: ("cache_salt", salt)
 
 
 def _first_mm_index(request: HashableRequest, start_token_idx: int) -> int:
@@ -266,7 +342,7 @@ def generate_block_hash_extra_keys(
 
     Each part is tagged by its source, in vLLM's order: `("lora", name, path)`
     (every block), one `("mm", identifier, relative offset)` per overlapping mm
-    item, `("salt", salt)` (block 0 only, and all later hashes through the
+    item, `("cache_salt", salt)` (block 0 only, and all later hashes through the
     chain). The LoRA part holds the adapter's path as well as its name, so a
     name re-pointed at new weights never reuses the old adapter's KV. Returns
     None (not an empty tuple) when there are none, and the next mm item index.
@@ -288,7 +364,7 @@ def published_extra_keys(extra_keys: tuple[object, ...] | None) -> tuple[object,
     """vLLM's untagged form of hashed extra keys, as `BlockStored.extra_keys` carries it.
 
     `("lora", name, path)` -> `name`; `("mm", identifier, offset)` ->
-    `(identifier, offset)`; `("salt", salt)` -> `salt` (vLLM publishes the
+    `(identifier, offset)`; `("cache_salt", salt)` -> `salt` (vLLM publishes the
     LoRA name, not the path). Consumers that index vLLM's events read the
     same shapes; the tags exist only inside the hash.
     """
@@ -324,15 +400,22 @@ def get_request_block_hasher(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    raw_digest = _RAW_DIGESTS.get(hash_fn)
+    serializer, raw_digest = _SERIALIZERS.get(hash_fn, ("object", _sha256_raw))
     # encode_canonical((parent, tokens, extra)) spelled out for the common case:
     # a 3-item list header, the parent as bytes, the tokens as one int64 array.
     triple_header = b"l" + _U32.pack(3) + b"b"
     tokens_header = b"I" + _U32.pack(block_size)
     pack_tokens = struct.Struct(f">{block_size}q").pack
+    dumps = pickle.dumps
+    protocol = pickle.HIGHEST_PROTOCOL
 
     def hash_one(parent: bytes, block_tokens: Sequence[int], extra_keys: object) -> BlockHash:
-        if raw_digest is not None:
+        if serializer == "pickle":
+            # vLLM's bytes: pickle of (parent, tuple(tokens), extra_keys).
+            return BlockHash(raw_digest(dumps((parent, tuple(block_tokens), extra_keys), protocol)))
+        if serializer == "cbor":
+            return BlockHash(raw_digest(cbor.dumps((parent, block_tokens, extra_keys))))
+        if serializer == "paged":
             try:
                 packed = pack_tokens(*block_tokens)
             except (struct.error, TypeError):
@@ -349,7 +432,7 @@ def get_request_block_hasher(
                         + tail
                     )
                 )
-        return BlockHash(hash_fn((parent, block_tokens, extra_keys)))
+        return BlockHash(hash_fn((parent, tuple(block_tokens), extra_keys)))
 
     def request_block_hasher(request: HashableRequest) -> list[BlockHash]:
         prev_hashes = request.block_hashes
@@ -381,9 +464,10 @@ def get_request_block_hasher(
 class BlockHashListWithBlockSize(Sequence[BlockHash]):
     """View of hashes at `hash_block_size` as hashes at a multiple `target_block_size`.
 
-    Entry i concatenates the `target // hash` hashes covering the same tokens.
-    Since each hash already chains its whole prefix, the concatenation is as
-    unique as the last one; it is computed lazily on access.
+    Entry i is the last of the `target // hash` hashes covering the same tokens:
+    it already chains the whole prefix up to the target block's end, so it is
+    that block's hash (vLLM 0.33's rule, kv_cache_utils.py
+    BlockHashListWithBlockSize._get_value_at; the same bytes in KV events).
     """
 
     __slots__ = ("block_hashes", "scale_factor")
@@ -403,8 +487,7 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
         return len(self.block_hashes) // self.scale_factor
 
     def _get_value_at(self, idx: int) -> BlockHash:
-        base = idx * self.scale_factor
-        return BlockHash(b"".join(self.block_hashes[base : base + self.scale_factor]))
+        return self.block_hashes[(idx + 1) * self.scale_factor - 1]
 
     @overload
     def __getitem__(self, idx: int) -> BlockHash: ...

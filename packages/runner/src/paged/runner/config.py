@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from paged.kvcache import HASH_ALGOS
 from paged.runner.kv_cache_dtype import check_kv_cache_dtype
 from paged.runner.layers.head_partition import partition_heads
 from paged.runner.model_config import (
@@ -58,9 +59,17 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
+    # vLLM's --prefix-caching-hash-algo (paged.kvcache.hashing: vLLM's bytes for
+    # its four names; paged_sha256 / paged_xxhash are paged's own encoding).
+    prefix_caching_hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.cache_dtype)
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"prefix_caching_hash_algo: {self.prefix_caching_hash_algo!r} is not one of "
+                f"{list(HASH_ALGOS)}"
+            )
         if self.block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -232,10 +241,11 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     seed: int = 0
-    # Seeds the block-hash chain (NONE_HASH). Fixed by default, unlike vLLM's
-    # PYTHONHASHSEED-or-random: KV stored by a connector (a disk tier, a peer)
-    # is found again only by engines that hash with the same seed.
-    block_hash_seed: int = 0
+    # Seeds the block-hash chain (NONE_HASH). None: vLLM 0.33's rule
+    # (PYTHONHASHSEED, else the fixed "vllm-none-hash" for sha256 / sha256_cbor,
+    # random for xxhash), so paged and vLLM engines hash alike. KV stored by a
+    # connector (a disk tier, a peer) is found again only by engines that agree.
+    block_hash_seed: int | None = None
     # Builds each worker's KV connector (None: no KV transfer). An object, not
     # a config, so the runner needs no knowledge of connector classes; it is
     # pickled to worker processes with the rest of this config.

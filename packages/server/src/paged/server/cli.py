@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from paged.kvcache import HASH_ALGOS
 from paged.server.compat_cli import (
     add_frontend_compat_args,
     add_model_compat_args,
@@ -187,6 +188,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse KV blocks of shared prompt prefixes",
+    )
+    c.add_argument(
+        "--prefix-caching-hash-algo",
+        default="sha256",
+        choices=list(HASH_ALGOS),
+        help="block hash of prefix caching and KV events, vLLM's bytes for its four names "
+        "(sha256: SHA-256 of pickle, the default; sha256_cbor: of canonical CBOR; xxhash, "
+        "xxhash_cbor: XXH3-128, needs xxhash); paged_sha256 / paged_xxhash: paged's own "
+        "encoding, not vLLM's bytes",
     )
     c.add_argument(
         "--structured-outputs-config",
@@ -361,9 +371,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     k.add_argument(
         "--block-hash-seed",
         type=int,
-        default=0,
-        help="seed of the prefix block-hash chain; engines sharing stored KV "
-        "(disk tier across restarts, P/D peers) must use the same value",
+        default=None,
+        help="seed of the prefix block-hash chain (default: vLLM's rule, PYTHONHASHSEED, "
+        "else a fixed seed for sha256 and a random one for xxhash); engines sharing "
+        "stored KV (disk tier across restarts, P/D peers) must agree",
     )
 
 
@@ -454,6 +465,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kv_offloading_size=ns.kv_offloading_size,
         kv_offloading_backend=ns.kv_offloading_backend,
         block_hash_seed=ns.block_hash_seed,
+        prefix_caching_hash_algo=ns.prefix_caching_hash_algo,
         limit_mm_per_prompt=ns.limit_mm_per_prompt,
         allowed_local_media_path=ns.allowed_local_media_path,
         allowed_media_domains=ns.allowed_media_domains,

@@ -171,10 +171,13 @@ class EngineArgs:
     # a host-memory OffloadingConnector without writing the JSON.
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
-    # Seed of the block-hash chain (NONE_HASH), fixed by default and independent
-    # of `seed`: engines that share stored KV (a disk tier across restarts, P/D
-    # peers) must hash alike, whatever their sampling seed.
-    block_hash_seed: int = 0
+    # Seed of the block-hash chain (NONE_HASH), independent of `seed`. None:
+    # vLLM 0.33's rule (PYTHONHASHSEED, else a fixed seed for sha256): engines that
+    # share stored KV (a disk tier across restarts, P/D peers) must hash alike.
+    block_hash_seed: int | None = None
+    # vLLM's --prefix-caching-hash-algo: sha256 (default), sha256_cbor, xxhash,
+    # xxhash_cbor (vLLM's bytes), or paged's own paged_sha256 / paged_xxhash.
+    prefix_caching_hash_algo: str = "sha256"
     # vLLM's --speculative-config: JSON text (or a dict from LLM(...)); None: no speculation.
     speculative_config: str | dict[str, Any] | None = None
     # vLLM's --ec-transfer-config (encoder-cache connector): JSON text or a dict; None: none.
@@ -302,6 +305,7 @@ class EngineArgs:
                 ),
                 cache_dtype=self.kv_cache_dtype,
                 enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

@@ -45,7 +45,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from paged.connectors.events import EventPublisher, KVEventsConfig, make_event_publisher
-from paged.kvcache import KVCacheConfig, KVCacheMetricsCollector, get_kv_cache_config
+from paged.kvcache import (
+    KVCacheConfig,
+    KVCacheMetricsCollector,
+    get_hash_fn_by_name,
+    get_kv_cache_config,
+)
 from paged.multimodal.processor_cache import ReceiverCache
 from paged.runner.config import EngineConfig
 from paged.scheduler.boundary import (
@@ -265,8 +270,9 @@ class EngineCore:
             cache.block_size,
             enable_caching=cache.enable_prefix_caching,
             log_stats=log_stats,
-            # A fixed seed makes block hashes (and so prefix-cache and connector
-            # hits) reproducible across processes and restarts.
+            # vLLM's algorithm and seed rule: block hashes (and so prefix-cache and
+            # connector hits, KV events) agree across processes, restarts and vLLM.
+            hash_fn=get_hash_fn_by_name(cache.prefix_caching_hash_algo),
             hash_seed=self.engine_config.block_hash_seed,
             **extra,
         )
