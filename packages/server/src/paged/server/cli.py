@@ -88,6 +88,15 @@ def _structured_outputs_config(text: str) -> str:
     return text
 
 
+def _reasoning_parser(text: str) -> str | None:
+    from paged.server.reasoning import check_reasoning_parser
+
+    try:
+        return check_reasoning_parser(text)  # checked here: a bad name exits 2 at once
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _kv_events_config(text: str) -> Any:
     from paged.connectors.events import KVEventsConfigError, parse_kv_events_config
 
@@ -187,6 +196,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse KV blocks of shared prompt prefixes",
+    )
+    c.add_argument(
+        "--reasoning-parser",
+        type=_reasoning_parser,
+        default=None,
+        metavar="NAME",
+        help="split a reasoning model's thinking into the message's `reasoning` field: "
+        "deepseek_r1, qwen3 or think (generic <think>...</think>); none: off. Structured "
+        "output and tool calls then apply to the answer only",
     )
     c.add_argument(
         "--structured-outputs-config",
@@ -447,6 +465,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         quantization=ns.quantization,
         kv_events_config=ns.kv_events_config,
         structured_outputs_config=ns.structured_outputs_config,
+        reasoning_parser=ns.reasoning_parser,
         async_scheduling=ns.async_scheduling,
         kv_cache_metrics=ns.kv_cache_metrics,
         kv_cache_metrics_sample=ns.kv_cache_metrics_sample,

@@ -62,6 +62,7 @@ def run_server(
     core_options = args.engine_core_options()  # bad options fail before the model loads
     args.media_url_policy(host)  # bad --allowed-media-domains fail before the model loads
     args.structured_output_options()  # a bad config fails before the model loads
+    reasoning_parser = args.reasoning_parser_name()  # so does an unknown parser
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -135,6 +136,7 @@ def run_server(
             cors=cors,
             max_request_body_bytes=max_request_body_bytes,
             tool_config=tool_config,
+            reasoning_parser=reasoning_parser,
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",
@@ -196,6 +198,8 @@ def _structured_outputs(
         cache_size=so_options.cache_size,
         compile_timeout_s=so_options.compile_timeout_s,
         json_options=so_options.json_options,
+        reasoning_parser=args.reasoning_parser_name(),
+        enable_in_reasoning=so_options.enable_in_reasoning,
     )
     compiler = GrammarCompiler(
         ll_tokenizer,
