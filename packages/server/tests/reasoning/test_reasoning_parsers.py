@@ -74,7 +74,7 @@ def test_every_cut_streams_the_whole_split(name: str, text: str) -> None:
             r, c, _ = _streamed(parser, [text[:cut], text[cut:cut2], text[cut2:]])
             assert (r or None, c or None) == (reasoning, content), (cut, cut2)
     # One character at a time: no delta ever carries a piece of a tag.
-    _, _, deltas = _streamed(parser, list(text) + [""])
+    _, _, deltas = _streamed(parser, [*text, ""])
     for r, c in deltas:
         for tag in ("<think>", "</think>"):
             assert tag not in r and (tag not in c or name == "think")
@@ -95,6 +95,6 @@ def test_qwen3_enable_thinking_false_is_all_answer() -> None:
 
 
 def test_unknown_parser_names_the_flag() -> None:
-    with pytest.raises(ValueError, match="--reasoning-parser.*'nope'.*deepseek_r1, qwen3, think"):
+    with pytest.raises(ValueError, match=r"--reasoning-parser.*'nope'.*deepseek_r1, qwen3, think"):
         check_reasoning_parser("nope")
     assert check_reasoning_parser("None") is None and make_reasoning_parser(None) is None

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from paged.server.batch.command import add_run_batch_parser, run_batch_command
 from paged.server.compat_cli import (
     add_frontend_compat_args,
     add_model_compat_args,
@@ -212,8 +213,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='vLLM\'s structured-output options: "backend" "auto"/"guidance" (llguidance), '
-        '"disable_any_whitespace", "disable_additional_properties"; '
-        'paged only: "compile_timeout_s" (default 10; a slower grammar is a 400), '
+        '"disable_any_whitespace", "disable_additional_properties", "reasoning_parser", '
+        '"enable_in_reasoning" (the grammar constrains the thinking too); paged only: "compile_timeout_s" (default 10; a slower grammar is a 400), '
         '"cache_size" (compiled grammars kept, default 256), "max_json_whitespace" '
         "(JSON whitespace between tokens: one line break then at most N spaces/tabs; "
         "default 8; null: unbounded, as vLLM)",
@@ -573,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system message to start the conversation")
     _add_sampling_args(chat, max_tokens=256)
     _add_proxy_parser(sub)
+    add_run_batch_parser(sub, add_engine_args, _int_at_least(1))
     return parser
 
 
@@ -672,6 +674,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 frontend=frontend_options_from(ns),
             )
             return 0
+        if ns.command == "run-batch":
+            return run_batch_command(args, ns)
         if ns.command == "generate":
             return _generate(args, ns)
         return _chat(args, ns)

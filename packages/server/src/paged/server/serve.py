@@ -84,7 +84,7 @@ def run_server(
     (tool_config or ToolCallingConfig()).resolve(getattr(tokenizer, "chat_template", None))
     # Images: a vision model's processor, loaded before the engine starts (fails fast).
     mm_frontend = build_frontend_for(args, config, bind_host=host)
-    so_config, compiler = _structured_outputs(args, config, tokenizer)
+    so_config, compiler = structured_outputs_for(args, config, tokenizer)
     dp = data_parallel if data_parallel is not None else DataParallelOptions()
     client = build_engine_client(
         make_engine_core_factory(config, structured_output=so_config, **core_options),
@@ -171,7 +171,7 @@ def check_listen_address(host: str, port: int) -> None:
             raise ValueError(f"--host/--port: cannot listen on {host}:{port}: {e}") from None
 
 
-def _structured_outputs(
+def structured_outputs_for(
     args: EngineArgs, config: EngineConfig, tokenizer: TokenizerLike
 ) -> tuple[StructuredOutputConfig | None, GrammarCompiler | None]:
     """The engine's grammar-backend recipe and the API's compiler (None, None: off).
@@ -219,7 +219,7 @@ def run_headless(args: EngineArgs, data_parallel: DataParallelOptions) -> int:
     core_options = args.engine_core_options()
     config = args.create_engine_config()
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
-    so_config, _ = _structured_outputs(args, config, tokenizer)
+    so_config, _ = structured_outputs_for(args, config, tokenizer)
     factory = make_engine_core_factory(config, structured_output=so_config, **core_options)
     return run_headless_node(
         factory,
