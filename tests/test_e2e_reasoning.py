@@ -55,6 +55,5 @@ def test_prompt_that_ended_the_thinking_is_constrained_at_once(client: openai.Op
     """The engine reads the end tag in the prompt (as text: this tokenizer has no think token)."""
     messages = [*QUESTION, {"role": "assistant", "content": "<think>Easy.</think>"}]
     out = _message(client, messages, add_generation_prompt=False, continue_final_message=True)
-    # The frontend's deepseek_r1 split starts in thinking, as vLLM's does: the
-    # constrained answer therefore arrives as `reasoning`.
-    assert out["reasoning"] in ("yes", "no")
+    # The API's split reads the same tag (vLLM's parse_delta does too): all answer.
+    assert out["content"] in ("yes", "no") and out.get("reasoning") is None

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from paged.server.batch import BatchEndpoint, run_batch_lines
+from paged.server.batch.endpoints import BatchEndpoint
+from paged.server.batch.runner import run_batch_lines
 from paged.server.errors import InvalidRequestError
 
 

@@ -122,10 +122,24 @@ async def test_no_end_tag_is_all_reasoning(http: httpx.AsyncClient, reply: Reply
     assert message == {"role": "assistant", "content": None, "reasoning": "cut off"}
 
 
-async def test_include_reasoning_false_hides_it_and_constrains_from_the_start(
+async def test_include_reasoning_false_hides_the_thinking(
+    http: httpx.AsyncClient, reply: Reply
+) -> None:
+    reply.text = "<think>secret</think>The answer."
+    body = {"messages": USER, "include_reasoning": False}
+    message = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "The answer."}
+    chunks = await _sse(http, {**body, "stream": True})
+    assert _join(chunks, "reasoning") == "" and _join(chunks, "content") == "The answer."
+    assert "secret" not in json.dumps(chunks)
+
+
+async def test_include_reasoning_false_constrains_from_the_start(
     http: httpx.AsyncClient, reply: Reply, fake_engine: Any
 ) -> None:
-    reply.text = "<think>secret</think>yes"
+    """The grammar holds from the first token (vLLM's reasoning_ended=True), so the
+    whole output is the answer (the scripted engine writes what the grammar allows)."""
+    reply.text = "yes"
     body = {
         "messages": USER,
         "include_reasoning": False,
@@ -140,6 +154,29 @@ async def test_include_reasoning_false_hides_it_and_constrains_from_the_start(
     # With the thinking shown, the engine decides from the prompt's tags (vLLM: None).
     await http.post("/v1/chat/completions", json={**body, "include_reasoning": True})
     assert fake_engine.added[-1].sampling_params.structured_outputs.reasoning_ended is None
+
+
+async def test_the_prompts_last_tag_decides_where_the_split_starts(
+    llm: AsyncLLM, reply: Reply
+) -> None:
+    """A prompt that closed the thinking: all answer; one that opened it: thinking first,
+    even for the generic parser (as the engine's grammar gate reads the same prompt)."""
+    closed = [*USER, {"role": "assistant", "content": "<think>Easy.</think>"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    reply.text = "Yes."
+    async with _http(llm, "deepseek_r1") as http:
+        body = {"messages": closed, **cont}
+        resp = (await http.post("/v1/chat/completions", json=body)).json()
+        assert resp["choices"][0]["message"] == {"role": "assistant", "content": "Yes."}
+        chunks = await _sse(http, {**body, "stream": True})
+        assert _join(chunks, "content") == "Yes." and _join(chunks, "reasoning") == ""
+    opened = [*USER, {"role": "assistant", "content": "<think>"}]
+    reply.text = "hmm</think>Yes."
+    async with _http(llm, "think") as http:
+        body = {"messages": opened, **cont}
+        resp = (await http.post("/v1/chat/completions", json=body)).json()
+        message = resp["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("hmm", "Yes.")
 
 
 async def test_tool_calls_are_read_from_the_answer_only(

@@ -1,4 +1,4 @@
-"""`--reasoning-parser` and `paged run-batch` on the command line: checked before any model loads."""
+"""`--reasoning-parser` and `paged run-batch` flags: checked before any model loads."""
 
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from paged.server.async_llm import AsyncLLM
-from paged.server.batch import openai_endpoints, run_batch_lines
+from paged.server.batch.endpoints import openai_endpoints
 from paged.server.batch.files import BatchOutput, check_batch_files, read_batch_input
+from paged.server.batch.runner import run_batch_lines
 from paged.server.openai.serving import OpenAIServing
 
 

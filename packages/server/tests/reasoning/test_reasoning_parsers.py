@@ -94,6 +94,29 @@ def test_qwen3_enable_thinking_false_is_all_answer() -> None:
     assert thinking_enabled(_parser("deepseek_r1").spec, {"enable_thinking": False})
 
 
+@pytest.mark.parametrize(
+    ("name", "open_", "text", "expected"),
+    [
+        # The prompt opened the thinking: even the generic parser starts in it.
+        ("think", True, "hmm</think>Yes", ("hmm", "Yes")),
+        ("deepseek_r1", True, "hmm</think>Yes", ("hmm", "Yes")),
+        # The prompt closed it (or the grammar starts at once): all answer.
+        ("deepseek_r1", False, "yes", (None, "yes")),
+        ("qwen3", False, "<think>x</think>y", (None, "<think>x</think>y")),
+        ("think", False, "<think>x</think>y", (None, "<think>x</think>y")),
+    ],
+)
+def test_the_prompt_decides_where_the_output_starts(
+    name: str, open_: bool, text: str, expected: tuple[str | None, ...]
+) -> None:
+    parser = _parser(name)
+    assert parser.extract(text, open_=open_) == expected
+    stream = parser.stream(open_=open_)
+    parts = [stream.feed(ch) for ch in text] + [stream.feed("", final=True)]
+    joined = ("".join(p.reasoning for p in parts), "".join(p.content for p in parts))
+    assert (joined[0] or None, joined[1] or None) == expected
+
+
 def test_unknown_parser_names_the_flag() -> None:
     with pytest.raises(ValueError, match=r"--reasoning-parser.*'nope'.*deepseek_r1, qwen3, think"):
         check_reasoning_parser("nope")

@@ -214,7 +214,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='vLLM\'s structured-output options: "backend" "auto"/"guidance" (llguidance), '
         '"disable_any_whitespace", "disable_additional_properties", "reasoning_parser", '
-        '"enable_in_reasoning" (the grammar constrains the thinking too); paged only: "compile_timeout_s" (default 10; a slower grammar is a 400), '
+        '"enable_in_reasoning" (the grammar constrains the thinking too); '
+        'paged only: "compile_timeout_s" (default 10; a slower grammar is a 400), '
         '"cache_size" (compiled grammars kept, default 256), "max_json_whitespace" '
         "(JSON whitespace between tokens: one line break then at most N spaces/tabs; "
         "default 8; null: unbounded, as vLLM)",

@@ -6,16 +6,6 @@ runner.py     run the lines concurrently, write the outputs in input order
 files.py      the input and output files: local paths or http(s) URLs
 engine.py     the engine and OpenAIServing behind it (the flags of `paged serve`)
 command.py    the CLI subcommand
+
+Nothing is re-exported here: the CLI imports command.py, which must stay light.
 """
-
-from paged.server.batch.endpoints import BatchEndpoint, openai_endpoints
-from paged.server.batch.protocol import BatchRequestOutput, BatchResponseData
-from paged.server.batch.runner import run_batch_lines
-
-__all__ = [
-    "BatchEndpoint",
-    "BatchRequestOutput",
-    "BatchResponseData",
-    "openai_endpoints",
-    "run_batch_lines",
-]

@@ -55,7 +55,12 @@ from paged.server.openai.protocol import (
 from paged.server.openai.sampling import chat_sampling_params, completion_sampling_params
 from paged.server.openai.tools import ResolvedToolConfig
 from paged.server.outputs import CompletionOutput, RequestOutput
-from paged.server.reasoning import ReasoningParser, ReasoningStream, thinking_enabled
+from paged.server.reasoning import (
+    ReasoningEndDetector,
+    ReasoningParser,
+    ReasoningStream,
+    thinking_enabled,
+)
 from paged.server.tokenizer import TokenizerLike
 from paged.server.tool_parsers import ToolStreamer
 from paged.server.utils import merge_async_iterators
@@ -149,6 +154,10 @@ class OpenAIServing:
         self.model_name = model_name
         self.tool_config = tool_config or ResolvedToolConfig()
         self.reasoning = reasoning
+        # Reads the prompt's tags, so the split starts where the engine's grammar does.
+        self._reasoning_end = (
+            ReasoningEndDetector(reasoning.spec, llm.tokenizer) if reasoning is not None else None
+        )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -367,16 +376,17 @@ class OpenAIServing:
         top_k = req.top_logprobs or 0
         if req.stream:
             (stream,) = await peek_streams([stream], "messages")
-            return self._chat_stream(req, base_id, stream, echo, top_k, tool_req, thinking)
+            return self._chat_stream(req, base_id, stream, echo, top_k, tool_req, thinking, params)
         totals = _Totals()
         choices: list[ChatCompletionResponseChoice] = []
         async for out in stream:
             check_failed(out, "messages")
             totals.add(0, out)
+            open_ = self._prompt_open(params, out.prompt_token_ids)
             for c in out.outputs:
                 reasoning, answer = None, c.text
                 if self.reasoning is not None:
-                    reasoning, content = self.reasoning.extract(c.text, thinking)
+                    reasoning, content = self.reasoning.extract(c.text, thinking, open_)
                     answer = content or ""
                 message = ChatMessage(role="assistant", content=echo + answer)
                 if self.reasoning is not None and not echo and not answer:
@@ -418,6 +428,7 @@ class OpenAIServing:
         top_k: int,
         tool_req: tools.ToolRequest | None = None,
         thinking: bool = True,
+        params: SamplingParams | None = None,
     ) -> AsyncIterator[str]:
         totals = _Totals()
         streamers: dict[int, ToolStreamer] = {}
@@ -435,8 +446,11 @@ class OpenAIServing:
                     check_failed(out, "messages")
                 for c in out.outputs:
                     if self.reasoning is not None:
-                        split = splits.get(c.index) or self.reasoning.stream(thinking)
-                        splits[c.index] = split
+                        split = splits.get(c.index)
+                        if split is None:
+                            open_ = self._prompt_open(params, out.prompt_token_ids)
+                            split = self.reasoning.stream(thinking, open_)
+                            splits[c.index] = split
                         chunk, c = self._reasoning_chunk(req, base_id, c, split, top_k)
                         if chunk is not None:
                             chunk.usage = _running_usage(req, totals)
@@ -482,6 +496,21 @@ class OpenAIServing:
         if self.reasoning is None:
             return False
         return thinking_enabled(self.reasoning.spec, req.chat_template_kwargs)
+
+    def _prompt_open(
+        self, params: SamplingParams | None, prompt_token_ids: list[int]
+    ) -> bool | None:
+        """Whether the output starts inside the thinking, as the engine's gate decides:
+        False when the grammar was told to start at once or the prompt's last tag closed
+        the thinking, True when it opened it, None (the parser's own start) with no tag.
+        vLLM's parse_delta checks the prompt the same way (abstract_parser.py:869-882)."""
+        so = params.structured_outputs if params is not None else None
+        if so is not None and so.reasoning_ended:
+            return False
+        if self._reasoning_end is None:
+            return None
+        tag = self._reasoning_end.prompt_tag(prompt_token_ids)
+        return None if tag is None else not tag
 
     def _gate_structured_output(
         self, req: ChatCompletionRequest, params: SamplingParams, thinking: bool

@@ -50,27 +50,29 @@ class ReasoningEndDetector:
         """True when the tags are dedicated tokens (vLLM's only mode)."""
         return self.start_id is not None and self.end_id is not None
 
-    def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
-        """Whether generation starts in the answer, from the prompt's last tag.
-
-        As vLLM's `is_reasoning_end` (basic_parsers.py:71-80): the last start
-        tag means thinking, the last end tag means answer. With no tag, a
-        parser that starts in reasoning (deepseek_r1, qwen3) is thinking and
-        the generic one is in the answer.
-        """
+    def prompt_tag(self, prompt_token_ids: Sequence[int]) -> bool | None:
+        """What the prompt's last tag says: True the thinking ended, False it is open,
+        None the prompt has no tag (as vLLM's `is_reasoning_end`, basic_parsers.py:71-80,
+        which scans the prompt back to the last start or end token)."""
         if self.by_token_id:
             for token in reversed(prompt_token_ids):
                 if token == self.start_id:
                     return False
                 if token == self.end_id:
                     return True
-        else:
-            tail = list(prompt_token_ids[-_PROMPT_TAIL_TOKENS:])
-            text = self._tokenizer.decode(tail, skip_special_tokens=False)
-            start, end = text.rfind(self.spec.start_tag), text.rfind(self.spec.end_tag)
-            if start >= 0 or end >= 0:
-                return end > start
-        return not self.spec.starts_in_reasoning
+            return None
+        tail = list(prompt_token_ids[-_PROMPT_TAIL_TOKENS:])
+        text = self._tokenizer.decode(tail, skip_special_tokens=False)
+        start, end = text.rfind(self.spec.start_tag), text.rfind(self.spec.end_tag)
+        if start < 0 and end < 0:
+            return None
+        return end > start
+
+    def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether generation starts in the answer: the prompt's last tag decides; with
+        no tag, deepseek_r1 and qwen3 start thinking, the generic parser in the answer."""
+        tag = self.prompt_tag(prompt_token_ids)
+        return tag if tag is not None else not self.spec.starts_in_reasoning
 
     def gate(self, prompt_token_ids: Sequence[int], reasoning_ended: bool | None) -> ReasoningGate:
         """A request's gate; `reasoning_ended` from the frontend wins over the prompt check."""

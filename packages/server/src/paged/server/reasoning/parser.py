@@ -70,12 +70,22 @@ def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
 class ReasoningStream:
     """The split of one choice's output, fed delta by delta (not thread-safe)."""
 
-    def __init__(self, spec: ReasoningSpec, thinking: bool = True) -> None:
-        """`thinking=False` (chat_template_kwargs enable_thinking false): all answer."""
+    def __init__(
+        self, spec: ReasoningSpec, thinking: bool = True, open_: bool | None = None
+    ) -> None:
+        """`thinking=False` (chat_template_kwargs enable_thinking false): all answer.
+
+        `open_`: what the prompt says (its last tag): True the thinking is open (the
+        output starts in it, whatever the spec), False it was closed (all answer),
+        None the spec's own start.
+        """
         self.spec = spec
-        self._state = _State.OPENING if thinking and spec.starts_in_reasoning else _State.CONTENT
+        if open_ is False:
+            thinking = False
+        starts_thinking = spec.starts_in_reasoning or open_ is True
+        self._state = _State.OPENING if thinking and starts_thinking else _State.CONTENT
         # True: no start tag is looked for in the answer (only the generic parser does).
-        self._opened = not (thinking and spec.open_in_content)
+        self._opened = not (thinking and spec.open_in_content) or open_ is True
         self._held = ""  # text that may be the start of a tag
         self._ws = ""  # the thinking's trailing whitespace (strip_reasoning_trailing_ws)
         self.reasoning_ended = self._state is _State.CONTENT
@@ -162,10 +172,12 @@ class ReasoningParser:
     def name(self) -> str:
         return self.spec.name
 
-    def stream(self, thinking: bool = True) -> ReasoningStream:
-        return ReasoningStream(self.spec, thinking)
+    def stream(self, thinking: bool = True, open_: bool | None = None) -> ReasoningStream:
+        return ReasoningStream(self.spec, thinking, open_)
 
-    def extract(self, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
+    def extract(
+        self, text: str, thinking: bool = True, open_: bool | None = None
+    ) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output, as vLLM: an empty part is None."""
-        part = self.stream(thinking).feed(text, final=True)
+        part = self.stream(thinking, open_).feed(text, final=True)
         return part.reasoning or None, part.content or None
