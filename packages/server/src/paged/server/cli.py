@@ -94,8 +94,8 @@ def _reasoning_parser(text: str) -> str | None:
 
     try:
         return check_reasoning_parser(text)  # checked here: a bad name exits 2 at once
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError as e:  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--reasoning-parser: ")) from None
 
 
 def _kv_events_config(text: str) -> Any:
