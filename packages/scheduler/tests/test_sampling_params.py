@@ -75,3 +75,17 @@ def test_structured_outputs_cross_the_msgpack_boundary() -> None:
     params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
     assert decoded == params
+
+
+def test_reasoning_ended_crosses_and_older_senders_still_decode() -> None:
+    """vLLM's per-request `reasoning_ended` rides on the constraint; it is trailing and
+    optional, so a message from a sender without it decodes as None (engine decides)."""
+    import msgspec
+
+    from paged.scheduler import StructuredOutputsParams
+
+    so = StructuredOutputsParams(regex="[a-z]+", reasoning_ended=True)
+    wire = msgspec.msgpack.encode(so)
+    assert msgspec.msgpack.decode(wire, type=StructuredOutputsParams) == so
+    old = msgspec.msgpack.encode(StructuredOutputsParams(regex="[a-z]+"))
+    assert msgspec.msgpack.decode(old, type=StructuredOutputsParams).reasoning_ended is None

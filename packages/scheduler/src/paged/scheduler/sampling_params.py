@@ -45,6 +45,9 @@ class StructuredOutputsParams(
     structural_tag: str | None = None
     # Do not allow whitespace-only freedom beyond what the schema needs (vLLM's flag).
     disable_any_whitespace: bool = False
+    # vLLM's per-request `reasoning_ended` (EngineCoreRequest): with a reasoning parser,
+    # True constrains from the first token; None lets the engine read the prompt's tags.
+    reasoning_ended: bool | None = None
 
     def kinds(self) -> list[str]:
         """The names of the constraint fields that are set."""

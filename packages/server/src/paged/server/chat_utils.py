@@ -165,6 +165,17 @@ def _template_message(
             out[key] = message[key]
     if message.get("tool_calls"):
         out["tool_calls"] = _template_tool_calls(message["tool_calls"], where)
+    if out["role"] == "assistant":
+        # A previous turn's thinking, under both names as vLLM 0.33 gives it to the
+        # template (renderers/chat_utils/chat_message.py:655-659); `reasoning_content`
+        # is the deprecated request name of `reasoning` (chat_completion/protocol.py:598).
+        reasoning = message.get("reasoning")
+        if reasoning is None:
+            reasoning = message.get("reasoning_content")
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise InvalidRequestError(f"{where}.reasoning", "reasoning must be a string")
+            out["reasoning"] = out["reasoning_content"] = reasoning
     return out
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from paged.kvcache import HASH_ALGOS
+from paged.server.batch.command import add_run_batch_parser, run_batch_command
 from paged.server.compat_cli import (
     add_frontend_compat_args,
     add_model_compat_args,
@@ -87,6 +88,15 @@ def _structured_outputs_config(text: str) -> str:
     except ValueError as e:  # JSONDecodeError included
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def _reasoning_parser(text: str) -> str | None:
+    from paged.server.reasoning import check_reasoning_parser
+
+    try:
+        return check_reasoning_parser(text)  # checked here: a bad name exits 2 at once
+    except ValueError as e:  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--reasoning-parser: ")) from None
 
 
 def _kv_events_config(text: str) -> Any:
@@ -199,12 +209,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "encoding, not vLLM's bytes",
     )
     c.add_argument(
+        "--reasoning-parser",
+        type=_reasoning_parser,
+        default=None,
+        metavar="NAME",
+        help="split a reasoning model's thinking into the message's `reasoning` field: "
+        "deepseek_r1, qwen3 or think (generic <think>...</think>); none: off. Structured "
+        "output and tool calls then apply to the answer only",
+    )
+    c.add_argument(
         "--structured-outputs-config",
         type=_structured_outputs_config,
         default=None,
         metavar="JSON",
         help='vLLM\'s structured-output options: "backend" "auto"/"guidance" (llguidance), '
-        '"disable_any_whitespace", "disable_additional_properties"; '
+        '"disable_any_whitespace", "disable_additional_properties", "reasoning_parser", '
+        '"enable_in_reasoning" (the grammar constrains the thinking too); '
         'paged only: "compile_timeout_s" (default 10; a slower grammar is a 400), '
         '"cache_size" (compiled grammars kept, default 256), "max_json_whitespace" '
         "(JSON whitespace between tokens: one line break then at most N spaces/tabs; "
@@ -458,6 +478,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         quantization=ns.quantization,
         kv_events_config=ns.kv_events_config,
         structured_outputs_config=ns.structured_outputs_config,
+        reasoning_parser=ns.reasoning_parser,
         async_scheduling=ns.async_scheduling,
         kv_cache_metrics=ns.kv_cache_metrics,
         kv_cache_metrics_sample=ns.kv_cache_metrics_sample,
@@ -566,6 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system message to start the conversation")
     _add_sampling_args(chat, max_tokens=256)
     _add_proxy_parser(sub)
+    add_run_batch_parser(sub, add_engine_args, _int_at_least(1))
     return parser
 
 
@@ -665,6 +687,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 frontend=frontend_options_from(ns),
             )
             return 0
+        if ns.command == "run-batch":
+            return run_batch_command(args, ns)
         if ns.command == "generate":
             return _generate(args, ns)
         return _chat(args, ns)

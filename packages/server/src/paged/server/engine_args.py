@@ -91,6 +91,17 @@ class EngineArgs:
     # vLLM's --structured-outputs-config (JSON text or a dict); None: the defaults.
     structured_outputs_config: str | dict[str, Any] | None = None
 
+    # vLLM's --reasoning-parser (deepseek_r1, qwen3, think; None/"none": off).
+    reasoning_parser: str | None = None
+
+    def reasoning_parser_name(self) -> str | None:
+        """The reasoning parser in use: the flag, else the structured-outputs key (ValueError)."""
+        from paged.server.reasoning import check_reasoning_parser
+
+        return check_reasoning_parser(self.reasoning_parser) or (
+            self.structured_output_options().reasoning_parser
+        )
+
     def structured_output_options(self) -> StructuredOutputOptions:
         """Parsed `structured_outputs_config` (ValueError naming a bad key)."""
         from paged.server.structured_output.options import (

@@ -50,9 +50,11 @@ class LLM:
         args = EngineArgs(model=model, **engine_options)
         core_options = args.engine_core_options()  # bad options fail before the model loads
         so_options = args.structured_output_options()
+        reasoning_parser = args.reasoning_parser_name()  # an unknown parser fails here too
         # --generation-config (vLLM's LLM: the defaults when no sampling_params are given).
         generation_defaults = args.generation_defaults()
         config = args.create_engine_config()
+        from paged.server.reasoning import REASONING_SPECS, ReasoningEndDetector
         from paged.server.structured_output import (
             GrammarCompiler,
             StructuredOutputBackend,
@@ -74,7 +76,12 @@ class LLM:
                     cache_size=so_options.cache_size,
                     compile_timeout_s=so_options.compile_timeout_s,
                     json_options=so_options.json_options,
-                )
+                ),
+                reasoning=(
+                    ReasoningEndDetector(REASONING_SPECS[reasoning_parser], tokenizer)
+                    if reasoning_parser is not None and not so_options.enable_in_reasoning
+                    else None
+                ),
             )
         mm_frontend = build_frontend_for(args, config)
         client = InprocClient.from_factory(

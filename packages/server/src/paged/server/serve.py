@@ -62,6 +62,7 @@ def run_server(
     core_options = args.engine_core_options()  # bad options fail before the model loads
     args.media_url_policy(host)  # bad --allowed-media-domains fail before the model loads
     args.structured_output_options()  # a bad config fails before the model loads
+    reasoning_parser = args.reasoning_parser_name()  # so does an unknown parser
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -83,7 +84,7 @@ def run_server(
     (tool_config or ToolCallingConfig()).resolve(getattr(tokenizer, "chat_template", None))
     # Images: a vision model's processor, loaded before the engine starts (fails fast).
     mm_frontend = build_frontend_for(args, config, bind_host=host)
-    so_config, compiler = _structured_outputs(args, config, tokenizer)
+    so_config, compiler = structured_outputs_for(args, config, tokenizer)
     dp = data_parallel if data_parallel is not None else DataParallelOptions()
     client = build_engine_client(
         make_engine_core_factory(config, structured_output=so_config, **core_options),
@@ -135,6 +136,7 @@ def run_server(
             cors=cors,
             max_request_body_bytes=max_request_body_bytes,
             tool_config=tool_config,
+            reasoning_parser=reasoning_parser,
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",
@@ -169,7 +171,7 @@ def check_listen_address(host: str, port: int) -> None:
             raise ValueError(f"--host/--port: cannot listen on {host}:{port}: {e}") from None
 
 
-def _structured_outputs(
+def structured_outputs_for(
     args: EngineArgs, config: EngineConfig, tokenizer: TokenizerLike
 ) -> tuple[StructuredOutputConfig | None, GrammarCompiler | None]:
     """The engine's grammar-backend recipe and the API's compiler (None, None: off).
@@ -196,6 +198,8 @@ def _structured_outputs(
         cache_size=so_options.cache_size,
         compile_timeout_s=so_options.compile_timeout_s,
         json_options=so_options.json_options,
+        reasoning_parser=args.reasoning_parser_name(),
+        enable_in_reasoning=so_options.enable_in_reasoning,
     )
     compiler = GrammarCompiler(
         ll_tokenizer,
@@ -215,7 +219,7 @@ def run_headless(args: EngineArgs, data_parallel: DataParallelOptions) -> int:
     core_options = args.engine_core_options()
     config = args.create_engine_config()
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
-    so_config, _ = _structured_outputs(args, config, tokenizer)
+    so_config, _ = structured_outputs_for(args, config, tokenizer)
     factory = make_engine_core_factory(config, structured_output=so_config, **core_options)
     return run_headless_node(
         factory,

@@ -34,6 +34,10 @@ def test_vllm_json_keys_and_the_whitespace_bound() -> None:
     off = '{"reasoning_parser": "", "reasoning_parser_plugin": "", "enable_in_reasoning": false}'
     assert parse_structured_outputs_config(off) == StructuredOutputOptions()
     assert StructuredOutputOptions().json_options.max_json_whitespace == 8
+    reasoning = parse_structured_outputs_config(
+        '{"reasoning_parser": "qwen3", "enable_in_reasoning": true}'
+    )
+    assert (reasoning.reasoning_parser, reasoning.enable_in_reasoning) == ("qwen3", True)
     unbounded = parse_structured_outputs_config('{"max_json_whitespace": null}')
     assert unbounded.json_options.max_json_whitespace is None
 
@@ -42,8 +46,9 @@ def test_vllm_json_keys_and_the_whitespace_bound() -> None:
     ("text", "fragment"),
     [
         ('{"backend": "xgrammar"}', "'xgrammar' is not available"),
-        ('{"reasoning_parser": "deepseek_r1"}', "not supported by paged"),
-        ('{"enable_in_reasoning": true}', "not supported by paged"),
+        ('{"reasoning_parser_plugin": "x.py"}', "not supported by paged"),
+        ('{"reasoning_parser": "r2"}', "unknown reasoning parser 'r2'"),
+        ('{"enable_in_reasoning": 1}', "enable_in_reasoning must be true or false"),
         ('{"disable_any_whitespace": 1}', "disable_any_whitespace must be true or false"),
         ('{"max_json_whitespace": -1}', "max_json_whitespace must be >= 0"),
         ('{"max_json_whitespace": "4"}', "max_json_whitespace must be an integer"),
@@ -107,3 +112,17 @@ def test_engine_process_recipe_carries_the_json_options(
     copy = pickle.loads(pickle.dumps(config))
     assert copy == config
     assert copy.build_compiler().json_options == options
+    # --reasoning-parser crosses too: the engine's backend then gates its grammars.
+    gated = StructuredOutputConfig(
+        str(tiny_model_dir), len(tokenizer), (tokenizer.eos_token_id,), reasoning_parser="qwen3"
+    )
+    backend = pickle.loads(pickle.dumps(gated)).build()
+    assert backend.reasoning is not None and backend.reasoning.spec.name == "qwen3"
+    inside = StructuredOutputConfig(
+        str(tiny_model_dir),
+        len(tokenizer),
+        (tokenizer.eos_token_id,),
+        reasoning_parser="qwen3",
+        enable_in_reasoning=True,
+    )
+    assert inside.build().reasoning is None

@@ -49,6 +49,7 @@ from paged.server.openai.protocol import (
 )
 from paged.server.openai.serving import EngineRequestError, ModelNotFoundError, OpenAIServing
 from paged.server.openai.tools import ToolCallingConfig
+from paged.server.reasoning import make_reasoning_parser
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -174,6 +175,7 @@ def build_app(
     cors: CorsConfig | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_config: ToolCallingConfig | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `llm` under the name `model_name`.
 
@@ -181,6 +183,7 @@ def build_app(
     Bodies over `max_request_body_bytes` are refused with a 413.
     `tool_config`: vLLM's tool-calling flags; ValueError when they do not fit together
     (or `--tool-call-parser auto` finds no format in the chat template).
+    `reasoning_parser`: vLLM's --reasoning-parser name (ValueError if unknown).
     """
     tool_flags = (tool_config or ToolCallingConfig()).resolve(
         getattr(llm.tokenizer, "chat_template", None)
@@ -191,7 +194,7 @@ def build_app(
         description="OpenAI-compatible API of the paged inference engine",
         lifespan=engine_lifespan(llm),
     )
-    serving = OpenAIServing(llm, model_name, tool_flags)
+    serving = OpenAIServing(llm, model_name, tool_flags, make_reasoning_parser(reasoning_parser))
     # Added first, so it runs inside the key check and the response counter.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)

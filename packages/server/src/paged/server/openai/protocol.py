@@ -250,6 +250,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: with --reasoning-parser, false drops the thinking from the answer (and
+    # structured output then constrains from the first token).
+    include_reasoning: bool = True
 
 
 class CompletionRequest(SamplingFields):
@@ -396,13 +399,18 @@ class ChatMessage(BaseModel):
     )
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # vLLM 0.33's field (it no longer sends `reasoning_content`): the thinking, with
+    # --reasoning-parser.
+    reasoning: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_absent_tool_calls(self, handler: Any) -> dict[str, Any]:
-        # OpenAI sends `tool_calls` only when the model called tools.
+        # OpenAI sends `tool_calls` only when the model called tools; `reasoning`
+        # only when there is some.
         data: dict[str, Any] = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -430,6 +438,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # a piece of the thinking (--reasoning-parser)
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

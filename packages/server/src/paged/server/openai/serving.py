@@ -10,11 +10,14 @@ their requests in the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from paged.scheduler import SamplingParams
 from paged.scheduler.boundary import KVTransferParams
@@ -52,6 +55,12 @@ from paged.server.openai.protocol import (
 from paged.server.openai.sampling import chat_sampling_params, completion_sampling_params
 from paged.server.openai.tools import ResolvedToolConfig
 from paged.server.outputs import CompletionOutput, RequestOutput
+from paged.server.reasoning import (
+    ReasoningEndDetector,
+    ReasoningParser,
+    ReasoningStream,
+    thinking_enabled,
+)
 from paged.server.tokenizer import TokenizerLike
 from paged.server.tool_parsers import ToolStreamer
 from paged.server.utils import merge_async_iterators
@@ -134,11 +143,21 @@ class _Totals:
 
 class OpenAIServing:
     def __init__(
-        self, llm: AsyncLLM, model_name: str, tool_config: ResolvedToolConfig | None = None
+        self,
+        llm: AsyncLLM,
+        model_name: str,
+        tool_config: ResolvedToolConfig | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
+        """`reasoning`: the --reasoning-parser; chat answers then carry `reasoning`."""
         self.llm = llm
         self.model_name = model_name
         self.tool_config = tool_config or ResolvedToolConfig()
+        self.reasoning = reasoning
+        # Reads the prompt's tags, so the split starts where the engine's grammar does.
+        self._reasoning_end = (
+            ReasoningEndDetector(reasoning.spec, llm.tokenizer) if reasoning is not None else None
+        )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -316,6 +335,8 @@ class OpenAIServing:
         params = chat_sampling_params(
             req, tools.structured_json(tool_req), self.llm.generation_defaults.sampling
         )
+        thinking = self._thinking(req)
+        params = self._gate_structured_output(req, params, thinking)
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         ec_params = parse_request_ec_transfer_params(req.ec_transfer_params)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -355,21 +376,30 @@ class OpenAIServing:
         top_k = req.top_logprobs or 0
         if req.stream:
             (stream,) = await peek_streams([stream], "messages")
-            return self._chat_stream(req, base_id, stream, echo, top_k, tool_req)
+            return self._chat_stream(req, base_id, stream, echo, top_k, tool_req, thinking, params)
         totals = _Totals()
         choices: list[ChatCompletionResponseChoice] = []
         async for out in stream:
             check_failed(out, "messages")
             totals.add(0, out)
+            open_ = self._prompt_open(params, out.prompt_token_ids)
             for c in out.outputs:
-                message = ChatMessage(role="assistant", content=echo + c.text)
+                reasoning, answer = None, c.text
+                if self.reasoning is not None:
+                    reasoning, content = self.reasoning.extract(c.text, thinking, open_)
+                    answer = content or ""
+                message = ChatMessage(role="assistant", content=echo + answer)
+                if self.reasoning is not None and not echo and not answer:
+                    message.content = None  # vLLM: null content after the thinking
                 finish = c.finish_reason
                 if tool_req is not None and tool_req.mode != "none":
+                    # Tool calls are read from the answer only.
                     message, finish = tools.chat_message(
-                        tool_req, self.tool_config, c.text, c.finish_reason
+                        tool_req, self.tool_config, answer, c.finish_reason
                     )
                     if echo:
                         message.content = echo + (message.content or "")
+                message.reasoning = reasoning if req.include_reasoning else None
                 choices.append(
                     ChatCompletionResponseChoice(
                         index=c.index,
@@ -397,9 +427,12 @@ class OpenAIServing:
         echo: str,
         top_k: int,
         tool_req: tools.ToolRequest | None = None,
+        thinking: bool = True,
+        params: SamplingParams | None = None,
     ) -> AsyncIterator[str]:
         totals = _Totals()
         streamers: dict[int, ToolStreamer] = {}
+        splits: dict[int, ReasoningStream] = {}
         try:
             for j in range(req.n):
                 yield fmt.sse(
@@ -412,6 +445,18 @@ class OpenAIServing:
                 if any(c.finish_reason == "error" for c in out.outputs):
                     check_failed(out, "messages")
                 for c in out.outputs:
+                    if self.reasoning is not None:
+                        split = splits.get(c.index)
+                        if split is None:
+                            open_ = self._prompt_open(params, out.prompt_token_ids)
+                            split = self.reasoning.stream(thinking, open_)
+                            splits[c.index] = split
+                        chunk, c = self._reasoning_chunk(req, base_id, c, split, top_k)
+                        if chunk is not None:
+                            chunk.usage = _running_usage(req, totals)
+                            yield fmt.sse(chunk)
+                        if not c.text and not c.finished():
+                            continue  # all of this delta was thinking (or a held tag)
                     st = streamers.get(c.index) or tools.streamer(tool_req, self.tool_config)
                     if st is not None:
                         streamers[c.index] = st
@@ -445,6 +490,65 @@ class OpenAIServing:
         finally:
             await stream.aclose()
         yield fmt.SSE_DONE
+
+    def _thinking(self, req: ChatCompletionRequest) -> bool:
+        """Whether the model thinks in this request (qwen3 reads `enable_thinking`)."""
+        if self.reasoning is None:
+            return False
+        return thinking_enabled(self.reasoning.spec, req.chat_template_kwargs)
+
+    def _prompt_open(
+        self, params: SamplingParams | None, prompt_token_ids: list[int]
+    ) -> bool | None:
+        """Whether the output starts inside the thinking, as the engine's gate decides:
+        False when the grammar was told to start at once or the prompt's last tag closed
+        the thinking, True when it opened it, None (the parser's own start) with no tag.
+        vLLM's parse_delta checks the prompt the same way (abstract_parser.py:869-882)."""
+        so = params.structured_outputs if params is not None else None
+        if so is not None and so.reasoning_ended:
+            return False
+        if self._reasoning_end is None:
+            return None
+        tag = self._reasoning_end.prompt_tag(prompt_token_ids)
+        return None if tag is None else not tag
+
+    def _gate_structured_output(
+        self, req: ChatCompletionRequest, params: SamplingParams, thinking: bool
+    ) -> SamplingParams:
+        """vLLM's `resolve_reasoning_ended` (chat_completion/protocol.py:626-641): without
+        the thinking in the answer (`include_reasoning` false, or thinking off) the grammar
+        constrains from the first token; otherwise the engine reads the prompt's tags."""
+        so = params.structured_outputs
+        if self.reasoning is None or so is None:
+            return params
+        if req.include_reasoning and thinking:
+            return params
+        return msgspec.structs.replace(
+            params, structured_outputs=msgspec.structs.replace(so, reasoning_ended=True)
+        )
+
+    def _reasoning_chunk(
+        self,
+        req: ChatCompletionRequest,
+        base_id: str,
+        c: CompletionOutput,
+        split: ReasoningStream,
+        top_k: int,
+    ) -> tuple[ChatCompletionStreamResponse | None, CompletionOutput]:
+        """Split one output delta: a `delta.reasoning` chunk (or None) and the answer's delta.
+
+        The tokens' logprobs go with the reasoning chunk when there is one, so they
+        are sent once; a delta that is all held-back tag text sends none.
+        """
+        part = split.feed(c.text, c.finished())
+        answer = dataclasses.replace(c, text=part.content)
+        if not part.reasoning or not req.include_reasoning:
+            return None, answer
+        chunk = self._chat_chunk(base_id, c.index, DeltaMessage(reasoning=part.reasoning))
+        if req.logprobs:
+            chunk.choices[0].logprobs = fmt.chat_logprobs(c.logprobs, top_k)
+            answer.logprobs = None
+        return chunk, answer
 
     def _tool_chunks(
         self,

@@ -23,6 +23,11 @@ while it compiles). A finished grammar allows only the EOS tokens, so the model 
 with finish_reason "stop" as soon as the output is complete. Masks are
 computed in parallel over the batch by llguidance's thread pool (it drops
 the GIL), into one int32 array.
+
+With a reasoning parser (`reasoning`, a `ReasoningEndDetector`), each request
+has a `ReasoningGate`: while it thinks it gets no mask row and its tokens
+bypass the grammar, which starts after the end-of-think tag (vLLM 0.33's
+`should_advance`/`reasoning_ended`); drafts are not checked while it thinks.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import llguidance.numpy as llnp
 
 from paged.scheduler.boundary import GrammarOutput, SchedulerOutput
 from paged.scheduler.request import Request
+from paged.server.reasoning.gate import ReasoningEndDetector, ReasoningGate
 from paged.server.structured_output.compiler import GrammarCompiler
 from paged.server.structured_output.grammar import GrammarError, grammar_key
 from paged.server.structured_output.request_grammar import RequestGrammar
@@ -48,8 +54,16 @@ class StructuredOutputBackend:
     compilation runs on the backend's own worker thread).
     """
 
-    def __init__(self, compiler: GrammarCompiler, *, num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        compiler: GrammarCompiler,
+        *,
+        num_threads: int | None = None,
+        reasoning: ReasoningEndDetector | None = None,
+    ) -> None:
         self.compiler = compiler
+        self.reasoning = reasoning
+        self._gates: dict[str, ReasoningGate] = {}
         self._grammars: dict[str, RequestGrammar] = {}
         # Requests whose grammar failed to compile: they sample unmasked and
         # are failed on their first token (accept_tokens returns False).
@@ -80,6 +94,8 @@ class StructuredOutputBackend:
             # already advanced past this step's tokens when masks are asked for).
             if grammar is None or request.num_computed_tokens < request.num_tokens:
                 continue
+            if self._thinking(request):
+                continue  # free sampling until the end-of-think tag
             drafts = list(spec.get(request.request_id, ())) if spec else []
             rows.append((grammar.matcher, len(ids), drafts))
             ids.extend([request.request_id] * (len(drafts) + 1))
@@ -104,7 +120,8 @@ class StructuredOutputBackend:
         if request_id in self._broken:
             return 0
         grammar = self._grammars.get(request_id)
-        if grammar is None:
+        gate = self._gates.get(request_id)
+        if grammar is None or (gate is not None and not gate.ended):
             return len(draft_token_ids)
         return grammar.validate_tokens(draft_token_ids)
 
@@ -114,6 +131,12 @@ class StructuredOutputBackend:
         grammar = self._grammars.get(request_id)
         if grammar is None:
             return True  # not constrained
+        gate = self._gates.get(request_id)
+        if gate is not None:
+            answer = gate.feed(token_ids)
+            if not answer:  # still thinking, or it just ended with the tag
+                return True
+            token_ids = answer
         return grammar.accept_tokens(token_ids)
 
     def grammar_ready(self, request: Request) -> bool:
@@ -148,6 +171,19 @@ class StructuredOutputBackend:
         self._grammars.pop(request_id, None)
         self._broken.discard(request_id)
         self._compiling.pop(request_id, None)  # a running compile is left to finish
+        self._gates.pop(request_id, None)
+
+    def _thinking(self, request: Request) -> bool:
+        """Whether `request` is still reasoning (its gate made on first sight)."""
+        if self.reasoning is None:
+            return False
+        gate = self._gates.get(request.request_id)
+        if gate is None:
+            params = request.sampling_params.structured_outputs
+            ended = params.reasoning_ended if params is not None else None
+            gate = self.reasoning.gate(request.prompt_token_ids, ended)
+            self._gates[request.request_id] = gate
+        return not gate.ended
 
     def _new_grammar(self, matcher: llguidance.LLMatcher) -> RequestGrammar:
         return RequestGrammar(matcher, self.compiler.eos_token_ids)

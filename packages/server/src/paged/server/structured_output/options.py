@@ -8,9 +8,10 @@ silently ignored):
                                    backend; "auto" therefore means guidance)
     disable_any_whitespace         compact JSON, no whitespace between tokens
     disable_additional_properties  object schemas with `properties` close their key set
-    reasoning_parser, reasoning_parser_plugin, enable_in_reasoning
-                                   refused unless left at vLLM's default ("", "", false):
-                                   paged has no reasoning parsers
+    reasoning_parser               as `--reasoning-parser` (the flag wins when both are set)
+    enable_in_reasoning            the grammar constrains the thinking too (default: it
+                                   starts after the end-of-think tag)
+    reasoning_parser_plugin        refused unless "" (vLLM's default): no parser plugins
     disable_fallback               (older vLLM) accepted; no other backend to fall back to
 
 paged's own: `compile_timeout_s` (wall-clock bound of one grammar compile; past
@@ -30,6 +31,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged.server.reasoning.registry import check_reasoning_parser
 from paged.server.structured_output.defaults import DEFAULT_CACHE_SIZE, DEFAULT_COMPILE_TIMEOUT_S
 from paged.server.structured_output.json_options import (
     DEFAULT_MAX_JSON_WHITESPACE,
@@ -39,9 +41,7 @@ from paged.server.structured_output.json_options import (
 _BACKENDS = ("auto", "guidance")
 # vLLM keys paged cannot honour, with the value that means "off" (accepted as such).
 _UNSUPPORTED_DEFAULTS: dict[str, object] = {
-    "reasoning_parser": "",
     "reasoning_parser_plugin": "",
-    "enable_in_reasoning": False,
 }
 _KNOWN = {
     "backend",
@@ -51,6 +51,8 @@ _KNOWN = {
     "compile_timeout_s",
     "cache_size",
     "max_json_whitespace",
+    "reasoning_parser",
+    "enable_in_reasoning",
     *_UNSUPPORTED_DEFAULTS,
 }
 
@@ -62,6 +64,8 @@ class StructuredOutputOptions:
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
     cache_size: int = DEFAULT_CACHE_SIZE
     json_options: JsonGrammarOptions = field(default_factory=JsonGrammarOptions)
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if not self.compile_timeout_s > 0:
@@ -87,9 +91,10 @@ def parse_structured_outputs_config(text: str | dict[str, Any]) -> StructuredOut
     refused = sorted(k for k, off in _UNSUPPORTED_DEFAULTS.items() if k in raw and raw[k] != off)
     if refused:
         raise ValueError(
-            f"--structured-outputs-config: not supported by paged (no reasoning parsers): {refused}"
+            f"--structured-outputs-config: not supported by paged (no parser plugins): {refused}"
         )
-    for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+    bools = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
+    for name in (*bools, "enable_in_reasoning"):
         if not isinstance(raw.get(name, False), bool):
             raise ValueError(f"--structured-outputs-config: {name} must be true or false")
     timeout = raw.get("compile_timeout_s", DEFAULT_COMPILE_TIMEOUT_S)
@@ -101,7 +106,16 @@ def parse_structured_outputs_config(text: str | dict[str, Any]) -> StructuredOut
         raise ValueError("cache_size must be an integer")
     if whitespace is not None and (not isinstance(whitespace, int) or isinstance(whitespace, bool)):
         raise ValueError("max_json_whitespace must be an integer >= 0 or null")
+    parser = raw.get("reasoning_parser", "")
+    if not isinstance(parser, str):
+        raise ValueError("--structured-outputs-config: reasoning_parser must be a string")
+    try:
+        parser_name = check_reasoning_parser(parser)
+    except ValueError as e:
+        raise ValueError(f"--structured-outputs-config: {e}") from None
     return StructuredOutputOptions(
+        reasoning_parser=parser_name,
+        enable_in_reasoning=raw.get("enable_in_reasoning", False),
         compile_timeout_s=float(timeout),
         cache_size=cache,
         json_options=JsonGrammarOptions(

@@ -1,0 +1,90 @@
+"""The engine behind `run-batch`: what `paged serve` builds, without the HTTP server.
+
+Every option is checked before the model loads (as `run_server` does); the
+requests then go through the same `OpenAIServing` as the API's, so a batch
+line gets exactly the response body a POST would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from paged.server.engine_args import EngineArgs
+
+if TYPE_CHECKING:  # imported in batch_serving: `paged run-batch --help` stays fast
+    from paged.server.openai.serving import OpenAIServing
+    from paged.server.openai.tools import ToolCallingConfig
+
+logger = logging.getLogger(__name__)
+
+# vLLM's default --max-inflight: twice max_num_seqs, at least 1024 (run_batch.py:1063-1068).
+MIN_DEFAULT_INFLIGHT = 1024
+
+
+def default_max_inflight(args: EngineArgs) -> int:
+    return max(MIN_DEFAULT_INFLIGHT, 2 * args.max_num_seqs)
+
+
+@contextlib.contextmanager
+def batch_serving(
+    args: EngineArgs,
+    *,
+    tool_config: ToolCallingConfig | None = None,
+    chat_template: str | None = None,
+) -> Iterator[OpenAIServing]:
+    """An `OpenAIServing` over a started engine; the engine stops on exit.
+
+    `tool_config`: vLLM's tool flags; `chat_template`: --chat-template's text.
+    """
+    from paged.server.async_llm import AsyncLLM
+    from paged.server.data_parallel import (
+        DataParallelOptions,
+        build_engine_client,
+        engines_world_size,
+    )
+    from paged.server.engine.core import make_engine_core_factory
+    from paged.server.engine_args import build_frontend_for, tokenizer_path
+    from paged.server.openai.serving import OpenAIServing
+    from paged.server.openai.tools import ToolCallingConfig
+    from paged.server.reasoning import make_reasoning_parser
+    from paged.server.serve import structured_outputs_for
+    from paged.server.tokenizer import load_tokenizer
+
+    tools = tool_config if tool_config is not None else ToolCallingConfig()
+    core_options = args.engine_core_options()  # bad options fail before the model loads
+    args.structured_output_options()
+    reasoning = make_reasoning_parser(args.reasoning_parser_name())
+    generation_defaults = args.generation_defaults()
+    config = args.create_engine_config()
+    mc = config.model_config
+    tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tool_flags = tools.resolve(getattr(tokenizer, "chat_template", None))
+    mm_frontend = build_frontend_for(args, config)
+    so_config, compiler = structured_outputs_for(args, config, tokenizer)
+    client = build_engine_client(
+        make_engine_core_factory(config, structured_output=so_config, **core_options),
+        DataParallelOptions(),
+        device=mc.device,
+        world_size=engines_world_size(config),
+    )
+    llm = AsyncLLM(
+        client,
+        tokenizer,
+        max_model_len=mc.max_model_len,
+        vocab_size=mc.vocab_size,
+        eos_token_ids=generation_defaults.eos_token_ids_for(mc.eos_token_ids),
+        max_logprobs=config.scheduler_limits.max_logprobs,
+        grammar_compiler=compiler,
+        mm_frontend=mm_frontend,
+        generation_defaults=generation_defaults,
+    )
+    try:
+        yield OpenAIServing(llm, args.model_name(), tool_flags, reasoning)
+    finally:
+        llm.shutdown()
+        client.shutdown()
