@@ -29,7 +29,8 @@ from paged.server.openai.responses.protocol import (
 
 Message = dict[str, Any]
 _ROLES = ("user", "system", "developer", "assistant")
-_TEXT_PARTS = ("input_text", "output_text", "text")
+# Reasoning items carry `reasoning_text` content and `summary_text` summaries.
+_TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 
 
 def _text_of(content: object, where: str) -> str:
