@@ -459,3 +459,61 @@ async def test_bad_input_is_a_400_naming_the_field(
 async def test_unknown_model_is_404(http: httpx.AsyncClient) -> None:
     resp = await http.post("/v1/responses", json={"input": "x", "model": "other"})
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
+
+
+# -- logprobs, vLLM's structured_outputs, background streams ------------------------------
+
+
+async def test_output_text_logprobs(http: httpx.AsyncClient, tokenizer: Any) -> None:
+    body = {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    part = (await http.post("/v1/responses", json=body)).json()["output"][0]["content"][0]
+    n = len(tokenizer.encode("hello world", add_special_tokens=False))
+    assert len(part["logprobs"]) >= n
+    first = part["logprobs"][0]
+    assert set(first) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert len(first["top_logprobs"]) == 2 and first["bytes"] == list(first["token"].encode())
+    events = _events((await http.post("/v1/responses", json={**body, "stream": True})).text)
+    deltas = [e for k, e in events if k == "response.output_text.delta"]
+    assert all(
+        set(lp) == {"token", "logprob", "top_logprobs"} for d in deltas for lp in d["logprobs"]
+    )
+    # The EOS token has no text, so no delta carries it (vLLM skips empty deltas too).
+    assert sum(len(d["logprobs"]) for d in deltas) == len(part["logprobs"]) - 1
+    assert part["logprobs"][-1]["token"] == "<|im_end|>"
+    # Without `include`, no logprobs are asked of the engine.
+    plain = (await http.post("/v1/responses", json={"input": "hi"})).json()
+    assert plain["output"][0]["content"][0]["logprobs"] is None
+
+
+async def test_vllm_structured_outputs_field(http: httpx.AsyncClient, fake_engine: Any) -> None:
+    resp = await http.post(
+        "/v1/responses", json={"input": "hi", "structured_outputs": {"regex": "hello world"}}
+    )
+    assert resp.status_code == 200, resp.text
+    assert fake_engine.added[-1].sampling_params.structured_outputs.regex == "hello world"
+    both = await http.post(
+        "/v1/responses",
+        json={
+            "input": "hi",
+            "structured_outputs": {"regex": "a"},
+            "text": {"format": {"type": "json_object"}},
+        },
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "structured_outputs"
+
+
+async def test_background_stream_and_replay(stored: httpx.AsyncClient) -> None:
+    body = {"input": "hi", "background": True, "stream": True}
+    live = _events((await stored.post("/v1/responses", json=body)).text)
+    assert live[0][0] == "response.created" and live[-1][0] == "response.completed"
+    rid = live[0][1]["response"]["id"]
+    replay = _events((await stored.get(f"/v1/responses/{rid}?stream=true")).text)
+    assert replay == live
+    tail = _events((await stored.get(f"/v1/responses/{rid}?stream=true&starting_after=3")).text)
+    assert tail == live[4:]
+    done = (await stored.get(f"/v1/responses/{rid}")).json()
+    assert done["status"] == "completed" and done["output"] == live[-1][1]["response"]["output"]
+    # Only background streams keep their events (vLLM: "Unknown response_id").
+    plain = (await stored.post("/v1/responses", json={"input": "hi"})).json()
+    again = await stored.get(f"/v1/responses/{plain['id']}?stream=true")
+    assert again.status_code == 400 and again.json()["error"]["param"] == "response_id"

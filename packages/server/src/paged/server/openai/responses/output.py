@@ -17,7 +17,7 @@ reasoning parser only has to feed its text there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from paged.server.openai.responses.protocol import (
     ArgumentsDeltaEvent,
@@ -49,8 +49,9 @@ def build_output_items(
     content: str | None,
     calls: list[ParsedCall],
     finish_reason: str | None,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> list[OutputItem]:
-    """One generation's items (non-streaming)."""
+    """One generation's items (non-streaming); `logprobs` go with the message's text."""
     last = item_status(finish_reason)
     items: list[OutputItem] = []
     if reasoning:
@@ -61,7 +62,7 @@ def build_output_items(
         items.append(
             OutputMessage(
                 id=f"msg_{random_uuid()}",
-                content=[OutputText(text=content)],
+                content=[OutputText(text=content, logprobs=logprobs)],
                 status="completed" if calls else last,
             )
         )
@@ -90,6 +91,7 @@ class StreamItems:
     _output_index: int = 0
     _item_id: str = ""
     _text: str = ""
+    _logprobs: list[dict[str, Any]] = field(default_factory=list)
     _call_index: int | None = None
     _call_id: str = ""
     _call_name: str = ""
@@ -104,12 +106,18 @@ class StreamItems:
         events.append(self._text_delta("response.reasoning_text.delta", delta))
         return events
 
-    def content(self, delta: str) -> list[StreamEvent]:
+    def content(
+        self, delta: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[StreamEvent]:
+        """`logprobs`: the delta's tokens (OpenAI's output_text logprob entries)."""
         if not delta:
             return []
         events = self._switch("content")
         self._text += delta
-        events.append(self._text_delta("response.output_text.delta", delta))
+        self._logprobs += logprobs or []
+        event = self._text_delta("response.output_text.delta", delta)
+        event.logprobs = [_delta_logprob(lp) for lp in logprobs or []]
+        events.append(event)
         return events
 
     def tool_call(
@@ -155,6 +163,7 @@ class StreamItems:
         events = self.close("completed")
         self._state = state
         self._text = ""
+        self._logprobs = []
         prefix = "rs" if state == "reasoning" else "msg"
         self._item_id = f"{prefix}_{random_uuid()}"
         item: OutputItem
@@ -206,7 +215,7 @@ class StreamItems:
             item = ReasoningItem(id=self._item_id, content=[part], status=status)
             kind = "response.reasoning_text.done"
         else:
-            part = OutputText(text=self._text)
+            part = OutputText(text=self._text, logprobs=self._logprobs or None)
             item = OutputMessage(id=self._item_id, content=[part], status=status)
             kind = "response.output_text.done"
         done = TextDoneEvent(
@@ -242,3 +251,9 @@ class StreamItems:
             content_index=0,
             part=part,
         )
+
+
+def _delta_logprob(entry: dict[str, Any]) -> dict[str, Any]:
+    """A delta event's logprob: token and logprob, no bytes (vLLM's _to_stream_logprobs)."""
+    tops = [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]]
+    return {"token": entry["token"], "logprob": entry["logprob"], "top_logprobs": tops}

@@ -31,10 +31,15 @@ def add_responses_routes(
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await respond(request, handler.create(body))
 
-    @app.get("/v1/responses/{response_id}", response_model=ResponsesResponse, responses=errors)
-    async def retrieve_response(response_id: str, stream: bool = False) -> JSONResponse:
-        response = await handler.retrieve(response_id, stream)
-        return JSONResponse(response.model_dump(mode="json"))
+    @app.get(
+        "/v1/responses/{response_id}",
+        response_model=ResponsesResponse,
+        responses={**errors, 200: {"content": {"text/event-stream": {}}}},
+    )
+    async def retrieve_response(
+        response_id: str, request: Request, stream: bool = False, starting_after: int | None = None
+    ) -> Response:
+        return await respond(request, handler.retrieve(response_id, stream, starting_after))
 
     @app.post(
         "/v1/responses/{response_id}/cancel", response_model=ResponsesResponse, responses=errors

@@ -11,6 +11,7 @@ from typing import Any
 from paged.scheduler import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from paged.server.errors import InvalidRequestError
 from paged.server.openai.responses.protocol import ResponsesRequest
+from paged.server.openai.structured import structured_outputs_field
 
 # vLLM's ResponsesRequest._DEFAULT_SAMPLING_PARAMS, under the server's defaults.
 _DEFAULTS: dict[str, Any] = {
@@ -32,9 +33,7 @@ def text_format_constraint(req: ResponsesRequest) -> StructuredOutputsParams | N
     if fmt is None:
         if req.structured_outputs is None:
             return None
-        raise InvalidRequestError(
-            "structured_outputs", "structured_outputs is not supported here; use text.format"
-        )
+        return structured_outputs_field(req.structured_outputs)
     if req.structured_outputs is not None:
         raise InvalidRequestError(
             "structured_outputs", "Cannot specify both structured_outputs and text.format"

@@ -22,6 +22,7 @@ from paged.server.chat_utils import apply_chat_template
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import TextPrompt
 from paged.server.offload import messages_size
+from paged.server.openai import formatting as fmt
 from paged.server.openai import tools as chat_tools
 from paged.server.openai.responses.inputs import input_messages, stored_conversation
 from paged.server.openai.responses.output import StreamItems, build_output_items, item_status
@@ -40,10 +41,10 @@ from paged.server.openai.responses.protocol import (
     random_uuid,
 )
 from paged.server.openai.responses.sampling import responses_sampling_params
-from paged.server.openai.responses.store import ResponseStore
+from paged.server.openai.responses.store import EventLog, ResponseStore
 from paged.server.openai.responses.tooling import ResponsesTools, resolve_tools
 from paged.server.openai.serving import OpenAIServing, check_failed, peek_streams
-from paged.server.outputs import RequestOutput
+from paged.server.outputs import CompletionOutput, RequestOutput
 from paged.server.tool_parsers import ToolStreamer
 
 logger = logging.getLogger(__name__)
@@ -127,10 +128,6 @@ class OpenAIServingResponses:
         self.serving.check_model(req.model)
         if req.background and not self.store.enabled:
             raise InvalidRequestError("background", STORE_NEEDED)
-        if req.background and req.stream:
-            raise InvalidRequestError(
-                "stream", "background responses cannot be streamed by this server yet"
-            )
         llm = self.serving.llm
         tools = resolve_tools(
             req.tools, req.tool_choice, req.parallel_tool_calls, self.serving.tool_config
@@ -187,27 +184,43 @@ class OpenAIServingResponses:
     ) -> ResponsesResponse:
         tally = _Tally()
         text = ""
+        logprobs: list[dict[str, Any]] = []
         try:
             async for out in stream:
                 check_failed(out, "input")
                 self._count(job, tally, out)
-                text += "".join(c.text for c in out.outputs)
+                for c in out.outputs:
+                    text += c.text
+                    logprobs += self._logprobs(job, c)
         finally:
             await stream.aclose()
-        output = self._items(job, text, tally.finish_reason)
+        output = self._items(job, text, tally.finish_reason, logprobs or None)
         status: ResponseStatus = "incomplete" if tally.finish_reason == "length" else "completed"
         response = self._response(job, status, output, tally)
         if job.store:
             await self.store.put(response)
         return response
 
-    def _items(self, job: _Job, text: str, finish_reason: str | None) -> list[OutputItem]:
+    def _items(
+        self,
+        job: _Job,
+        text: str,
+        finish_reason: str | None,
+        logprobs: list[dict[str, Any]] | None,
+    ) -> list[OutputItem]:
         """The output items of a whole generation (reasoning goes in when a parser gives it)."""
         tool_req = job.tools.request
         if tool_req is None or tool_req.mode == "none":
-            return build_output_items(None, text, [], finish_reason)
+            return build_output_items(None, text, [], finish_reason, logprobs)
         result = chat_tools.extract(tool_req, self.serving.tool_config, text)
         return build_output_items(None, result.content, result.calls, finish_reason)
+
+    def _logprobs(self, job: _Job, c: CompletionOutput) -> list[dict[str, Any]]:
+        """`include: ["message.output_text.logprobs"]`: the tokens' logprobs, OpenAI's shape."""
+        if job.params.logprobs is None:
+            return []
+        found = fmt.chat_logprobs(c.logprobs, job.params.logprobs)
+        return [lp.model_dump() for lp in (found.content or [])] if found else []
 
     def _count(self, job: _Job, tally: _Tally, out: RequestOutput) -> None:
         if tally.max_tokens is None:
@@ -268,14 +281,24 @@ class OpenAIServingResponses:
     async def _stream(
         self, job: _Job, stream: AsyncGenerator[RequestOutput, None]
     ) -> AsyncIterator[str]:
+        events = self._stream_events(job, stream)
+        try:
+            async for event in events:
+                yield sse_event(event)
+        finally:
+            await events.aclose()
+
+    async def _stream_events(
+        self, job: _Job, stream: AsyncGenerator[RequestOutput, None]
+    ) -> AsyncGenerator[StreamEvent, None]:
         """created, in_progress, the items' events, then completed / incomplete."""
         seq = 0
 
-        def numbered(event: StreamEvent) -> str:
+        def numbered(event: StreamEvent) -> StreamEvent:
             nonlocal seq
             event.sequence_number = seq
             seq += 1
-            return sse_event(event)
+            return event
 
         tally = _Tally()
         items = StreamItems()
@@ -296,7 +319,10 @@ class OpenAIServingResponses:
                     first = False
                 check_failed(out, "input")
                 for c in out.outputs:
-                    pieces = _piece_events(items, streamer, parallel, c.text, c.finished())
+                    if streamer is None:
+                        pieces = items.content(c.text, self._logprobs(job, c))
+                    else:
+                        pieces = _piece_events(items, streamer, parallel, c.text, c.finished())
                     for event in pieces:
                         yield numbered(event)
             for event in items.close(item_status(tally.finish_reason)):
@@ -318,19 +344,52 @@ class OpenAIServingResponses:
 
     # -- background, retrieve, cancel -----------------------------------------------------
 
-    async def _start_background(self, job: _Job) -> ResponsesResponse:
+    async def _start_background(self, job: _Job) -> ResponsesResponse | AsyncIterator[str]:
+        """Queue the response and run it in a task; a stream replays the task's events."""
         queued = self._response(job, "queued", [], None)
         async with self.store.lock:
             self.store.responses[job.response_id] = queued.model_copy(deep=True)
+        if job.req.stream:
+            self.store.events[job.response_id] = EventLog()
         task = asyncio.create_task(self._run_background(job), name=f"create_{job.response_id}")
         self.store.tasks[job.response_id] = task
         task.add_done_callback(lambda _: self.store.tasks.pop(job.response_id, None))
+        if job.req.stream:
+            return self._replay(job.response_id, None)
         return queued
+
+    async def _record(self, job: _Job, log: EventLog) -> None:
+        events = self._stream_events(job, await self._submit(job))
+        try:
+            async for event in events:
+                log.append(event)
+        finally:
+            await events.aclose()
+
+    async def _replay(self, response_id: str, starting_after: int | None) -> AsyncIterator[str]:
+        """vLLM's responses_background_stream_generator (serving.py:1121-1150)."""
+        log = self.store.events[response_id]
+        index = 0 if starting_after is None else starting_after + 1
+        while True:
+            changed = log.changed()
+            while index < len(log.events):
+                event = log.events[index]
+                yield sse_event(event)
+                if event.type in ("response.completed", "response.incomplete", "error"):
+                    return
+                index += 1
+            if log.closed:
+                return
+            await changed.wait()
 
     async def _run_background(self, job: _Job) -> None:
         # vLLM shows "queued" until the response is done (serving.py:1103-1119).
+        log = self.store.events.get(job.response_id)
         try:
-            await self._full(job, await self._submit(job))
+            if log is not None:
+                await self._record(job, log)
+            else:
+                await self._full(job, await self._submit(job))
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -340,16 +399,23 @@ class OpenAIServingResponses:
                 if current is not None and current.status not in ("completed", "cancelled"):
                     current.status = "failed"
                     current.error = {"code": "server_error", "message": str(e)}
+        finally:
+            if log is not None:
+                log.close()
 
-    async def retrieve(self, response_id: str, stream: bool) -> ResponsesResponse:
+    async def retrieve(
+        self, response_id: str, stream: bool, starting_after: int | None
+    ) -> ResponsesResponse | AsyncIterator[str]:
+        """The stored response, or (`stream`) a background stream's events replayed."""
         response = await self.store.get(response_id)
         if response is None:
             raise ResponseNotFoundError(response_id)
-        if stream:
-            raise InvalidRequestError(
-                "stream", "streaming a stored response is not supported by this server yet"
-            )
-        return response
+        if not stream:
+            return response
+        if response_id not in self.store.events:
+            # vLLM: serving.py:1128-1133 (only background streams keep their events).
+            raise InvalidRequestError("response_id", f"Unknown response_id: {response_id}")
+        return self._replay(response_id, starting_after)
 
     async def cancel(self, response_id: str) -> ResponsesResponse:
         async with self.store.lock:
@@ -369,14 +435,12 @@ class OpenAIServingResponses:
 
 def _piece_events(
     items: StreamItems,
-    streamer: ToolStreamer | None,
+    streamer: ToolStreamer,
     parallel: bool,
     text: str,
     final: bool,
 ) -> list[StreamEvent]:
-    """One output delta as events: plain content, or content and calls via the streamer."""
-    if streamer is None:
-        return items.content(text)
+    """One output delta as events: its content and calls via the tool streamer."""
     update = streamer.feed(text, final)
     events = items.content(update.content)
     for d in update.tool_calls:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged.server.openai.responses.protocol import ResponsesResponse
+from paged.server.openai.responses.protocol import ResponsesResponse, StreamEvent
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,34 @@ def store_enabled_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
 
 @dataclass
+class EventLog:
+    """A background stream's events, kept for replay (vLLM's event_store entry).
+
+    Readers take `changed()` before reading, then wait on it: an append or a
+    close after their read sets it, so no event is missed.
+    """
+
+    events: list[StreamEvent] = field(default_factory=list)
+    closed: bool = False
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def changed(self) -> asyncio.Event:
+        return self._changed
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def append(self, event: StreamEvent) -> None:
+        self.events.append(event)
+        self._notify()
+
+    def close(self) -> None:
+        self.closed = True
+        self._notify()
+
+
+@dataclass
 class ResponseStore:
     """Responses by id, the conversation each was made from, and running background tasks."""
 
@@ -42,6 +70,7 @@ class ResponseStore:
     responses: dict[str, ResponsesResponse] = field(default_factory=dict)
     messages: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    events: dict[str, EventLog] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
