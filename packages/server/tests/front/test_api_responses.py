@@ -444,6 +444,7 @@ async def test_background_needs_store_true(stored: httpx.AsyncClient) -> None:
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "prompt": {"id": "p"}}, "prompt"),
         ({"input": 5}, "input"),
+        ({"input": "hello " * 5000}, "input"),  # longer than max_model_len
         ({}, "input"),
     ],
 )

@@ -170,9 +170,15 @@ class OpenAIServingResponses:
             allow_images=False,
         )
         prompt: TextPrompt = {"prompt": prompt_text, "add_special_tokens": False}
-        (stream,) = await self.serving._submit(
-            job.response_id, [prompt], job.params, job.req.priority, job.req.cache_salt
-        )
+        try:
+            (stream,) = await self.serving._submit(
+                job.response_id, [prompt], job.params, job.req.priority, job.req.cache_salt
+            )
+        except InvalidRequestError as e:
+            if e.param != "prompt":
+                raise
+            # The prompt is made from `input` here (vLLM names it too: serving.py:225).
+            raise InvalidRequestError("input", e.message, e.code) from None
         if job.store:
             self.store.messages[job.response_id] = stored_conversation(job.messages)
         return stream
