@@ -53,6 +53,7 @@ def run_server(
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
+    from paged.server.openai.responses import ResponseStore, store_enabled_from_env
     from paged.server.openai.tools import ToolCallingConfig
     from paged.server.tokenizer import load_tokenizer
 
@@ -62,6 +63,8 @@ def run_server(
     core_options = args.engine_core_options()  # bad options fail before the model loads
     args.media_url_policy(host)  # bad --allowed-media-domains fail before the model loads
     args.structured_output_options()  # a bad config fails before the model loads
+    # A bad VLLM_ENABLE_RESPONSES_API_STORE fails before the model loads too.
+    responses_store = ResponseStore(enabled=store_enabled_from_env())
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -135,6 +138,7 @@ def run_server(
             cors=cors,
             max_request_body_bytes=max_request_body_bytes,
             tool_config=tool_config,
+            responses_store=responses_store,
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",
