@@ -518,3 +518,32 @@ async def test_background_stream_and_replay(stored: httpx.AsyncClient) -> None:
     plain = (await stored.post("/v1/responses", json={"input": "hi"})).json()
     again = await stored.get(f"/v1/responses/{plain['id']}?stream=true")
     assert again.status_code == 400 and again.json()["error"]["param"] == "response_id"
+
+
+async def test_required_tool_choice_with_parallel_calls_off(
+    http: httpx.AsyncClient, reply: Reply
+) -> None:
+    reply.text = (
+        '[{"name": "get_weather", "parameters": {"city": "Rome"}}, '
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    )
+    body: dict[str, Any] = {"input": "w?", "tools": [WEATHER], "tool_choice": "required"}
+    both = (await http.post("/v1/responses", json=body)).json()["output"]
+    assert [json.loads(i["arguments"]) for i in both] == [{"city": "Rome"}, {"city": "Oslo"}]
+    assert len({i["call_id"] for i in both}) == 2
+    one = {**body, "parallel_tool_calls": False}
+    assert len((await http.post("/v1/responses", json=one)).json()["output"]) == 1
+    events = _events((await http.post("/v1/responses", json={**one, "stream": True})).text)
+    final = events[-1][1]["response"]
+    assert final["parallel_tool_calls"] is False
+    assert [json.loads(i["arguments"]) for i in final["output"]] == [{"city": "Rome"}]
+    streamed = _events((await http.post("/v1/responses", json={**body, "stream": True})).text)
+    added = [e["output_index"] for k, e in streamed if k == "response.output_item.added"]
+    assert added == [0, 1]
+
+
+async def test_background_bad_input_is_a_400_not_a_failed_response(
+    stored: httpx.AsyncClient,
+) -> None:
+    resp = await stored.post("/v1/responses", json={"input": "hello " * 5000, "background": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input"

@@ -109,9 +109,10 @@ class OpenAIServingResponses:
 
     async def create(self, req: ResponsesRequest) -> ResponsesResponse | AsyncIterator[str]:
         job = await self._accept(req)
-        if req.background:
-            return await self._start_background(job)
+        # Submitted (prompt rendered, checked) first: bad input is a 400, background or not.
         stream = await self._submit(job)
+        if req.background:
+            return await self._start_background(job, stream)
         if req.stream:
             (stream,) = await peek_streams([stream], "input")
             return self._stream(job, stream)
@@ -350,22 +351,28 @@ class OpenAIServingResponses:
 
     # -- background, retrieve, cancel -----------------------------------------------------
 
-    async def _start_background(self, job: _Job) -> ResponsesResponse | AsyncIterator[str]:
+    async def _start_background(
+        self, job: _Job, stream: AsyncGenerator[RequestOutput, None]
+    ) -> ResponsesResponse | AsyncIterator[str]:
         """Queue the response and run it in a task; a stream replays the task's events."""
         queued = self._response(job, "queued", [], None)
         async with self.store.lock:
             self.store.responses[job.response_id] = queued.model_copy(deep=True)
         if job.req.stream:
             self.store.events[job.response_id] = EventLog()
-        task = asyncio.create_task(self._run_background(job), name=f"create_{job.response_id}")
+        task = asyncio.create_task(
+            self._run_background(job, stream), name=f"create_{job.response_id}"
+        )
         self.store.tasks[job.response_id] = task
         task.add_done_callback(lambda _: self.store.tasks.pop(job.response_id, None))
         if job.req.stream:
             return self._replay(job.response_id, None)
         return queued
 
-    async def _record(self, job: _Job, log: EventLog) -> None:
-        events = self._stream_events(job, await self._submit(job))
+    async def _record(
+        self, job: _Job, stream: AsyncGenerator[RequestOutput, None], log: EventLog
+    ) -> None:
+        events = self._stream_events(job, stream)
         try:
             async for event in events:
                 log.append(event)
@@ -388,14 +395,14 @@ class OpenAIServingResponses:
                 return
             await changed.wait()
 
-    async def _run_background(self, job: _Job) -> None:
+    async def _run_background(self, job: _Job, stream: AsyncGenerator[RequestOutput, None]) -> None:
         # vLLM shows "queued" until the response is done (serving.py:1103-1119).
         log = self.store.events.get(job.response_id)
         try:
             if log is not None:
-                await self._record(job, log)
+                await self._record(job, stream, log)
             else:
-                await self._full(job, await self._submit(job))
+                await self._full(job, stream)
         except asyncio.CancelledError:
             raise
         except Exception as e:
