@@ -104,6 +104,15 @@ def test_unreadable_generation_config_fails_before_the_engine_starts(
     assert engine_starts == []
 
 
+def test_bad_responses_store_variable_fails_before_the_engine_starts(
+    tiny_model: Path, engine_starts: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "yes")
+    with pytest.raises(ValueError, match="VLLM_ENABLE_RESPONSES_API_STORE must be an integer"):
+        _run(tiny_model, ToolCallingConfig())
+    assert engine_starts == []
+
+
 def test_a_port_in_use_fails_before_the_engine_starts(
     tiny_model: Path, engine_starts: list[Any]
 ) -> None:

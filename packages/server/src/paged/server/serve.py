@@ -53,6 +53,7 @@ def run_server(
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
+    from paged.server.openai.responses import ResponseStore, store_enabled_from_env
     from paged.server.openai.tools import ToolCallingConfig
     from paged.server.tokenizer import load_tokenizer
 
@@ -63,6 +64,8 @@ def run_server(
     args.media_url_policy(host)  # bad --allowed-media-domains fail before the model loads
     args.structured_output_options()  # a bad config fails before the model loads
     reasoning_parser = args.reasoning_parser_name()  # so does an unknown parser
+    # A bad VLLM_ENABLE_RESPONSES_API_STORE fails before the model loads too.
+    responses_store = ResponseStore(enabled=store_enabled_from_env())
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -137,6 +140,7 @@ def run_server(
             max_request_body_bytes=max_request_body_bytes,
             tool_config=tool_config,
             reasoning_parser=reasoning_parser,
+            responses_store=responses_store,
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",

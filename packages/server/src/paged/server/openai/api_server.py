@@ -47,6 +47,13 @@ from paged.server.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from paged.server.openai.responses import (
+    OpenAIServingResponses,
+    ResponseStore,
+    store_enabled_from_env,
+)
+from paged.server.openai.responses.routes import add_responses_routes
+from paged.server.openai.responses.serving import ResponseNotFoundError
 from paged.server.openai.serving import EngineRequestError, ModelNotFoundError, OpenAIServing
 from paged.server.openai.tools import ToolCallingConfig
 from paged.server.reasoning import make_reasoning_parser
@@ -176,6 +183,7 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_config: ToolCallingConfig | None = None,
     reasoning_parser: str | None = None,
+    responses_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `llm` under the name `model_name`.
 
@@ -184,6 +192,7 @@ def build_app(
     `tool_config`: vLLM's tool-calling flags; ValueError when they do not fit together
     (or `--tool-call-parser auto` finds no format in the chat template).
     `reasoning_parser`: vLLM's --reasoning-parser name (ValueError if unknown).
+    `responses_store`: /v1/responses' store; None: enabled by VLLM_ENABLE_RESPONSES_API_STORE.
     """
     tool_flags = (tool_config or ToolCallingConfig()).resolve(
         getattr(llm.tokenizer, "chat_template", None)
@@ -195,6 +204,8 @@ def build_app(
         lifespan=engine_lifespan(llm),
     )
     serving = OpenAIServing(llm, model_name, tool_flags, make_reasoning_parser(reasoning_parser))
+    if responses_store is None:
+        responses_store = ResponseStore(enabled=store_enabled_from_env())
     # Added first, so it runs inside the key check and the response counter.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)
@@ -226,6 +237,8 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         header_id = request.headers.get("X-Request-Id")
         return await respond(request, serving.create_completion(body, header_id))
+
+    add_responses_routes(app, OpenAIServingResponses(serving, responses_store), respond, _ERRORS)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -284,7 +297,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        status = 404 if isinstance(exc, ModelNotFoundError) else 400
+        status = 404 if isinstance(exc, ModelNotFoundError | ResponseNotFoundError) else 400
         return error_response(status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(EngineDeadError)

@@ -82,6 +82,18 @@ def _from_structured_outputs(raw: dict[str, Any]) -> StructuredOutputsParams:
         raise InvalidRequestError("structured_outputs", f"structured_outputs: {e}") from None
 
 
+def structured_outputs_field(raw: dict[str, Any]) -> StructuredOutputsParams:
+    """vLLM's `structured_outputs` object alone (the Responses endpoint takes it too)."""
+    params = _from_structured_outputs(raw)
+    kinds = params.kinds()
+    if len(kinds) != 1:
+        raise InvalidRequestError(
+            "structured_outputs",
+            f"structured_outputs must set exactly one constraint, got {kinds or 'none'}",
+        )
+    return params
+
+
 def _from_guided(req: SamplingFields) -> list[tuple[str, StructuredOutputsParams]]:
     found: list[tuple[str, StructuredOutputsParams]] = []
     if req.guided_json is not None:
