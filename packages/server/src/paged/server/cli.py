@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from paged.server.cli_help import CommandParser, HelpFormatter
 from paged.server.compat_cli import (
     add_frontend_compat_args,
     add_model_compat_args,
@@ -147,7 +148,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--seed", type=int, default=0, help="seed for sampling (block hashes: --block-hash-seed)"
     )
-    m.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    m.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="attention kernels: torch (the reference, CPU and CUDA) or triton (CUDA); "
+        "auto: triton on CUDA, torch elsewhere",
+    )
     m.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     m.add_argument(
         "--cpu-weight-panels",
@@ -471,24 +478,50 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=_positive_int, default=max_tokens)
+    g.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=max_tokens,
+        help=f"most tokens to generate (default {max_tokens})",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)"
+    )
+    g.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)"
+    )
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def _add_shared_engine_args(parser: argparse.ArgumentParser, command: str) -> None:
+    """The engine flags, listed by `--help-all` only: `--help` shows the command's own."""
+    before = list(parser._action_groups)
+    add_engine_args(parser)
+    if isinstance(parser, CommandParser):
+        parser.brief_help(
+            [g for g in parser._action_groups if g not in before],
+            f"Engine options (model, KV cache, scheduler, parallelism, ...) are those of "
+            f"`paged serve`: `paged {command} --help-all` lists them.",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from paged.server.openai.api_server import _version
 
     parser = argparse.ArgumentParser(
-        prog="paged", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="paged", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"paged {_version()}")
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log messages printed on stderr (default info)",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
 
     serve = sub.add_parser(
         "serve",
@@ -504,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)",
     )
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     h.add_argument(
         "--api-key",
         default=os.environ.get("PAGED_API_KEY"),
@@ -535,24 +568,29 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="complete one prompt and print the text",
         description="Generate a completion for one prompt and print it.",
+        usage="%(prog)s [MODEL] --prompt TEXT [--chat] [sampling options] [engine options]",
     )
-    add_engine_args(gen)
-    gen.add_argument("--prompt", "-p", required=True, help="the prompt text")
-    gen.add_argument(
+    g = gen.add_argument_group("generate")
+    g.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    g.add_argument(
         "--chat",
         action="store_true",
         help="send the prompt as a user message through the chat template",
     )
     _add_sampling_args(gen, max_tokens=64)
+    _add_shared_engine_args(gen, "generate")
 
     chat = sub.add_parser(
         "chat",
         help="chat with the model in the terminal",
-        description="An interactive chat. /reset clears the history, /exit (or Ctrl-D) quits.",
+        description="An interactive chat. /reset clears the history, /exit (or Ctrl-D) quits. "
+        "Ctrl-C during a reply stops that reply; Ctrl-C at the prompt quits.",
+        usage="%(prog)s [MODEL] [--system TEXT] [sampling options] [engine options]",
     )
-    add_engine_args(chat)
-    chat.add_argument("--system", help="a system message to start the conversation")
+    c = chat.add_argument_group("chat")
+    c.add_argument("--system", help="a system message to start the conversation")
     _add_sampling_args(chat, max_tokens=256)
+    _add_shared_engine_args(chat, "chat")
     _add_proxy_parser(sub)
     return parser
 
@@ -585,7 +623,9 @@ def _add_proxy_parser(sub: Any) -> None:
         "--decode", action="append", required=True, metavar="URL", help="a decode instance"
     )
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument(
+        "--port", type=int, default=8000, help="TCP port to listen on (default 8000)"
+    )
     proxy.add_argument(
         "--timeout", type=float, default=600.0, help="seconds to wait for an instance's answer"
     )
