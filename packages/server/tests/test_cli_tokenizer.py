@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
 from paged.server.cli import main
-from paged.server.tokenizer import load_tokenizer
+from paged.server.serve import _log_tokenizer_directory
+from paged.server.tokenizer import default_model_path, load_tokenizer, tokenizer_directory
 
 
 def test_prints_the_saved_tokenizer_of_the_default_gguf(capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,3 +37,9 @@ def test_a_bad_model_is_an_error_naming_it(
     assert main(["tokenizer", str(missing)]) == 2
     err = capsys.readouterr().err
     assert "paged tokenizer: error: model:" in err and str(missing) in err
+
+
+def test_serve_logs_the_directory_not_the_gguf(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="paged.server.serve"):
+        _log_tokenizer_directory(str(default_model_path()), 49152)
+    assert caplog.messages == [f"tokenizer: {tokenizer_directory()} (49152 tokens)"]
