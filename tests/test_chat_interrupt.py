@@ -50,11 +50,19 @@ class _Output:
         raise AssertionError(f"{marker!r} not seen after {after} in:\n{self.text}")
 
 
-def test_ctrl_c_stops_the_reply_then_ctrl_c_at_the_prompt_quits() -> None:
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        pytest.param([], id="in-process"),
+        # Worker processes share the terminal's process group: they must survive it too.
+        pytest.param(["--pipeline-parallel-size", "2"], id="mp-workers"),
+    ],
+)
+def test_ctrl_c_stops_the_reply_then_ctrl_c_at_the_prompt_quits(engine_args: list[str]) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "paged.server.cli", "--log-level", "warning", "chat"]
     process = subprocess.Popen(
-        [*command, "--max-tokens", "4000", "--max-model-len", "4096"],
+        [*command, *engine_args, "--max-tokens", "4000", "--max-model-len", "4096"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
