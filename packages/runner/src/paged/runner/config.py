@@ -12,14 +12,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from paged.kvcache import HASH_ALGOS
+from paged.runner.default_model import default_model_path
 from paged.runner.kv_cache_dtype import check_kv_cache_dtype
 from paged.runner.layers.head_partition import partition_heads
-from paged.runner.model_config import (
-    CpuWeightPanels,
-    ModelConfig,
-    default_model_path,
-    resolve_dtype,
-)
+from paged.runner.model_config import CpuWeightPanels, ModelConfig, resolve_dtype
 from paged.runner.pipeline.partition import PIPELINE_ARCHITECTURES, layer_partition
 from paged.runner.spec_decode.config import SpeculativeConfig
 

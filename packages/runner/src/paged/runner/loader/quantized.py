@@ -75,9 +75,28 @@ def finish_quantized_load(model: nn.Module, dtype: torch.dtype) -> list[Quantize
         )
         for (kind, source, kernel), rs in reports.items()
     ]
+    log_quantized_summary(summary)
+    return summary
+
+
+def log_quantized_summary(summary: list[QuantizedKind]) -> None:
+    """One INFO line for the whole model; the per-kind rows at DEBUG.
+
+    The rows (five or more long lines for a GGUF) used to be INFO, so every
+    `paged generate` printed them before its answer.
+    """
+    if not summary:
+        return
     for row in summary:
-        logger.info(
+        logger.debug(
             "quantized weights: %s x%d: %s -> %s (relative error vs the checkpoint %.2e, %.1f MiB)",
             row.kind, row.count, row.source, row.kernel, row.max_rel_error, row.nbytes / 2**20,
         )  # fmt: skip
-    return summary
+    logger.info(
+        "quantized weights: %d tensors kept quantized (from %s), %.1f MiB, relative error vs the "
+        "checkpoint at most %.2e (--log-level debug lists each kind)",
+        sum(row.count for row in summary),
+        ", ".join(sorted({row.source for row in summary})),
+        sum(row.nbytes for row in summary) / 2**20,
+        max(row.max_rel_error for row in summary),
+    )
