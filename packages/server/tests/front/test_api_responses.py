@@ -72,10 +72,17 @@ async def llm(tokenizer: Any, fake_engine: Any) -> AsyncIterator[AsyncLLM]:
 
 
 def _http(
-    llm: AsyncLLM, store: bool = False, tools: ToolCallingConfig | None = None
+    llm: AsyncLLM,
+    store: bool = False,
+    tools: ToolCallingConfig | None = None,
+    reasoning: str | None = None,
 ) -> httpx.AsyncClient:
     app = build_app(
-        llm, model_name=MODEL, tool_config=tools, responses_store=ResponseStore(enabled=store)
+        llm,
+        model_name=MODEL,
+        tool_config=tools,
+        reasoning_parser=reasoning,
+        responses_store=ResponseStore(enabled=store),
     )
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
@@ -547,3 +554,196 @@ async def test_background_bad_input_is_a_400_not_a_failed_response(
 ) -> None:
     resp = await stored.post("/v1/responses", json={"input": "hello " * 5000, "background": True})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "input"
+
+
+# -- reasoning (--reasoning-parser) -------------------------------------------------------
+
+THOUGHT = "<think>Two plus two.</think>It is 4."
+_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def _types(output: list[dict[str, Any]]) -> list[str]:
+    return [item["type"] for item in output]
+
+
+async def test_reasoning_item_comes_before_the_message(llm: AsyncLLM, reply: Reply) -> None:
+    reply.text = THOUGHT
+    async with _http(llm, reasoning="deepseek_r1") as http:
+        resp = await _create(_client(http), model=MODEL, input="2+2?")
+        hidden = await http.post(
+            "/v1/responses", json={"input": "2+2?", "include_reasoning": False}
+        )
+    assert resp.output_text == "It is 4." and [i.type for i in resp.output] == [
+        "reasoning",
+        "message",
+    ]
+    thought = resp.output[0].model_dump()
+    assert thought["id"].startswith("rs_") and thought["summary"] == []
+    assert thought["content"] == [{"type": "reasoning_text", "text": "Two plus two."}]
+    assert "<think>" not in resp.model_dump_json()
+    # include_reasoning=false: vLLM still lets the model think, and leaves the item out.
+    assert _types(hidden.json()["output"]) == ["message"]
+    assert hidden.json()["output"][0]["content"][0]["text"] == "It is 4."
+
+
+async def test_without_a_reasoning_parser_there_is_no_reasoning_item(
+    http: httpx.AsyncClient, reply: Reply
+) -> None:
+    reply.text = THOUGHT
+    (item,) = (await http.post("/v1/responses", json={"input": "2+2?"})).json()["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == THOUGHT
+
+
+async def test_streamed_reasoning_events_come_before_the_message(
+    llm: AsyncLLM, reply: Reply
+) -> None:
+    reply.text = THOUGHT
+    async with _http(llm, reasoning="deepseek_r1") as http:
+        resp = await http.post("/v1/responses", json={"input": "2+2?", "stream": True})
+        hidden = await http.post(
+            "/v1/responses", json={"input": "2+2?", "stream": True, "include_reasoning": False}
+        )
+    events = _events(resp.text)
+    kinds = [k for k, _ in events]
+    thinks = kinds.count("response.reasoning_text.delta")
+    says = kinds.count("response.output_text.delta")
+    assert thinks >= 2 and says >= 2
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.reasoning_text.delta"] * thinks,
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * says,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    by_kind = {k: e for k, e in events}
+    assert by_kind["response.reasoning_text.done"]["text"] == "Two plus two."
+    assert by_kind["response.output_text.done"]["text"] == "It is 4."
+    added = [e for k, e in events if k == "response.output_item.added"]
+    assert [(e["output_index"], e["item"]["type"]) for e in added] == [
+        (0, "reasoning"),
+        (1, "message"),
+    ]
+    final = events[-1][1]["response"]["output"]
+    assert _types(final) == ["reasoning", "message"]
+    assert final[0]["content"][0]["text"] == "Two plus two." and final[0]["status"] == "completed"
+    assert "think>" not in resp.text and "</th" not in resp.text
+    hidden_kinds = [k for k, _ in _events(hidden.text)]
+    assert "response.reasoning_text.delta" not in hidden_kinds and "Two plus" not in hidden.text
+
+
+async def test_tool_calls_are_read_from_the_answer_only(llm: AsyncLLM, reply: Reply) -> None:
+    body: dict[str, Any] = {"input": "w?", "tools": [WEATHER]}
+    async with _http(llm, tools=ToolCallingConfig(True, "hermes"), reasoning="deepseek_r1") as http:
+        reply.text = f"<think>maybe {_CALL}</think>No call needed."
+        mused = (await http.post("/v1/responses", json=body)).json()["output"]
+        reply.text = f"<think>I will call it.</think>{_CALL}"
+        called = (await http.post("/v1/responses", json=body)).json()["output"]
+        streamed = _events((await http.post("/v1/responses", json={**body, "stream": True})).text)
+    assert _types(mused) == ["reasoning", "message"]
+    assert mused[1]["content"][0]["text"] == "No call needed."
+    assert _types(called) == ["reasoning", "function_call"]
+    assert called[0]["content"][0]["text"] == "I will call it."
+    assert json.loads(called[1]["arguments"]) == {"city": "Paris"}
+    added = [e["item"]["type"] for k, e in streamed if k == "response.output_item.added"]
+    assert added == ["reasoning", "function_call"]
+    assert _types(streamed[-1][1]["response"]["output"]) == ["reasoning", "function_call"]
+
+
+async def test_text_format_constrains_the_answer_only(
+    llm: AsyncLLM, reply: Reply, fake_engine: Any
+) -> None:
+    """The engine's grammar waits for the end of the thinking (reasoning_ended None);
+    with no thinking (qwen3, reasoning.effort "none") it holds from the first token."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"format": {"type": "json_schema", "name": "x", "schema": schema}}
+    body: dict[str, Any] = {"input": "hi", "text": fmt}
+    reply.text = '<think>An object.</think>{"a": 1}'
+    async with _http(llm, reasoning="deepseek_r1") as http:
+        output = (await http.post("/v1/responses", json=body)).json()["output"]
+    assert _types(output) == ["reasoning", "message"]
+    assert json.loads(output[1]["content"][0]["text"]) == {"a": 1}
+    assert fake_engine.added[-1].sampling_params.structured_outputs.reasoning_ended is None
+    reply.text = '{"a": 2}'
+    async with _http(llm, reasoning="qwen3") as http:
+        off = await http.post("/v1/responses", json={**body, "reasoning": {"effort": "none"}})
+        assert fake_engine.added[-1].sampling_params.structured_outputs.reasoning_ended is True
+        on = await http.post("/v1/responses", json={**body, "reasoning": {"effort": "high"}})
+        assert fake_engine.added[-1].sampling_params.structured_outputs.reasoning_ended is None
+    assert _types(off.json()["output"]) == ["message"]
+    assert off.json()["reasoning"] == {"effort": "none"}
+    # Thinking on: qwen3's output is thinking until its end tag (here: all of it).
+    assert _types(on.json()["output"]) == ["reasoning"]
+
+
+async def test_background_and_stored_responses_keep_the_reasoning(
+    llm: AsyncLLM, reply: Reply, fake_engine: Any, tokenizer: Any
+) -> None:
+    reply.text = THOUGHT
+    async with _http(llm, store=True, reasoning="deepseek_r1") as http:
+        queued = await http.post("/v1/responses", json={"input": "hi", "background": True})
+        rid = queued.json()["id"]
+        for _ in range(200):
+            body = (await http.get(f"/v1/responses/{rid}")).json()
+            if body["status"] == "completed":
+                break
+            await asyncio.sleep(0.01)
+        live = (await http.post("/v1/responses", json={"input": "hi", "stream": True})).text
+        streamed = _events(live)[-1][1]["response"]
+        got = (await http.get(f"/v1/responses/{streamed['id']}")).json()
+        await http.post("/v1/responses", json={"input": "more", "previous_response_id": rid})
+    assert body["status"] == "completed" and _types(body["output"]) == ["reasoning", "message"]
+    assert body["output"][0]["content"][0]["text"] == "Two plus two."
+    assert _types(got["output"]) == ["reasoning", "message"] and got == streamed
+    # vLLM leaves a previous response's reasoning out of the next prompt (utils.py:288).
+    prompt = _prompt(fake_engine, tokenizer)
+    assert "It is 4." in prompt and "Two plus two." not in prompt
+
+
+async def test_reasoning_input_items_and_effort_reach_the_template(
+    llm: AsyncLLM, fake_engine: Any, tokenizer: Any
+) -> None:
+    template = (
+        "effort={{ reasoning_effort }} thinking={{ enable_thinking }}\n"
+        "{% for m in messages %}{{ m.role }}:{{ m.reasoning_content or '' }}|"
+        "{{ m.reasoning or '' }}|{{ m.content }}\n{% endfor %}"
+    )
+    items = [
+        {"role": "user", "content": "hi"},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "old thought"}],
+        },
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "next"},
+    ]
+    tokenizer.chat_template = template
+    try:
+        async with _http(llm, reasoning="qwen3") as http:
+            body = {"input": items, "max_output_tokens": 1, "reasoning": {"effort": "low"}}
+            assert (await http.post("/v1/responses", json=body)).status_code == 200
+            prompt = _prompt(fake_engine, tokenizer)
+            kwargs = {"enable_thinking": True}
+            both = {**body, "chat_template_kwargs": kwargs, "reasoning": {"effort": "none"}}
+            assert (await http.post("/v1/responses", json=both)).status_code == 200
+            kept = _prompt(fake_engine, tokenizer)
+            bad = await http.post("/v1/responses", json={**body, "reasoning": {"effort": "huge"}})
+    finally:
+        tokenizer.chat_template = TOOL_TEMPLATE
+    assert prompt.startswith("effort=low thinking=True\n")
+    assert "assistant:old thought|old thought|A\n" in prompt
+    # The request's own enable_thinking wins over the effort's (vLLM's build_chat_params).
+    assert kept.startswith("effort=none thinking=True\n")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning.effort"

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -335,8 +335,8 @@ class OpenAIServing:
         params = chat_sampling_params(
             req, tools.structured_json(tool_req), self.llm.generation_defaults.sampling
         )
-        thinking = self._thinking(req)
-        params = self._gate_structured_output(req, params, thinking)
+        thinking = self.thinking(req.chat_template_kwargs)
+        params = self.gate_structured_output(params, req.include_reasoning and thinking)
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         ec_params = parse_request_ec_transfer_params(req.ec_transfer_params)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -382,7 +382,7 @@ class OpenAIServing:
         async for out in stream:
             check_failed(out, "messages")
             totals.add(0, out)
-            open_ = self._prompt_open(params, out.prompt_token_ids)
+            open_ = self.prompt_open(params, out.prompt_token_ids)
             for c in out.outputs:
                 reasoning, answer = None, c.text
                 if self.reasoning is not None:
@@ -448,7 +448,7 @@ class OpenAIServing:
                     if self.reasoning is not None:
                         split = splits.get(c.index)
                         if split is None:
-                            open_ = self._prompt_open(params, out.prompt_token_ids)
+                            open_ = self.prompt_open(params, out.prompt_token_ids)
                             split = self.reasoning.stream(thinking, open_)
                             splits[c.index] = split
                         chunk, c = self._reasoning_chunk(req, base_id, c, split, top_k)
@@ -491,13 +491,14 @@ class OpenAIServing:
             await stream.aclose()
         yield fmt.SSE_DONE
 
-    def _thinking(self, req: ChatCompletionRequest) -> bool:
+    # The reasoning split, shared with /v1/responses (responses/serving.py).
+    def thinking(self, chat_template_kwargs: Mapping[str, Any] | None) -> bool:
         """Whether the model thinks in this request (qwen3 reads `enable_thinking`)."""
         if self.reasoning is None:
             return False
-        return thinking_enabled(self.reasoning.spec, req.chat_template_kwargs)
+        return thinking_enabled(self.reasoning.spec, chat_template_kwargs)
 
-    def _prompt_open(
+    def prompt_open(
         self, params: SamplingParams | None, prompt_token_ids: list[int]
     ) -> bool | None:
         """Whether the output starts inside the thinking, as the engine's gate decides:
@@ -512,16 +513,15 @@ class OpenAIServing:
         tag = self._reasoning_end.prompt_tag(prompt_token_ids)
         return None if tag is None else not tag
 
-    def _gate_structured_output(
-        self, req: ChatCompletionRequest, params: SamplingParams, thinking: bool
-    ) -> SamplingParams:
-        """vLLM's `resolve_reasoning_ended` (chat_completion/protocol.py:626-641): without
-        the thinking in the answer (`include_reasoning` false, or thinking off) the grammar
-        constrains from the first token; otherwise the engine reads the prompt's tags."""
+    def gate_structured_output(self, params: SamplingParams, thinks: bool) -> SamplingParams:
+        """vLLM's `resolve_reasoning_ended` (chat_completion/protocol.py:626-641): when
+        the model does not think here (`thinks` false: chat's `include_reasoning` false, or
+        thinking off) the grammar constrains from the first token; otherwise the engine
+        reads the prompt's tags."""
         so = params.structured_outputs
         if self.reasoning is None or so is None:
             return params
-        if req.include_reasoning and thinking:
+        if thinks:
             return params
         return msgspec.structs.replace(
             params, structured_outputs=msgspec.structs.replace(so, reasoning_ended=True)

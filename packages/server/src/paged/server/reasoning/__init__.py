@@ -8,13 +8,16 @@ from paged.server.reasoning.parser import (
     ReasoningStream,
 )
 from paged.server.reasoning.registry import (
+    REASONING_EFFORTS,
     REASONING_SPECS,
     check_reasoning_parser,
+    effort_template_kwargs,
     make_reasoning_parser,
     thinking_enabled,
 )
 
 __all__ = [
+    "REASONING_EFFORTS",
     "REASONING_SPECS",
     "ReasoningDelta",
     "ReasoningEndDetector",
@@ -23,6 +26,7 @@ __all__ = [
     "ReasoningSpec",
     "ReasoningStream",
     "check_reasoning_parser",
+    "effort_template_kwargs",
     "make_reasoning_parser",
     "thinking_enabled",
 ]

@@ -56,3 +56,22 @@ def thinking_enabled(spec: ReasoningSpec, chat_template_kwargs: Mapping[str, Any
     if spec.name != "qwen3" or not chat_template_kwargs:
         return True
     return bool(chat_template_kwargs.get("enable_thinking", True))
+
+
+# OpenAI's `reasoning.effort` values (openai.types.shared.ReasoningEffort).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def effort_template_kwargs(
+    effort: str | None, chat_template_kwargs: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The chat template's kwargs with a requested reasoning effort, as vLLM 0.33's
+    build_chat_params (responses/protocol.py:482-524): `reasoning_effort` goes to the
+    template, and `enable_thinking` follows it (false for "none") unless the request's
+    kwargs set it; the parser then reads the same kwargs (`thinking_enabled`)."""
+    if effort is None:
+        return None if chat_template_kwargs is None else dict(chat_template_kwargs)
+    kwargs = dict(chat_template_kwargs or {})
+    kwargs.setdefault("enable_thinking", effort != "none")
+    kwargs["reasoning_effort"] = effort  # vLLM's merge: its own value wins
+    return kwargs

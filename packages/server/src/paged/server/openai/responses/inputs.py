@@ -25,7 +25,9 @@ from paged.server.openai.responses.protocol import (
     OutputItem,
     OutputMessage,
     ReasoningItem,
+    ResponsesRequest,
 )
+from paged.server.reasoning import REASONING_EFFORTS, effort_template_kwargs
 
 Message = dict[str, Any]
 _ROLES = ("user", "system", "developer", "assistant")
@@ -184,3 +186,14 @@ def input_messages(
 def stored_conversation(messages: Sequence[Message]) -> list[Message]:
     """What the store keeps of a request's input: the messages (a deep copy)."""
     return [json.loads(json.dumps(m)) for m in messages]
+
+
+def template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
+    """The chat template's kwargs: the request's, with `reasoning.effort` applied."""
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequestError(
+            "reasoning.effort",
+            f"reasoning.effort must be one of {list(REASONING_EFFORTS)}, got {effort!r}",
+        )
+    return effort_template_kwargs(effort, req.chat_template_kwargs)

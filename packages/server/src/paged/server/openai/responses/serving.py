@@ -4,7 +4,12 @@ vLLM: responses/serving.py (create 262-609, full response 765-945, streaming
 1309-1457, retrieve/cancel 1131-1190) and api_router.py. The prompt goes
 through the chat endpoint's path (chat template with the request's tools,
 `paged.server.openai.tools` for forced choices and parsing), so whatever the
-chat endpoint learns about tools, this endpoint gets too.
+chat endpoint learns about tools, this endpoint gets too. With a
+--reasoning-parser the output is split as the chat endpoint splits it
+(`OpenAIServing.thinking`, `prompt_open`, `gate_structured_output`): the
+thinking becomes a `reasoning` item (vLLM: _make_response_output_items,
+serving.py:1048-1065; streamed, _process_simple_streaming_events,
+serving.py:1217-1289), and tools and `text.format` apply to the answer only.
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ from paged.server.input_processor import TextPrompt
 from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
 from paged.server.openai import tools as chat_tools
-from paged.server.openai.responses.inputs import input_messages, stored_conversation
+from paged.server.openai.responses.inputs import (
+    input_messages,
+    stored_conversation,
+    template_kwargs,
+)
 from paged.server.openai.responses.output import StreamItems, build_output_items, item_status
 from paged.server.openai.responses.protocol import (
     ErrorEvent,
@@ -45,6 +54,7 @@ from paged.server.openai.responses.store import EventLog, ResponseStore
 from paged.server.openai.responses.tooling import ResponsesTools, resolve_tools
 from paged.server.openai.serving import OpenAIServing, check_failed, peek_streams
 from paged.server.outputs import CompletionOutput, RequestOutput
+from paged.server.reasoning import ReasoningStream
 from paged.server.tool_parsers import ToolStreamer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +85,8 @@ class _Job:
     messages: list[dict[str, Any]]
     store: bool
     created_at: int
+    template_kwargs: dict[str, Any] | None  # the request's, with reasoning.effort applied
+    thinking: bool  # a reasoning parser is on and the model thinks in this request
 
 
 @dataclass
@@ -84,6 +96,8 @@ class _Tally:
     completion: int = 0
     max_tokens: int | None = None
     finish_reason: str | None = None
+    # Whether the output starts inside the thinking (OpenAIServing.prompt_open).
+    prompt_open: bool | None = None
 
     def usage(self) -> ResponseUsage:
         return ResponseUsage(
@@ -136,6 +150,11 @@ class OpenAIServingResponses:
         params = responses_sampling_params(
             req, chat_tools.structured_json(tools.request), llm.generation_defaults.sampling
         )
+        kwargs = template_kwargs(req)
+        thinking = self.serving.thinking(kwargs)
+        # Unlike chat, include_reasoning=false does not stop the thinking: vLLM's
+        # Responses hides it after generation (reasoning_ended None, serving.py:532).
+        params = self.serving.gate_structured_output(params, thinking)
         prev_messages: list[dict[str, Any]] | None = None
         prev_output: list[OutputItem] | None = None
         if req.previous_response_id is not None:
@@ -154,6 +173,8 @@ class OpenAIServingResponses:
             # vLLM silently drops `store` when the store is off (serving.py:296-305).
             store=bool(req.store) and self.store.enabled,
             created_at=int(time.time()),
+            template_kwargs=kwargs,
+            thinking=thinking,
         )
 
     async def _submit(self, job: _Job) -> AsyncGenerator[RequestOutput, None]:
@@ -166,7 +187,7 @@ class OpenAIServingResponses:
             add_generation_prompt=True,
             continue_final_message=False,
             chat_template=None,
-            chat_template_kwargs=job.req.chat_template_kwargs,
+            chat_template_kwargs=job.template_kwargs,
             tools=job.tools.template_tools,
             allow_images=False,
         )
@@ -201,7 +222,7 @@ class OpenAIServingResponses:
                     logprobs += self._logprobs(job, c)
         finally:
             await stream.aclose()
-        output = self._items(job, text, tally.finish_reason, logprobs or None)
+        output = self._items(job, text, tally, logprobs or None)
         status: ResponseStatus = "incomplete" if tally.finish_reason == "length" else "completed"
         response = self._response(job, status, output, tally)
         if job.store:
@@ -212,15 +233,24 @@ class OpenAIServingResponses:
         self,
         job: _Job,
         text: str,
-        finish_reason: str | None,
+        tally: _Tally,
         logprobs: list[dict[str, Any]] | None,
     ) -> list[OutputItem]:
-        """The output items of a whole generation (reasoning goes in when a parser gives it)."""
+        """The output items of a whole generation: the thinking, the answer, its calls."""
+        finish_reason = tally.finish_reason
+        reasoning: str | None = None
+        parser = self.serving.reasoning
+        if parser is not None:
+            reasoning, content = parser.extract(text, job.thinking, tally.prompt_open)
+            text = content or ""
+            if not job.req.include_reasoning:
+                reasoning, logprobs = None, None  # vLLM: serving.py:1056-1058
         tool_req = job.tools.request
         if tool_req is None or tool_req.mode == "none":
-            return build_output_items(None, text, [], finish_reason, logprobs)
+            return build_output_items(reasoning, text, [], finish_reason, logprobs)
+        # Tool calls are read from the answer only, as the chat endpoint does.
         result = chat_tools.extract(tool_req, self.serving.tool_config, text)
-        return build_output_items(None, result.content, result.calls, finish_reason)
+        return build_output_items(reasoning, result.content, result.calls, finish_reason)
 
     def _logprobs(self, job: _Job, c: CompletionOutput) -> list[dict[str, Any]]:
         """`include: ["message.output_text.logprobs"]`: the tokens' logprobs, OpenAI's shape."""
@@ -236,6 +266,7 @@ class OpenAIServingResponses:
             llm = self.serving.llm
             resolved = llm.input_processor.resolve_max_tokens(job.params, tally.prompt)
             tally.max_tokens = resolved.max_tokens
+            tally.prompt_open = self.serving.prompt_open(job.params, out.prompt_token_ids)
         for c in out.outputs:
             tally.completion += len(c.token_ids)
             if c.finish_reason is not None:
@@ -314,6 +345,10 @@ class OpenAIServingResponses:
         parallel = tool_req is None or tool_req.parallel_tool_calls
         if tool_req is not None and tool_req.mode != "none":
             streamer = chat_tools.streamer(tool_req, self.serving.tool_config)
+        parser = self.serving.reasoning
+        split: ReasoningStream | None = None
+        # vLLM's hide_stream_metadata (serving.py:1230-1240): no thinking, no logprobs.
+        hidden = parser is not None and not job.req.include_reasoning
         try:
             first = True
             async for out in stream:
@@ -326,10 +361,20 @@ class OpenAIServingResponses:
                     first = False
                 check_failed(out, "input")
                 for c in out.outputs:
+                    text = c.text
+                    pieces: list[StreamEvent] = []
+                    if parser is not None:
+                        if split is None:
+                            split = parser.stream(job.thinking, tally.prompt_open)
+                        part = split.feed(c.text, c.finished())
+                        text = part.content
+                        if not hidden:
+                            pieces += items.reasoning(part.reasoning)
                     if streamer is None:
-                        pieces = items.content(c.text, self._logprobs(job, c))
+                        logprobs = [] if hidden else self._logprobs(job, c)
+                        pieces += items.content(text, logprobs)
                     else:
-                        pieces = _piece_events(items, streamer, parallel, c.text, c.finished())
+                        pieces += _piece_events(items, streamer, parallel, text, c.finished())
                     for event in pieces:
                         yield numbered(event)
             for event in items.close(item_status(tally.finish_reason)):
