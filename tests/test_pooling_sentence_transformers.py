@@ -158,3 +158,46 @@ def test_bert_cross_encoder_equals_sentence_transformers(tmp_path: Path) -> None
         [PoolingInput(h, i.tolist(), "classify") for h, i in zip(hidden, ids, strict=True)]
     )
     torch.testing.assert_close(torch.cat(scores), expected, atol=ATOL, rtol=0)
+
+
+def test_qwen3_lasttoken_embedding_equals_sentence_transformers(tmp_path: Path) -> None:
+    # A decoder embedding model (Qwen3-Embedding style): paged's model runner
+    # hands the pooler final hidden states; transformers' stand in for them here.
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    vocab = ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    tok = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
+    torch.manual_seed(0)
+    qwen3: dict[str, Any] = {
+        "vocab_size": len(vocab),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "pad_token_id": 1,
+    }
+    model_cls: Any = transformers.Qwen3Model
+    model_cls(transformers.Qwen3Config(**qwen3)).save_pretrained(hf)
+    tok.save_pretrained(hf)
+    model = SentenceTransformer(
+        modules=[Transformer(str(hf)), Pooling(32, pooling_mode="lasttoken"), Normalize()]
+    )
+    st_dir = tmp_path / "st"
+    model.save(str(st_dir))
+    expected = model.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
+
+    hf_config = json.loads((st_dir / "config.json").read_text())
+    config = load_pooler_config(st_dir, hf_config, None, "embed")
+    assert (config.seq_pooling_type, config.use_activation) == ("LAST", True)
+    pooler = build_pooler(config, 32, {}, hf_config, convert="embed")
+    body: Any = transformers.AutoModel.from_pretrained(st_dir).eval()
+    inputs = []
+    for sentence in SENTENCES:
+        ids = torch.tensor(tok(sentence)["input_ids"])
+        with torch.no_grad():
+            hidden = body(input_ids=ids[None]).last_hidden_state[0]
+        inputs.append(PoolingInput(hidden, ids.tolist(), "embed"))
+    got = torch.stack(pooler(inputs))
+    torch.testing.assert_close(got, expected.cpu().float(), atol=ATOL, rtol=0)

@@ -255,3 +255,11 @@ def test_converted_lm_reranker_score_is_true_minus_false() -> None:
     # sigmoid(l_true - l_false) is the "yes" probability of the 2-way softmax.
     logits = lm_head @ hs[-1]
     torch.testing.assert_close(got, torch.softmax(logits[[3, 7]], dim=-1)[1:])
+
+
+def test_outputs_own_their_storage() -> None:
+    # Without activation the embed rows would be views of one stacked tensor.
+    pooler = _embedder(use_activation=False)
+    out = pooler([_inp(_hidden(3, s), "embed") for s in range(4)])
+    for t in out:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
