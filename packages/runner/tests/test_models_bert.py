@@ -19,6 +19,7 @@ from paged.runner.pooling import (
     PoolingInput,
     build_pooler,
     is_head_tensor,
+    load_converted_score_head,
     load_head_state_dict,
     load_pooler_config,
 )
@@ -199,3 +200,32 @@ def test_wrong_architecture_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'Qwen3ForCausalLM' is not a BERT-family encoder"):
         load_bert_model(tmp_path)
     assert read_modules(tmp_path) is None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_converted_qwen3_reranker_equals_two_way_softmax(tmp_path: Path, tied: bool) -> None:
+    # Qwen3-Reranker style: a causal LM whose "yes" probability against "no" at
+    # the last token is the relevance score (vLLM's from_2_way_softmax).
+    torch.manual_seed(0)
+    extra = {"method": "from_2_way_softmax", "classifier_from_token": ["no", "yes"]}
+    cfg = transformers.Qwen3Config(**{**QWEN3, "num_hidden_layers": 1, "tie_word_embeddings": tied})
+    model_cls: Any = transformers.Qwen3ForCausalLM
+    hf = model_cls(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    hf_config = {**_hf_config(tmp_path), **extra}
+    no_id, yes_id = 7, 11  # what the tokenizer would give for "no", "yes"
+    head = load_converted_score_head(tmp_path, hf_config, [no_id, yes_id])
+    config = load_pooler_config(tmp_path, hf_config, None, "classify")
+    pooler = build_pooler(config, 32, head, hf_config, convert="classify")
+    for prompt in _prompts(6)[:3]:
+        with torch.no_grad():
+            hidden = hf.model(input_ids=prompt[None]).last_hidden_state[0]
+            logits = hf(input_ids=prompt[None]).logits[0, -1]
+        (score,) = pooler([PoolingInput(hidden, prompt.tolist(), "classify")])
+        expected = torch.softmax(logits[[no_id, yes_id]], dim=-1)[1:]
+        torch.testing.assert_close(score, expected, atol=ATOL, rtol=0)
+
+
+def test_converted_head_needs_a_method(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="method: a converted classifier needs"):
+        load_converted_score_head(tmp_path, {}, [1, 2])

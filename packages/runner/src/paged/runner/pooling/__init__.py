@@ -13,6 +13,7 @@ from paged.runner.pooling.config import POOLING_TASKS, PoolerConfig
 from paged.runner.pooling.heads import (
     DECODER_SEQ_CLS_ARCHITECTURES,
     is_head_tensor,
+    load_converted_score_head,
     load_head_state_dict,
     score_weight_from_lm_head,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "build_pooler",
     "check_dimensions",
     "is_head_tensor",
+    "load_converted_score_head",
     "load_head_state_dict",
     "load_pooler_config",
     "load_st_dense_layers",

@@ -91,6 +91,36 @@ def score_weight_from_lm_head(
     )
 
 
+def load_converted_score_head(
+    model_dir: str | Path, hf_config: Mapping[str, object], token_ids: list[int]
+) -> dict[str, torch.Tensor]:
+    """`{"score.weight": ...}` of a causal LM served as a classifier (`--convert classify`).
+
+    `hf_config["method"]` names the conversion and `classifier_from_token` the
+    tokens, whose ids the caller looks up with the model's tokenizer
+    (`token_ids`, same order). The LM head is `lm_head.weight`, or the input
+    embeddings when the config ties them. vllm/model_executor/models/adapters.py:416-446.
+    """
+    method = hf_config.get("method")
+    if not isinstance(method, str):
+        raise ValueError(
+            "method: a converted classifier needs `method` (from_2_way_softmax or "
+            "no_post_processing) and `classifier_from_token` in its config"
+        )
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    names = ("model.embed_tokens.weight",) if tied else ("lm_head.weight",)
+    for path in safetensors_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                if name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                    return {
+                        "score.weight": score_weight_from_lm_head(
+                            f.get_tensor(name), token_ids, method
+                        )
+                    }
+    raise ValueError(f"model: no {names[0]!r} in {str(model_dir)!r} to derive score.weight from")
+
+
 @dataclass(frozen=True)
 class ClassifierHead:
     """`seq` maps pooled states [B, H] to logits [B, L]; `token` maps [n, H] to [n, L]."""
