@@ -48,7 +48,7 @@ from paged.server.openai.protocol import (
     TokenizeResponse,
 )
 from paged.server.openai.serving import EngineRequestError, ModelNotFoundError, OpenAIServing
-from paged.server.openai.tools import ToolCallingConfig
+from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,9 +182,7 @@ def build_app(
     `tool_config`: vLLM's tool-calling flags; ValueError when they do not fit together
     (or `--tool-call-parser auto` finds no format in the chat template).
     """
-    tool_flags = (tool_config or ToolCallingConfig()).resolve(
-        getattr(llm.tokenizer, "chat_template", None)
-    )
+    tool_flags = resolve_for_tokenizer(tool_config or ToolCallingConfig(), llm.tokenizer)
     app = FastAPI(
         title="paged",
         version=_version(),

@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Any
 from paged.scheduler import SamplingParams
 from paged.scheduler.boundary import KVTransferParams
 from paged.server.async_llm import AsyncLLM
-from paged.server.chat_utils import apply_chat_template, collect_image_urls, normalize_messages
+from paged.server.chat_utils import (
+    FALLBACK_CHAT_TEMPLATE,
+    apply_chat_template,
+    collect_image_urls,
+    normalize_messages,
+)
 from paged.server.collector import RequestOutputCollector
 from paged.server.ec_transfer import parse_request_ec_transfer_params
 from paged.server.errors import InvalidRequestError
@@ -28,6 +33,7 @@ from paged.server.kv_transfer import parse_request_kv_transfer_params
 from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
 from paged.server.openai import tools
+from paged.server.openai.generic_tools import ToolTemplateProbe, generic_messages
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -50,6 +56,7 @@ from paged.server.openai.protocol import (
     UsageInfo,
 )
 from paged.server.openai.sampling import chat_sampling_params, completion_sampling_params
+from paged.server.openai.tool_types import ToolRequest
 from paged.server.openai.tools import ResolvedToolConfig
 from paged.server.outputs import CompletionOutput, RequestOutput
 from paged.server.tokenizer import TokenizerLike
@@ -139,6 +146,18 @@ class OpenAIServing:
         self.llm = llm
         self.model_name = model_name
         self.tool_config = tool_config or ResolvedToolConfig()
+        self.tool_probe = ToolTemplateProbe(llm.tokenizer)
+
+    def request_tool_config(self, chat_template: str | None) -> ResolvedToolConfig:
+        """The tool config for a request rendered with `chat_template` (or the server's)."""
+        if not self.tool_config.generic_when_ignored:
+            return self.tool_config
+        template = (
+            chat_template
+            or getattr(self.llm.tokenizer, "chat_template", None)
+            or FALLBACK_CHAT_TEMPLATE
+        )
+        return self.tool_config.for_template(self.tool_probe.ignores_tools(template))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -310,11 +329,12 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """`header_request_id`: the X-Request-Id header, which names the request first."""
         self.check_model(req.model)
+        tool_config = self.request_tool_config(req.chat_template)
         tool_req = tools.parse_tool_request(
-            req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_config
+            req.tools, req.tool_choice, req.parallel_tool_calls, tool_config
         )
         params = chat_sampling_params(
-            req, tools.structured_json(tool_req), self.llm.generation_defaults.sampling
+            req, tools.structured_json(tool_req, tool_config), self.llm.generation_defaults.sampling
         )
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         ec_params = parse_request_ec_transfer_params(req.ec_transfer_params)
@@ -328,8 +348,14 @@ class OpenAIServing:
             )
         if mm is not None:
             mm.check_counts({"image": len(image_urls)}, "messages")
+        size = messages_size(messages) + len(req.chat_template or "")
+        if tool_config.generic:
+            # The template knows no tools: the conversation carries them as text.
+            messages = await self.llm.offload.run(
+                size, generic_messages, messages, tool_req, allow_images=mm is not None
+            )
         prompt_text = await self.llm.offload.run(
-            messages_size(messages) + len(req.chat_template or ""),
+            size,
             apply_chat_template,
             self.llm.tokenizer,
             messages,
@@ -337,7 +363,7 @@ class OpenAIServing:
             continue_final_message=req.continue_final_message,
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
-            tools=tools.template_tools(tool_req, self.tool_config),
+            tools=tools.template_tools(tool_req, tool_config),
             allow_images=mm is not None,
         )
         # The template already holds the special tokens (BOS etc.).
@@ -355,7 +381,7 @@ class OpenAIServing:
         top_k = req.top_logprobs or 0
         if req.stream:
             (stream,) = await peek_streams([stream], "messages")
-            return self._chat_stream(req, base_id, stream, echo, top_k, tool_req)
+            return self._chat_stream(req, base_id, stream, echo, top_k, tool_req, tool_config)
         totals = _Totals()
         choices: list[ChatCompletionResponseChoice] = []
         async for out in stream:
@@ -366,7 +392,7 @@ class OpenAIServing:
                 finish = c.finish_reason
                 if tool_req is not None and tool_req.mode != "none":
                     message, finish = tools.chat_message(
-                        tool_req, self.tool_config, c.text, c.finish_reason
+                        tool_req, tool_config, c.text, c.finish_reason
                     )
                     if echo:
                         message.content = echo + (message.content or "")
@@ -396,9 +422,11 @@ class OpenAIServing:
         stream: AsyncGenerator[RequestOutput, None],
         echo: str,
         top_k: int,
-        tool_req: tools.ToolRequest | None = None,
+        tool_req: ToolRequest | None = None,
+        tool_config: ResolvedToolConfig | None = None,
     ) -> AsyncIterator[str]:
         totals = _Totals()
+        config = tool_config or self.tool_config
         streamers: dict[int, ToolStreamer] = {}
         try:
             for j in range(req.n):
@@ -412,7 +440,7 @@ class OpenAIServing:
                 if any(c.finish_reason == "error" for c in out.outputs):
                     check_failed(out, "messages")
                 for c in out.outputs:
-                    st = streamers.get(c.index) or tools.streamer(tool_req, self.tool_config)
+                    st = streamers.get(c.index) or tools.streamer(tool_req, config)
                     if st is not None:
                         streamers[c.index] = st
                         for tool_chunk in self._tool_chunks(req, base_id, c, st, tool_req, top_k):
@@ -452,7 +480,7 @@ class OpenAIServing:
         base_id: str,
         c: CompletionOutput,
         st: ToolStreamer,
-        tool_req: tools.ToolRequest | None,
+        tool_req: ToolRequest | None,
         top_k: int,
     ) -> list[ChatCompletionStreamResponse]:
         """One output delta of a choice whose text goes through a tool streamer."""
