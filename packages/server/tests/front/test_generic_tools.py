@@ -115,7 +115,9 @@ def test_auto_is_accepted_in_the_generic_format() -> None:
 
 # -- schema ------------------------------------------------------------------------------
 
-CALL = {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]}
+CALL: dict[str, Any] = {
+    "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]
+}
 
 
 def test_auto_schema_is_a_call_or_an_answer() -> None:
@@ -217,7 +219,7 @@ def test_the_instruction_joins_the_system_message_or_opens_one() -> None:
 
 
 def test_the_round_trip_renders_as_text_any_template_can_show() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "weather in Paris?"},
         {
             "role": "assistant",

@@ -1,4 +1,4 @@
-"""The generic format's parser: `{"tool_calls": [...]}` / `{"response": "..."}` -> calls / content."""
+"""The generic format's parser: `{"tool_calls": [...]}` or `{"response": ...}` -> calls, content."""
 
 from __future__ import annotations
 

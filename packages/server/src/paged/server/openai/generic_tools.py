@@ -209,7 +209,8 @@ def tool_system_text(req: ToolRequest) -> str:
             "Reply with one JSON object.",
             f"To call a tool, reply: {call_shape}",
             f'To answer without a tool, reply: {{"{RESPONSE_KEY}": "<your answer>"}}',
-            "Call a tool when the user asks for something it does; otherwise answer.",
+            "Call a tool when the user asks for something it does; otherwise answer. "
+            "After a tool's result, answer the user with it.",
         ]
     else:
         lines.append(f"Reply by calling a tool with one JSON object: {call_shape}")
