@@ -11,6 +11,10 @@ or `{"response": "..."}`), or uses `--base-url` of a running server. Sends
   `city_in_arguments_rate`: the city of the prompt appears in the arguments.
 - should_not_call: 20 prompts that need no tool (greetings, writing, facts); a
   hit is a plain answer (`answer_rate`).
+- after_result: the should_call conversations continued with the right call and
+  its result (`sunny, 21 C` / `14:05`) as a `tool` message; a hit is a plain
+  answer (`answer_rate`) that uses the result (`uses_result_rate`: "sunny", "21"
+  or "14:05" in it).
 
 Run: .venvs/all/bin/python benchmarks/tool_call_rate.py [--base-url http://127.0.0.1:8000]
 Prints one JSON object.
@@ -89,9 +93,26 @@ SHOULD_NOT_CALL = [
 ]
 
 
-async def _ask(client: httpx.AsyncClient, prompt: str) -> dict[str, Any]:
+RESULTS = {"get_weather": "sunny, 21 C", "get_time": "14:05"}
+
+
+def _after_result(prompt: str, tool: str, city: str) -> list[dict[str, Any]]:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": tool, "arguments": json.dumps({"city": city})},
+    }
+    return [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": RESULTS[tool]},
+    ]
+
+
+async def _ask(client: httpx.AsyncClient, prompt: str | list[dict[str, Any]]) -> dict[str, Any]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body = {
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": messages,
         "tools": TOOLS,
         "temperature": 0,
         "max_tokens": 96,
@@ -111,11 +132,15 @@ def _calls(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 async def measure(base_url: str) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=base_url) as client:
-        prompts = [p for p, _, _ in SHOULD_CALL] + SHOULD_NOT_CALL
+        prompts: list[str | list[dict[str, Any]]] = [p for p, _, _ in SHOULD_CALL]
+        prompts += SHOULD_NOT_CALL
         t0 = time.perf_counter()
         messages = await asyncio.gather(*(_ask(client, p) for p in prompts))
+        followups = await asyncio.gather(*(_ask(client, _after_result(*x)) for x in SHOULD_CALL))
         elapsed = time.perf_counter() - t0
     call_msgs, plain_msgs = messages[: len(SHOULD_CALL)], messages[len(SHOULD_CALL) :]
+    answers = [m.get("content") or "" for m in followups if not m.get("tool_calls")]
+    used = sum(any(w in a for w in ("sunny", "21", "14:05")) for a in answers)
     called = right = city = 0
     examples: list[dict[str, Any]] = []
     for (prompt, tool, c), message in zip(SHOULD_CALL, call_msgs, strict=True):
@@ -145,6 +170,12 @@ async def measure(base_url: str) -> dict[str, Any]:
             "answer_rate": answered / n_not,
             "called_anyway": wrong[:5],
             "answer_examples": [m["content"] for m in plain_msgs[:3]],
+        },
+        "after_result": {
+            "prompts": n_call,
+            "answer_rate": len(answers) / n_call,
+            "uses_result_rate": used / n_call,
+            "answer_examples": answers[:3],
         },
         "seconds": round(elapsed, 1),
     }
