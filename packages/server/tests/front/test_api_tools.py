@@ -396,8 +396,11 @@ async def test_bad_tool_requests_are_400s(
 
 
 async def test_auto_needs_the_flag(llm: AsyncLLM, fake_engine: Any) -> None:
+    # vLLM's rule holds for a template that renders tools (the generic format is only
+    # the default where the template ignores them: test_api_generic_tools.py).
     async with await _http(llm, ToolCallingConfig()) as http:
-        resp = await http.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]})
+        body = {"messages": USER, "tools": [WEATHER], "chat_template": TOOL_TEMPLATE}
+        resp = await http.post("/v1/chat/completions", json=body)
         assert resp.status_code == 400
         assert resp.json()["error"]["message"] == (
             '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
@@ -405,11 +408,21 @@ async def test_auto_needs_the_flag(llm: AsyncLLM, fake_engine: Any) -> None:
         # Named and required choices need no parser, as in vLLM.
         resp = await http.post(
             "/v1/chat/completions",
-            json={"messages": USER, "tools": [WEATHER], "tool_choice": "required"},
+            json={
+                "messages": USER,
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "chat_template": TOOL_TEMPLATE,
+            },
         )
         assert resp.status_code == 200, resp.text
 
 
-def test_build_app_refuses_auto_parser_without_a_known_template(llm: AsyncLLM) -> None:
+def test_build_app_refuses_auto_parser_without_a_known_template(
+    llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A template that renders tools in no format paged knows (one that ignores them
+    # gets the generic format instead: test_api_generic_tools.py).
+    monkeypatch.setattr(llm.tokenizer, "chat_template", TOOL_TEMPLATE)
     with pytest.raises(ValueError, match="name the parser"):
         build_app(llm, model_name=MODEL, tool_config=ToolCallingConfig(True, "auto"))

@@ -34,3 +34,11 @@ def test_bad_tool_flags_exit_2(
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_generic_parser_flag_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(serve, "run_server", lambda args, **kw: seen.update(kw))
+    assert main(["serve", "--tool-call-parser", "generic"]) == 0
+    assert seen["tool_config"] == ToolCallingConfig(False, "generic", False)
+    assert seen["tool_config"].resolve(None).generic

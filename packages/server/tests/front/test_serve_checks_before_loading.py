@@ -20,6 +20,8 @@ from paged.server.engine_args import EngineArgs
 from paged.server.openai.tools import ToolCallingConfig
 
 NO_TOOL_FORMAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# Shows the tools, in no format a parser knows: `auto` cannot pick one.
+UNKNOWN_TOOL_FORMAT = NO_TOOL_FORMAT + "{% if tools %}{{ tools | tojson }}{% endif %}"
 HERMES = "{% for m in messages %}<tool_call>{{ m['content'] }}</tool_call>{% endfor %}"
 
 
@@ -73,7 +75,11 @@ def test_tool_call_parser_auto_without_a_format_fails_before_the_engine_starts(
     tiny_model: Path, engine_starts: list[Any]
 ) -> None:
     with pytest.raises(ValueError, match="--tool-call-parser auto: the chat template shows none"):
-        _run(tiny_model, ToolCallingConfig(True, "auto"))
+        _run(
+            tiny_model,
+            ToolCallingConfig(True, "auto"),
+            FrontendOptions(chat_template=UNKNOWN_TOOL_FORMAT),
+        )
     assert engine_starts == []
 
 
@@ -86,9 +92,17 @@ def test_chat_template_flag_is_what_auto_reads(tiny_model: Path, engine_starts: 
         _run(
             tiny_model,
             ToolCallingConfig(True, "auto"),
-            FrontendOptions(chat_template=NO_TOOL_FORMAT),
+            FrontendOptions(chat_template=UNKNOWN_TOOL_FORMAT),
         )
     assert len(engine_starts) == 1
+    # A template that ignores tools gets paged's generic format: the engine starts.
+    with pytest.raises(EngineStarted):
+        _run(
+            tiny_model,
+            ToolCallingConfig(True, "auto"),
+            FrontendOptions(chat_template=NO_TOOL_FORMAT),
+        )
+    assert len(engine_starts) == 2
 
 
 def test_unreadable_generation_config_fails_before_the_engine_starts(

@@ -54,7 +54,7 @@ def run_server(
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
     from paged.server.openai.responses import ResponseStore, store_enabled_from_env
-    from paged.server.openai.tools import ToolCallingConfig
+    from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
     from paged.server.tokenizer import load_tokenizer
 
     front = frontend if frontend is not None else FrontendOptions()
@@ -84,7 +84,7 @@ def run_server(
         tokenizer.chat_template = front.chat_template  # --chat-template replaces the model's
     # Checked against the chat template now, not by build_app after the model loaded
     # (`--tool-call-parser auto` with a template showing no format fails here).
-    (tool_config or ToolCallingConfig()).resolve(getattr(tokenizer, "chat_template", None))
+    resolve_for_tokenizer(tool_config or ToolCallingConfig(), tokenizer)
     # Images: a vision model's processor, loaded before the engine starts (fails fast).
     mm_frontend = build_frontend_for(args, config, bind_host=host)
     so_config, compiler = structured_outputs_for(args, config, tokenizer)

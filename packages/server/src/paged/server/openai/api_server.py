@@ -55,7 +55,7 @@ from paged.server.openai.responses import (
 from paged.server.openai.responses.routes import add_responses_routes
 from paged.server.openai.responses.serving import ResponseNotFoundError
 from paged.server.openai.serving import EngineRequestError, ModelNotFoundError, OpenAIServing
-from paged.server.openai.tools import ToolCallingConfig
+from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
 from paged.server.reasoning import make_reasoning_parser
 
 logger = logging.getLogger(__name__)
@@ -194,9 +194,7 @@ def build_app(
     `reasoning_parser`: vLLM's --reasoning-parser name (ValueError if unknown).
     `responses_store`: /v1/responses' store; None: enabled by VLLM_ENABLE_RESPONSES_API_STORE.
     """
-    tool_flags = (tool_config or ToolCallingConfig()).resolve(
-        getattr(llm.tokenizer, "chat_template", None)
-    )
+    tool_flags = resolve_for_tokenizer(tool_config or ToolCallingConfig(), llm.tokenizer)
     app = FastAPI(
         title="paged",
         version=_version(),

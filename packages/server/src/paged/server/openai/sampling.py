@@ -138,8 +138,9 @@ def chat_sampling_params(
         # One constraint per request: the tool call's schema or the user's, not both.
         raise InvalidRequestError(
             "tool_choice",
-            "tool_choice 'required' or a named function constrains the output to the tool "
-            "call; it cannot be combined with response_format or structured_outputs",
+            "tool_choice 'required', a named function, or any tool choice in the generic "
+            "tool format (a chat template that ignores tools) constrains the output to the "
+            "tool call; it cannot be combined with response_format or structured_outputs",
         )
     return msgspec.structs.replace(
         params,

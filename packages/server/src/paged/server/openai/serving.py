@@ -22,7 +22,12 @@ import msgspec
 from paged.scheduler import SamplingParams
 from paged.scheduler.boundary import KVTransferParams
 from paged.server.async_llm import AsyncLLM
-from paged.server.chat_utils import apply_chat_template, collect_image_urls, normalize_messages
+from paged.server.chat_utils import (
+    FALLBACK_CHAT_TEMPLATE,
+    apply_chat_template,
+    collect_image_urls,
+    normalize_messages,
+)
 from paged.server.collector import RequestOutputCollector
 from paged.server.ec_transfer import parse_request_ec_transfer_params
 from paged.server.errors import InvalidRequestError
@@ -31,6 +36,7 @@ from paged.server.kv_transfer import parse_request_kv_transfer_params
 from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
 from paged.server.openai import tools
+from paged.server.openai.generic_tools import ToolTemplateProbe, generic_messages
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,6 +59,7 @@ from paged.server.openai.protocol import (
     UsageInfo,
 )
 from paged.server.openai.sampling import chat_sampling_params, completion_sampling_params
+from paged.server.openai.tool_types import ToolRequest
 from paged.server.openai.tools import ResolvedToolConfig
 from paged.server.outputs import CompletionOutput, RequestOutput
 from paged.server.reasoning import (
@@ -158,6 +165,23 @@ class OpenAIServing:
         self._reasoning_end = (
             ReasoningEndDetector(reasoning.spec, llm.tokenizer) if reasoning is not None else None
         )
+        self.tool_probe = ToolTemplateProbe(llm.tokenizer)
+
+    def request_tool_config(
+        self, chat_template: str | None, has_tools: bool = True
+    ) -> ResolvedToolConfig:
+        """The tool config for a request rendered with `chat_template` (or the server's).
+
+        Only a request with tools probes the template: the probe renders it twice.
+        """
+        if not self.tool_config.generic_when_ignored or not has_tools:
+            return self.tool_config
+        template = (
+            chat_template
+            or getattr(self.llm.tokenizer, "chat_template", None)
+            or FALLBACK_CHAT_TEMPLATE
+        )
+        return self.tool_config.for_template(self.tool_probe.ignores_tools(template))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -329,11 +353,12 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """`header_request_id`: the X-Request-Id header, which names the request first."""
         self.check_model(req.model)
+        tool_config = self.request_tool_config(req.chat_template, bool(req.tools))
         tool_req = tools.parse_tool_request(
-            req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_config
+            req.tools, req.tool_choice, req.parallel_tool_calls, tool_config
         )
         params = chat_sampling_params(
-            req, tools.structured_json(tool_req), self.llm.generation_defaults.sampling
+            req, tools.structured_json(tool_req, tool_config), self.llm.generation_defaults.sampling
         )
         thinking = self.thinking(req.chat_template_kwargs)
         params = self.gate_structured_output(params, req.include_reasoning and thinking)
@@ -349,8 +374,14 @@ class OpenAIServing:
             )
         if mm is not None:
             mm.check_counts({"image": len(image_urls)}, "messages")
+        size = messages_size(messages) + len(req.chat_template or "")
+        if tool_config.generic:
+            # The template knows no tools: the conversation carries them as text.
+            messages = await self.llm.offload.run(
+                size, generic_messages, messages, tool_req, allow_images=mm is not None
+            )
         prompt_text = await self.llm.offload.run(
-            messages_size(messages) + len(req.chat_template or ""),
+            size,
             apply_chat_template,
             self.llm.tokenizer,
             messages,
@@ -358,7 +389,7 @@ class OpenAIServing:
             continue_final_message=req.continue_final_message,
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
-            tools=tools.template_tools(tool_req, self.tool_config),
+            tools=tools.template_tools(tool_req, tool_config),
             allow_images=mm is not None,
         )
         # The template already holds the special tokens (BOS etc.).
@@ -376,7 +407,9 @@ class OpenAIServing:
         top_k = req.top_logprobs or 0
         if req.stream:
             (stream,) = await peek_streams([stream], "messages")
-            return self._chat_stream(req, base_id, stream, echo, top_k, tool_req, thinking, params)
+            return self._chat_stream(
+                req, base_id, stream, echo, top_k, tool_req, thinking, params, tool_config
+            )
         totals = _Totals()
         choices: list[ChatCompletionResponseChoice] = []
         async for out in stream:
@@ -395,7 +428,7 @@ class OpenAIServing:
                 if tool_req is not None and tool_req.mode != "none":
                     # Tool calls are read from the answer only.
                     message, finish = tools.chat_message(
-                        tool_req, self.tool_config, answer, c.finish_reason
+                        tool_req, tool_config, answer, c.finish_reason
                     )
                     if echo:
                         message.content = echo + (message.content or "")
@@ -426,11 +459,13 @@ class OpenAIServing:
         stream: AsyncGenerator[RequestOutput, None],
         echo: str,
         top_k: int,
-        tool_req: tools.ToolRequest | None = None,
+        tool_req: ToolRequest | None = None,
         thinking: bool = True,
         params: SamplingParams | None = None,
+        tool_config: ResolvedToolConfig | None = None,
     ) -> AsyncIterator[str]:
         totals = _Totals()
+        config = tool_config or self.tool_config
         streamers: dict[int, ToolStreamer] = {}
         splits: dict[int, ReasoningStream] = {}
         try:
@@ -457,7 +492,7 @@ class OpenAIServing:
                             yield fmt.sse(chunk)
                         if not c.text and not c.finished():
                             continue  # all of this delta was thinking (or a held tag)
-                    st = streamers.get(c.index) or tools.streamer(tool_req, self.tool_config)
+                    st = streamers.get(c.index) or tools.streamer(tool_req, config)
                     if st is not None:
                         streamers[c.index] = st
                         for tool_chunk in self._tool_chunks(req, base_id, c, st, tool_req, top_k):
@@ -556,7 +591,7 @@ class OpenAIServing:
         base_id: str,
         c: CompletionOutput,
         st: ToolStreamer,
-        tool_req: tools.ToolRequest | None,
+        tool_req: ToolRequest | None,
         top_k: int,
     ) -> list[ChatCompletionStreamResponse]:
         """One output delta of a choice whose text goes through a tool streamer."""

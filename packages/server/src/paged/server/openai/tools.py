@@ -12,12 +12,13 @@ that schema: the structured-output backend does.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from paged.server.chat_utils import FALLBACK_CHAT_TEMPLATE
 from paged.server.errors import InvalidRequestError
+from paged.server.openai.generic_tools import generic_tool_schema, template_ignores_tools
 from paged.server.openai.protocol import (
     ChatMessage,
     DeltaFunctionCall,
@@ -26,8 +27,11 @@ from paged.server.openai.protocol import (
     FunctionCall,
     ToolCall,
 )
+from paged.server.openai.tool_types import ChoiceMode, FunctionTool, ToolRequest, hoist_defs
+from paged.server.tokenizer import TokenizerLike
 from paged.server.tool_parsers import (
     ExtractedToolCalls,
+    GenericToolParser,
     NamedToolStreamer,
     ParsedCall,
     ParserStreamer,
@@ -39,6 +43,7 @@ from paged.server.tool_parsers import (
     make_tool_call_id,
     resolve_tool_parser_name,
 )
+from paged.server.tool_parsers.registry import AUTO, GENERIC
 
 AUTO_NEEDS_FLAGS = (
     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
@@ -54,54 +59,68 @@ class ToolCallingConfig:
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
 
-    def resolve(self, chat_template: str | None) -> ResolvedToolConfig:
-        """Check the flags once at start-up (ValueError, as vLLM's start-up checks)."""
+    def resolve(
+        self, chat_template: str | None, template_ignores_tools: bool = False
+    ) -> ResolvedToolConfig:
+        """Check the flags once at start-up (ValueError, as vLLM's start-up checks).
+
+        `template_ignores_tools`: the server's chat template does not render `tools`;
+        then `--tool-call-parser auto` picks the generic format.
+        """
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-        name = None
-        if self.tool_call_parser is not None:
-            name = resolve_tool_parser_name(self.tool_call_parser, chat_template)
+        parser = self.tool_call_parser
+        if parser is None:
+            # No parser named: where the template ignores tools, the generic format
+            # (decided per request, for the template that request renders with).
+            return ResolvedToolConfig(
+                exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none,
+                generic_when_ignored=True,
+            )
+        if parser == GENERIC or (parser == AUTO and template_ignores_tools):
+            name = GENERIC
+        else:
+            name = resolve_tool_parser_name(parser, chat_template)
         return ResolvedToolConfig(
-            auto_parser=name if self.enable_auto_tool_choice else None,
+            # The generic format's output is grammar-constrained, so it always parses:
+            # "auto" needs no opt-in there (see docs/tool-calling.md).
+            auto_parser=name if self.enable_auto_tool_choice or name == GENERIC else None,
             exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none,
+            generic=name == GENERIC,
         )
+
+
+def resolve_for_tokenizer(
+    config: ToolCallingConfig, tokenizer: TokenizerLike
+) -> ResolvedToolConfig:
+    """`config.resolve` against the tokenizer's chat template (rendered once to see
+    whether it reads `tools`); ValueError for flags that do not fit."""
+    template = getattr(tokenizer, "chat_template", None)
+    ignores = template_ignores_tools(tokenizer, template or FALLBACK_CHAT_TEMPLATE)
+    return config.resolve(template, template_ignores_tools=ignores)
 
 
 @dataclass(frozen=True, slots=True)
 class ResolvedToolConfig:
+    """The flags as one request uses them.
+
+    `generic`: the generic format (tools in the system turn, output constrained to
+    `{"tool_calls": ...}` / `{"response": ...}`) for every tool choice.
+    `generic_when_ignored`: no parser was named; `for_template` switches to the
+    generic format when the request's chat template ignores `tools`.
+    """
+
     auto_parser: str | None = None  # None: `tool_choice: "auto"` is refused
     exclude_tools_when_tool_choice_none: bool = False
+    generic: bool = False
+    generic_when_ignored: bool = False
 
-
-@dataclass(frozen=True, slots=True)
-class FunctionTool:
-    name: str
-    description: str | None
-    parameters: dict[str, Any] | None
-    strict: bool | None
-
-    def template_dict(self) -> dict[str, Any]:
-        """The tool as chat templates see it (vLLM passes `tool.model_dump()`)."""
-        fn = {
-            "name": self.name,
-            "description": self.description,
-            "parameters": self.parameters,
-            "strict": self.strict,
-        }
-        return {"type": "function", "function": fn}
-
-
-ChoiceMode = Literal["none", "auto", "required", "named"]
-
-
-@dataclass(frozen=True, slots=True)
-class ToolRequest:
-    """A request's checked tool fields. `named` is the function for mode "named"."""
-
-    tools: list[FunctionTool]
-    mode: ChoiceMode
-    named: str | None = None
-    parallel_tool_calls: bool = True
+    def for_template(self, ignores_tools: bool) -> ResolvedToolConfig:
+        if self.generic_when_ignored and ignores_tools:
+            return ResolvedToolConfig(
+                GENERIC, self.exclude_tools_when_tool_choice_none, generic=True
+            )
+        return self
 
 
 def _req_str(value: Any, param: str, optional: bool = False) -> str | None:
@@ -174,9 +193,10 @@ def parse_tool_request(
     if tool_choice != "none" and tools is None:
         raise InvalidRequestError("tool_choice", "When using `tool_choice`, `tools` must be set.")
     parallel = parallel_tool_calls is not False
+    asked = parallel_tool_calls is True
     if isinstance(tool_choice, dict):
         name = _named_choice(tool_choice, tools or [])
-        return ToolRequest(tools or [], "named", name, parallel)
+        return ToolRequest(tools or [], "named", name, parallel, asked)
     if tool_choice not in ("none", "auto", "required"):
         raise InvalidRequestError(
             "tool_choice",
@@ -188,13 +208,13 @@ def parse_tool_request(
     if tool_choice == "auto" and config.auto_parser is None:
         raise InvalidRequestError("tool_choice", AUTO_NEEDS_FLAGS)
     modes: dict[str, ChoiceMode] = {"none": "none", "auto": "auto", "required": "required"}
-    return ToolRequest(tools or [], modes[tool_choice], None, parallel)
+    return ToolRequest(tools or [], modes[tool_choice], None, parallel, asked)
 
 
 def template_tools(req: ToolRequest | None, config: ResolvedToolConfig) -> list[dict[str, Any]]:
     """The tools the chat template receives (vLLM: none only with the exclude flag)."""
-    if req is None or not req.tools:
-        return []
+    if req is None or not req.tools or config.generic:
+        return []  # generic: the tools are described in the system turn instead
     if req.mode == "none" and config.exclude_tools_when_tool_choice_none:
         return []
     return [t.template_dict() for t in req.tools]
@@ -219,36 +239,25 @@ def _tool_item_schema(tool: FunctionTool) -> dict[str, Any]:
     }
 
 
-def _hoist_defs(tools: list[FunctionTool]) -> tuple[list[FunctionTool], dict[str, Any]]:
-    """Move each tool's `$defs` to the array's root, where `#/$defs/...` refs resolve."""
-    hoisted: list[FunctionTool] = []
-    defs: dict[str, Any] = {}
-    for tool in tools:
-        params = copy.deepcopy(tool.parameters)
-        for name, schema in (params.pop("$defs", None) or {}).items() if params else ():
-            if name in defs and defs[name] != schema:
-                raise InvalidRequestError(
-                    "tools",
-                    f"Tool definition '{name}' has multiple schemas, which is not supported.",
-                )
-            defs[name] = schema
-        hoisted.append(FunctionTool(tool.name, tool.description, params, tool.strict))
-    return hoisted, defs
+def tool_json_schema(
+    req: ToolRequest | None, config: ResolvedToolConfig | None = None
+) -> dict[str, Any] | None:
+    """The JSON schema the output must follow; None for "none" and (not generic) "auto".
 
-
-def tool_json_schema(req: ToolRequest | None) -> dict[str, Any] | None:
-    """The JSON schema the output must follow; None for "none" and "auto".
+    Generic format: `generic_tool_schema`, for "auto" too.
 
     Named: that function's `parameters` (the output *is* the arguments object).
     "required": an array of at least one `{"name": <that tool>, "parameters": <its
     schema>}`, one `anyOf` branch per tool.
     """
-    if req is None or req.mode in ("none", "auto"):
+    if req is None or req.mode == "none" or (req.mode == "auto" and not _generic(config)):
         return None
+    if _generic(config):
+        return generic_tool_schema(req)
     if req.mode == "named":
         tool = next(t for t in req.tools if t.name == req.named)
         return tool.parameters or {"type": "object", "properties": {}}
-    tools, defs = _hoist_defs(req.tools)
+    tools, defs = hoist_defs(req.tools)
     schema: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
@@ -259,9 +268,15 @@ def tool_json_schema(req: ToolRequest | None) -> dict[str, Any] | None:
     return schema
 
 
-def structured_json(req: ToolRequest | None) -> str | None:
+def _generic(config: ResolvedToolConfig | None) -> bool:
+    return config is not None and config.generic
+
+
+def structured_json(
+    req: ToolRequest | None, config: ResolvedToolConfig | None = None
+) -> str | None:
     """`tool_json_schema` as the JSON text `StructuredOutputsParams.json` takes."""
-    schema = tool_json_schema(req)
+    schema = tool_json_schema(req, config)
     return None if schema is None else json.dumps(schema, ensure_ascii=False)
 
 
@@ -270,7 +285,11 @@ def structured_json(req: ToolRequest | None) -> str | None:
 
 def output_parser(req: ToolRequest | None, config: ResolvedToolConfig) -> ToolParser | None:
     """The parser for this request's output; None when the output is plain content."""
-    if req is None or req.mode in ("none", "named"):
+    if req is None or req.mode == "none":
+        return None
+    if config.generic:
+        return GenericToolParser()
+    if req.mode == "named":
         return None
     if req.mode == "required":
         return RequiredArrayParser()
@@ -280,7 +299,7 @@ def output_parser(req: ToolRequest | None, config: ResolvedToolConfig) -> ToolPa
 
 def extract(req: ToolRequest | None, config: ResolvedToolConfig, text: str) -> ExtractedToolCalls:
     """A whole output -> calls and content (non-streaming)."""
-    if req is not None and req.mode == "named":
+    if req is not None and req.mode == "named" and not config.generic:
         assert req.named is not None
         # vLLM: the raw output is the arguments, as the schema made it.
         return ExtractedToolCalls([ParsedCall(req.named, text)], None)
@@ -295,7 +314,7 @@ def extract(req: ToolRequest | None, config: ResolvedToolConfig, text: str) -> E
 
 def streamer(req: ToolRequest | None, config: ResolvedToolConfig) -> ToolStreamer | None:
     """A per-choice streamer, or None when the output streams as plain content."""
-    if req is not None and req.mode == "named":
+    if req is not None and req.mode == "named" and not config.generic:
         assert req.named is not None
         return NamedToolStreamer(req.named)
     parser = output_parser(req, config)

@@ -9,6 +9,7 @@ from paged.server.tool_parsers.base import (
     Segment,
     ToolParser,
 )
+from paged.server.tool_parsers.generic import GenericToolParser
 from paged.server.tool_parsers.hermes import HermesToolParser
 from paged.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from paged.server.tool_parsers.mistral import MistralToolParser
@@ -32,6 +33,7 @@ __all__ = [
     "TOOL_CALL_PARSERS",
     "Content",
     "ExtractedToolCalls",
+    "GenericToolParser",
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",

@@ -12,7 +12,9 @@ def add_tool_calling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help='allow tool_choice "auto" (the model decides; needs --tool-call-parser)',
+        help='allow tool_choice "auto" (the model decides; needs --tool-call-parser). '
+        "Not needed where the generic format is used (a chat template that ignores tools, "
+        "or --tool-call-parser generic)",
     )
     g.add_argument(
         "--tool-call-parser",
@@ -20,7 +22,10 @@ def add_tool_calling_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how tool calls are read from the model's text; 'auto' (paged's own) picks "
         "hermes when the chat template writes <tool_call>, mistral for [TOOL_CALLS], "
-        "llama3_json for Llama 3 templates",
+        "llama3_json for Llama 3 templates, generic when it ignores tools; 'generic' "
+        "(paged's own) describes the tools in the system turn and constrains the reply to "
+        'JSON ({"tool_calls": [...]} or {"response": ...}) for any model. Default: generic '
+        "where the chat template ignores tools, else vLLM's rule (auto tool choice refused)",
     )
     g.add_argument(
         "--exclude-tools-when-tool-choice-none",

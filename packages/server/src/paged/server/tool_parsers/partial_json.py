@@ -37,7 +37,7 @@ def _dumps_char(ch: str) -> str:
     return json.dumps(ch, ensure_ascii=False)[1:-1]
 
 
-def _read_string(raw: str, pos: int) -> tuple[str, int, bool]:
+def read_string(raw: str, pos: int) -> tuple[str, int, bool]:
     """From just inside a string: (serialised chars, new pos, string closed)."""
     out: list[str] = []
     n = len(raw)
@@ -112,7 +112,7 @@ def stable_json_prefix(raw: str) -> str:
             out.append(": ")
             pos += 1
         elif ch == '"':
-            text, pos, closed = _read_string(raw, pos + 1)
+            text, pos, closed = read_string(raw, pos + 1)
             out.append('"' + text)
             if not closed:
                 break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from paged.server.tool_parsers.base import ToolParser
+from paged.server.tool_parsers.generic import GenericToolParser
 from paged.server.tool_parsers.hermes import START as HERMES_START
 from paged.server.tool_parsers.hermes import HermesToolParser
 from paged.server.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -15,8 +16,11 @@ TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    # paged's own, after llama.cpp's: tools in the system turn, output constrained to JSON.
+    "generic": GenericToolParser,
 }
 AUTO = "auto"  # paged's own: not a vLLM parser name
+GENERIC = "generic"
 
 
 def resolve_tool_parser_name(name: str, chat_template: str | None) -> str:

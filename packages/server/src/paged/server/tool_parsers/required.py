@@ -22,8 +22,16 @@ def _skip(text: str, pos: int, chars: str) -> int:
     return pos
 
 
-class RequiredArrayParser(ToolParser):
-    name = "required"
+class CallArrayScanner(ToolParser):
+    """A JSON array of `{"name": ..., <args key>: {...}}` objects (the text starts with it).
+
+    Shared by `"required"` (args key `parameters`) and the generic format (`arguments`).
+    """
+
+    name = "call_array"
+
+    def __init__(self, args_keys: tuple[str, ...]) -> None:
+        self._args_keys = args_keys
 
     def split(self, text: str, final: bool) -> list[Segment]:
         return self._scan(text, final)[0]
@@ -32,7 +40,7 @@ class RequiredArrayParser(ToolParser):
         open_at = self._scan(text, final=False)[1]
         if open_at is None:
             return None
-        return partial_call_in_object(text, open_at, ("parameters",))
+        return partial_call_in_object(text, open_at, self._args_keys)
 
     def _scan(self, text: str, final: bool) -> tuple[list[Segment], int | None]:
         """The segments, and where an object still being written starts (not final)."""
@@ -58,7 +66,7 @@ class RequiredArrayParser(ToolParser):
                     out.append(Content(text if not out else text[pos:]))
                     return out, None
                 return out, pos
-            call = call_from_json(obj, ("parameters",))
+            call = call_from_json(obj, self._args_keys)
             if call is None:
                 return [*out, Content(text if not out else text[pos:])], None
             out.append(call)
@@ -66,3 +74,10 @@ class RequiredArrayParser(ToolParser):
         if final and not out:
             out.append(Content(text))  # "[" and nothing more
         return out, None
+
+
+class RequiredArrayParser(CallArrayScanner):
+    name = "required"
+
+    def __init__(self) -> None:
+        super().__init__(("parameters",))

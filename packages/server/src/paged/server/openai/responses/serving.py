@@ -29,6 +29,7 @@ from paged.server.input_processor import TextPrompt
 from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
 from paged.server.openai import tools as chat_tools
+from paged.server.openai.generic_tools import generic_messages
 from paged.server.openai.responses.inputs import (
     input_messages,
     stored_conversation,
@@ -53,6 +54,7 @@ from paged.server.openai.responses.sampling import responses_sampling_params
 from paged.server.openai.responses.store import EventLog, ResponseStore
 from paged.server.openai.responses.tooling import ResponsesTools, resolve_tools
 from paged.server.openai.serving import OpenAIServing, check_failed, peek_streams
+from paged.server.openai.tools import ResolvedToolConfig
 from paged.server.outputs import CompletionOutput, RequestOutput
 from paged.server.reasoning import ReasoningStream
 from paged.server.tool_parsers import ToolStreamer
@@ -87,6 +89,7 @@ class _Job:
     created_at: int
     template_kwargs: dict[str, Any] | None  # the request's, with reasoning.effort applied
     thinking: bool  # a reasoning parser is on and the model thinks in this request
+    tool_config: ResolvedToolConfig  # the server's, or the generic format for this template
 
 
 @dataclass
@@ -144,11 +147,13 @@ class OpenAIServingResponses:
         if req.background and not self.store.enabled:
             raise InvalidRequestError("background", STORE_NEEDED)
         llm = self.serving.llm
-        tools = resolve_tools(
-            req.tools, req.tool_choice, req.parallel_tool_calls, self.serving.tool_config
-        )
+        # The chat endpoint's choice: the generic format when the template ignores tools.
+        tool_config = self.serving.request_tool_config(None, bool(req.tools))
+        tools = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_config)
         params = responses_sampling_params(
-            req, chat_tools.structured_json(tools.request), llm.generation_defaults.sampling
+            req,
+            chat_tools.structured_json(tools.request, tool_config),
+            llm.generation_defaults.sampling,
         )
         kwargs = template_kwargs(req)
         thinking = self.serving.thinking(kwargs)
@@ -175,15 +180,22 @@ class OpenAIServingResponses:
             created_at=int(time.time()),
             template_kwargs=kwargs,
             thinking=thinking,
+            tool_config=tool_config,
         )
 
     async def _submit(self, job: _Job) -> AsyncGenerator[RequestOutput, None]:
         llm = self.serving.llm
+        messages = job.messages
+        if job.tool_config.generic:
+            # The template knows no tools: the conversation carries them as text.
+            messages = await llm.offload.run(
+                messages_size(messages), generic_messages, messages, job.tools.request
+            )
         prompt_text = await llm.offload.run(
-            messages_size(job.messages),
+            messages_size(messages),
             apply_chat_template,
             llm.tokenizer,
-            job.messages,
+            messages,
             add_generation_prompt=True,
             continue_final_message=False,
             chat_template=None,
@@ -249,7 +261,7 @@ class OpenAIServingResponses:
         if tool_req is None or tool_req.mode == "none":
             return build_output_items(reasoning, text, [], finish_reason, logprobs)
         # Tool calls are read from the answer only, as the chat endpoint does.
-        result = chat_tools.extract(tool_req, self.serving.tool_config, text)
+        result = chat_tools.extract(tool_req, job.tool_config, text)
         return build_output_items(reasoning, result.content, result.calls, finish_reason)
 
     def _logprobs(self, job: _Job, c: CompletionOutput) -> list[dict[str, Any]]:
@@ -344,7 +356,7 @@ class OpenAIServingResponses:
         streamer = None
         parallel = tool_req is None or tool_req.parallel_tool_calls
         if tool_req is not None and tool_req.mode != "none":
-            streamer = chat_tools.streamer(tool_req, self.serving.tool_config)
+            streamer = chat_tools.streamer(tool_req, job.tool_config)
         parser = self.serving.reasoning
         split: ReasoningStream | None = None
         # vLLM's hide_stream_metadata (serving.py:1230-1240): no thinking, no logprobs.

@@ -21,7 +21,8 @@ from typing import Any
 
 from paged.server.errors import InvalidRequestError
 from paged.server.openai import tools as chat_tools
-from paged.server.openai.tools import ResolvedToolConfig, ToolRequest
+from paged.server.openai.tool_types import ToolRequest
+from paged.server.openai.tools import ResolvedToolConfig
 
 
 @dataclass(frozen=True, slots=True)
