@@ -53,8 +53,8 @@ def run_server(
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
-    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.openai.tools import ToolCallingConfig
+    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.tokenizer import load_tokenizer
 
     front = frontend if frontend is not None else FrontendOptions()
