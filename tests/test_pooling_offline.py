@@ -141,7 +141,7 @@ def test_embed_in_a_batch_mixed_with_generation(tiny_qwen3: Path) -> None:
     with _engine(
         tiny_qwen3,
         runner="generate",
-        pooler_config={"pooling_type": "LAST", "use_activation": True},
+        pooler_config={"seq_pooling_type": "LAST", "use_activation": True},
         max_num_batched_tokens=24,
         max_num_seqs=8,
     ) as llm:
@@ -199,7 +199,7 @@ def test_bert_embed_and_score_match_transformers_mean_pooling(tiny_bert: Path) -
             model(input_ids=torch.tensor([tok.encode(p)])).last_hidden_state[0].mean(dim=0)
             for p in prompts
         ]
-    with _engine(tiny_bert, max_num_batched_tokens=64, max_model_len=128) as llm:
+    with _engine(tiny_bert, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128) as llm:
         assert llm.supported_tasks == ("embed", "token_embed")
         outs = llm.embed(prompts, use_tqdm=False)
         for out, expected in zip(outs, ref, strict=True):
