@@ -39,8 +39,18 @@ def _word_tokenizer(path: Path) -> None:
 def _st_last_token_files(path: Path) -> None:
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
     ]
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir()
@@ -98,9 +108,7 @@ def _reference(path: Path, prompts: list[str]) -> list[torch.Tensor]:
 
 
 def _engine(path: Path, **kw: Any) -> LLM:
-    return LLM(
-        str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, **kw
-    )
+    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, **kw)
 
 
 def test_embed_matches_transformers_last_token_chunked_and_whole(tiny_qwen3: Path) -> None:
@@ -178,7 +186,12 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _word_tokenizer(path)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
     ]
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir()
