@@ -226,3 +226,46 @@ def test_bert_embed_and_score_match_transformers_mean_pooling(tiny_bert: Path) -
             assert abs(s.outputs.score - float(want)) < 1e-5
         with pytest.raises(InvalidRequestError, match="data_1 has 2 inputs and data_2 3"):
             llm.score(prompts[:2], prompts, use_tqdm=False)
+
+
+def _cross_encoder(path: Path) -> Path:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        num_labels=1,
+        architectures=["BertForSequenceClassification"],
+    )
+    torch.manual_seed(2)
+    BertForSequenceClassification(config).eval().save_pretrained(str(path))
+    _word_tokenizer(path)
+    return path
+
+
+def test_bert_cross_encoder_classify_and_score_match_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = _cross_encoder(tmp_path / "cross")
+    tok: Any = AutoTokenizer.from_pretrained(str(path))
+    model: Any = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    query, docs = _PROMPTS[0], _PROMPTS[1:4]
+    with torch.no_grad():
+        want = []
+        for doc in docs:
+            enc = tok(query, text_pair=doc, return_tensors="pt")
+            want.append(float(torch.sigmoid(model(**enc).logits[0, 0])))
+        single = float(torch.sigmoid(model(input_ids=torch.tensor([tok.encode(query)])).logits[0, 0]))
+    with _engine(path, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=128) as llm:
+        assert llm.supported_tasks == ("classify", "token_classify")
+        scores = llm.score(query, docs, use_tqdm=False)
+        for s, expected in zip(scores, want, strict=True):
+            assert abs(s.outputs.score - expected) < 1e-5
+        probs = llm.classify(query, use_tqdm=False)[0].outputs.probs
+        assert len(probs) == 1 and abs(probs[0] - single) < 1e-5
+        with pytest.raises(ValueError, match="Embedding API is not supported"):
+            llm.embed(query, use_tqdm=False)
