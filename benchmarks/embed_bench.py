@@ -45,15 +45,23 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 def build_checkpoint(path: Path, shape: str) -> None:
     """A random BERT with a word-piece vocabulary and sentence-transformers files."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    import transformers
+    from transformers import AutoTokenizer
+
+    auto_tok: Any = AutoTokenizer
+    config_cls: Any = transformers.BertConfig
+    model_cls: Any = transformers.BertModel
 
     vocab = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tok: Any = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": True})
+    )
+    tok = auto_tok.from_pretrained(str(path))
     tok.save_pretrained(str(path))
-    config = BertConfig(vocab_size=VOCAB, max_position_embeddings=512, **SHAPES[shape])
+    config = config_cls(vocab_size=VOCAB, max_position_embeddings=512, **SHAPES[shape])
     torch.manual_seed(0)
-    BertModel(config, add_pooling_layer=False).eval().save_pretrained(str(path))
+    model_cls(config, add_pooling_layer=False).eval().save_pretrained(str(path))
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling",

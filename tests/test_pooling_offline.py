@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ import torch
 from paged.scheduler import PoolingParams, SamplingParams
 from paged.server.errors import InvalidRequestError
 from paged.server.llm import LLM
+from paged.server.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +30,11 @@ def _word_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    fast_cls: Any = PreTrainedTokenizerFast  # untyped in transformers
     vocab = {f"w{i}": i for i in range(_VOCAB)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast: Any = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="w1", eos_token="w2")
+    fast = fast_cls(tokenizer_object=tk, bos_token="w1", eos_token="w2")
     fast.save_pretrained(str(path))
 
 
@@ -162,9 +164,9 @@ def test_embed_in_a_batch_mixed_with_generation(tiny_qwen3: Path) -> None:
         pool_ids = [llm._add_pooling_request(p, embed_params, None) for p in _PROMPTS]
         done = llm._run_until_finished(gen_ids + pool_ids, use_tqdm=False)
         mixed = [done[i] for i in gen_ids]
-        assert [m.outputs[0].token_ids for m in mixed] == alone  # type: ignore[union-attr]
+        assert [cast(RequestOutput, m).outputs[0].token_ids for m in mixed] == alone
         for rid, expected in zip(pool_ids, ref, strict=True):
-            data = done[rid].outputs.data  # type: ignore[union-attr]
+            data = cast(PoolingRequestOutput[PoolingOutput], done[rid]).outputs.data
             torch.testing.assert_close(data, expected, atol=1e-5, rtol=0)
 
 
@@ -173,7 +175,7 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import BertConfig, BertModel
 
     path = tmp_path_factory.mktemp("tiny-bert-embed")
-    config = BertConfig(
+    config: Any = BertConfig(
         vocab_size=_VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -182,7 +184,8 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
         max_position_embeddings=128,
     )
     torch.manual_seed(1)
-    BertModel(config).eval().save_pretrained(str(path))
+    bert: Any = BertModel(config)
+    bert.eval().save_pretrained(str(path))
     _word_tokenizer(path)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -231,7 +234,8 @@ def test_bert_embed_and_score_match_transformers_mean_pooling(tiny_bert: Path) -
 def _cross_encoder(path: Path) -> Path:
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(
+    config_cls: Any = BertConfig
+    config = config_cls(
         vocab_size=_VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -242,7 +246,8 @@ def _cross_encoder(path: Path) -> Path:
         architectures=["BertForSequenceClassification"],
     )
     torch.manual_seed(2)
-    BertForSequenceClassification(config).eval().save_pretrained(str(path))
+    cross: Any = BertForSequenceClassification(config)
+    cross.eval().save_pretrained(str(path))
     _word_tokenizer(path)
     return path
 
@@ -259,7 +264,9 @@ def test_bert_cross_encoder_classify_and_score_match_transformers(tmp_path: Path
         for doc in docs:
             enc = tok(query, text_pair=doc, return_tensors="pt")
             want.append(float(torch.sigmoid(model(**enc).logits[0, 0])))
-        single = float(torch.sigmoid(model(input_ids=torch.tensor([tok.encode(query)])).logits[0, 0]))
+        single = float(
+            torch.sigmoid(model(input_ids=torch.tensor([tok.encode(query)])).logits[0, 0])
+        )
     with _engine(path, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=128) as llm:
         assert llm.supported_tasks == ("classify", "token_classify")
         scores = llm.score(query, docs, use_tqdm=False)

@@ -21,7 +21,8 @@ _HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 
 
 def _step(pooling: str = "MEAN") -> PoolingStep:
-    config = load_pooler_config(None, _HF, PoolerConfig(seq_pooling_type=pooling), "embed")
+    override = PoolerConfig.from_json({"seq_pooling_type": pooling})
+    config = load_pooler_config(None, _HF, override, "embed")
     return PoolingStep(build_pooler(config, H, {}, _HF), H)
 
 

@@ -39,7 +39,7 @@ def _frontend(tasks: tuple[str, ...] = ("embed", "token_embed")) -> PoolingFront
 
 
 def _pooling_engine(engine_cls: type[Any]) -> Any:
-    class PoolingFakeEngine(engine_cls):  # type: ignore[misc, valid-type]
+    class PoolingFakeEngine(engine_cls):  # type: ignore[misc]
         """Pooling requests finish in one step with [len(prompt), first id, 0.5]."""
 
         def step(self) -> EngineCoreOutputs:
