@@ -157,3 +157,26 @@ def test_cli_pooling_flags() -> None:
         with pytest.raises(SystemExit) as exc:
             parser.parse_args(["serve", "m", *bad])
         assert exc.value.code == 2
+
+
+def test_chunking_and_prefix_caching_follow_vllm_pooling_rules() -> None:
+    from types import SimpleNamespace
+
+    from paged.server.pooling_config import pooling_scheduler_settings
+
+    def settings(**model: Any) -> tuple[bool, bool, int]:
+        config = SimpleNamespace(architecture="X", max_model_len=512, **model)
+        return pooling_scheduler_settings(
+            config,  # type: ignore[arg-type]
+            enable_chunked_prefill=True,
+            enable_prefix_caching=True,
+            max_num_batched_tokens=128,
+        )
+
+    last = SimpleNamespace(seq_pooling_type="LAST", tok_pooling_type="ALL")
+    mean = SimpleNamespace(seq_pooling_type="MEAN", tok_pooling_type="ALL")
+    assert settings(pooler_config=None, is_encoder_only=False) == (True, True, 128)
+    assert settings(pooler_config=last, is_encoder_only=False) == (True, True, 128)
+    # MEAN/CLS on a decoder, or any encoder: off, and a whole prompt fits a step.
+    assert settings(pooler_config=mean, is_encoder_only=False) == (False, False, 512)
+    assert settings(pooler_config=last, is_encoder_only=True) == (False, False, 512)
