@@ -122,7 +122,7 @@ def main() -> None:
             kv_cache_memory_bytes=64 << 20,
         )
         torch.set_num_threads(args.threads)  # the engine's start-up may have changed it
-        num_tokens = sum(len(p) for p in st.tokenize(texts)["input_ids"])
+        num_tokens = int(st.tokenize(texts)["attention_mask"].sum())  # unpadded
         paged_rates: list[float] = []
         st_rates: list[float] = []
         max_diff = 0.0
