@@ -99,9 +99,14 @@ class PoolerConfig:
         return cls(**dict(value))
 
     def with_defaults(self, **defaults: Any) -> PoolerConfig:
-        """A copy where each given field that is still None takes the given value."""
+        """A copy where each given field that is still None takes the given value.
+
+        The copy has `pooling_type` None: its value already lives in
+        `seq_pooling_type` / `tok_pooling_type`, and keeping both would fail
+        the both-set check when the copy (or a msgspec round trip) is built.
+        """
         changes = {k: v for k, v in defaults.items() if getattr(self, k) is None}
-        return dataclasses.replace(self, **changes) if changes else self
+        return dataclasses.replace(self, pooling_type=None, **changes)
 
     def get_seq_pooling_type(self) -> SequencePoolingType:
         if self.seq_pooling_type is None:

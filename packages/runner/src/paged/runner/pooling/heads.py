@@ -72,7 +72,7 @@ def score_weight_from_lm_head(
     `from_2_way_softmax` (token_ids = [false_id, true_id]): one logit
     w[true] - w[false], so sigmoid(score) equals the 2-way softmax's "true"
     probability; `no_post_processing`: the rows of the listed tokens.
-    vllm/model_executor/models/adapters.py:440-470 (num_labels), :540-580, :600-640.
+    vllm/model_executor/models/adapters.py:416-446 (num_labels), :516-590, :593-656.
     """
     if method == "from_2_way_softmax":
         if len(token_ids) != 2:

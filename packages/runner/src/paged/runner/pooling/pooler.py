@@ -196,19 +196,26 @@ class Pooler:
         for i, inp in enumerate(inputs):
             if inp.task in ("token_embed", "token_classify"):
                 out[i] = self._token_output(inp)
-        return [t.float().cpu() for t in out if t is not None]
+        # Rows of a batched head output are views of one storage: give each its
+        # own, so that pickling one output does not carry the whole batch.
+        return [t.clone() for t in out if t is not None]
 
     # -- pooling methods -------------------------------------------------
+    # Pooling runs where the hidden states are; the pooled rows then move to
+    # the CPU in float32, where the (small) head weights live and where the
+    # outputs are returned anyway: one [H] row per sequence task crosses over.
     def _seq_pool(self, hs: torch.Tensor) -> torch.Tensor:
         kind = self.config.get_seq_pooling_type()
         if kind == "CLS":
-            return hs[0].float()
-        if kind == "LAST":
-            return hs[-1].float()
-        return hs.float().mean(dim=0)  # MEAN accumulates in fp32, as vLLM's index_add_
+            row = hs[0].float()
+        elif kind == "LAST":
+            row = hs[-1].float()
+        else:
+            row = hs.float().mean(dim=0)  # MEAN accumulates in fp32, as vLLM's index_add_
+        return row.cpu()
 
     def _tok_pool(self, inp: PoolingInput) -> torch.Tensor:
-        data = inp.hidden_states.float()
+        data = inp.hidden_states.float().cpu()
         if self.config.get_tok_pooling_type() == "STEP":
             returned = inp.returned_token_ids or self.config.returned_token_ids
             if returned:
