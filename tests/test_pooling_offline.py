@@ -151,7 +151,7 @@ def test_embed_in_a_batch_mixed_with_generation(tiny_qwen3: Path) -> None:
     with _engine(
         tiny_qwen3,
         runner="generate",
-        pooler_config={"seq_pooling_type": "LAST", "use_activation": True},
+        pooler_config={"pooling_type": "LAST", "use_activation": True},
         max_num_batched_tokens=24,
         max_num_seqs=8,
     ) as llm:
