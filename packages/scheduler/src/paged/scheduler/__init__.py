@@ -15,6 +15,7 @@ from paged.scheduler.boundary import (
     SchedulerOutput,
     SchedulerStats,
 )
+from paged.scheduler.pooling_params import PoolingModelInfo, PoolingParams
 from paged.scheduler.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -32,6 +33,8 @@ __all__ = [
     "LogprobsLists",
     "ModelRunnerOutput",
     "NewRequestData",
+    "PoolingModelInfo",
+    "PoolingParams",
     "PrefixCacheStats",
     "RequestOutputKind",
     "SamplingParams",

@@ -55,6 +55,7 @@ def run_server(
     from paged.server.openai.api_server import build_app
     from paged.server.openai.responses import ResponseStore, store_enabled_from_env
     from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
+    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.tokenizer import load_tokenizer
 
     front = frontend if frontend is not None else FrontendOptions()
@@ -129,6 +130,7 @@ def run_server(
             mm_frontend=mm_frontend,
             generation_defaults=generation_defaults,
             log_requests=front.enable_log_requests,
+            pooling=PoolingFrontend.from_model_config(mc, name),
         )
         app = build_app(
             llm,
