@@ -19,6 +19,7 @@ from paged.server.epd_metrics import EncoderItemMetrics
 from paged.server.kv_cache_metrics import KVCacheResidencyMetrics
 from paged.server.kv_metrics import KVConnectorMetrics
 from paged.server.metrics_names import PAGED_NAMING, MetricsNaming
+from paged.server.pooling_metrics import PoolingMetrics
 from paged.server.spec_metrics import SpecDecodingMetrics
 from paged.server.stats import IterationStats
 
@@ -141,6 +142,8 @@ class PrometheusStatLogger:
             ["endpoint", "status"],
             registry=r,
         )
+        # Pooling requests apart from generation (paged's own names, under any scheme).
+        self.pooling = PoolingMetrics(r, model_name)
         # Every engine metric's label values: (model_name,) or vLLM's (model_name, engine);
         # always `.labels(*self._lv)`, never the model name alone.
         self._lv = naming.label_values(model_name)

@@ -33,6 +33,8 @@ from paged.server.openai.cache_routes import add_cache_routes
 from paged.server.openai.cors import CorsConfig, install_cors
 from paged.server.openai.disconnect import run_until_disconnect
 from paged.server.openai.lifespan import engine_lifespan
+from paged.server.openai.pooling_routes import add_pooling_routes
+from paged.server.openai.pooling_tasks import ModelTasks
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -48,6 +50,7 @@ from paged.server.openai.protocol import (
     TokenizeResponse,
 )
 from paged.server.openai.serving import EngineRequestError, ModelNotFoundError, OpenAIServing
+from paged.server.openai.serving_pooling import PoolingEngine, PoolingServing
 from paged.server.openai.tools import ToolCallingConfig
 
 logger = logging.getLogger(__name__)
@@ -87,7 +90,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         return error_response(
             400, "We could not parse the JSON body of your request. Send valid JSON."
         )
-    if kind in ("invalid_unicode", "int_out_of_range", "too_deep"):
+    if kind in ("invalid_unicode", "int_out_of_range", "too_deep", "invalid_field"):
         ctx = err.get("ctx") or {}
         param = str(ctx.get("param") or "") or None
         return error_response(400, str(err.get("msg")), param)
@@ -174,8 +177,16 @@ def build_app(
     cors: CorsConfig | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_config: ToolCallingConfig | None = None,
+    pooling_tasks: ModelTasks | None = None,
+    pooling_engine: PoolingEngine | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `llm` under the name `model_name`.
+
+    `pooling_tasks`: what the model serves (generation and/or pooling tasks,
+    its labels); None = a generative model only. The pooling routes
+    (/v1/embeddings, /pooling, /classify, /score, /rerank) and the generation
+    routes answer a 400 naming the model's task when it cannot serve them.
+    `pooling_engine`: where pooling requests go (default: `llm`).
 
     `cors`: cross-origin access for browsers; None or no origins = no CORS headers.
     Bodies over `max_request_body_bytes` are refused with a 413.
@@ -192,6 +203,13 @@ def build_app(
         lifespan=engine_lifespan(llm),
     )
     serving = OpenAIServing(llm, model_name, tool_flags)
+    tasks = pooling_tasks if pooling_tasks is not None else ModelTasks()
+    pooling = PoolingServing(
+        pooling_engine if pooling_engine is not None else llm,
+        model_name,
+        tasks,
+        metrics=stat_logger.pooling if stat_logger is not None else None,
+    )
     # Added first, so it runs inside the key check and the response counter.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)
@@ -212,6 +230,7 @@ def build_app(
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        tasks.require_generate("Chat Completions API")
         header_id = request.headers.get("X-Request-Id")
         return await respond(request, serving.create_chat_completion(body, header_id))
 
@@ -221,8 +240,11 @@ def build_app(
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        tasks.require_generate("Completions API")
         header_id = request.headers.get("X-Request-Id")
         return await respond(request, serving.create_completion(body, header_id))
+
+    add_pooling_routes(app, pooling, respond, _ERRORS)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
