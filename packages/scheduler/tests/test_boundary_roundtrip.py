@@ -200,4 +200,5 @@ def test_engine_core_output_field_order_is_what_update_builds_positionally() -> 
         "kv_transfer_params",
         "num_cached_tokens",
         "ec_transfer_params",
+        "pooling_output",
     )

@@ -43,11 +43,12 @@ def test_message_without_lora_path_still_decodes() -> None:
     """An array_like struct from a sender that predates the trailing field."""
     new = core_request(lora_request="ad", lora_path="/w", priority=1)
     fields = msgspec.msgpack.decode(msgspec.msgpack.encode(new))
-    assert fields[-2:] == ["/w", None]  # lora_path, then ec_transfer_params (added after it)
-    old_wire = msgspec.msgpack.encode(fields[:-2])
+    # lora_path, then ec_transfer_params and pooling_params (added after it)
+    assert fields[-3:] == ["/w", None, None]
+    old_wire = msgspec.msgpack.encode(fields[:-3])
     decoded = msgspec.msgpack.decode(old_wire, type=EngineCoreRequest)
     assert decoded.lora_request == "ad" and decoded.lora_path is None and decoded.priority == 1
     # A sender that predates ec_transfer_params only.
-    before_ec = msgspec.msgpack.decode(msgspec.msgpack.encode(fields[:-1]), type=EngineCoreRequest)
+    before_ec = msgspec.msgpack.decode(msgspec.msgpack.encode(fields[:-2]), type=EngineCoreRequest)
     assert before_ec == new
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=EngineCoreRequest) == new

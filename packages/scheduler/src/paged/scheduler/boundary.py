@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from paged.multimodal.inputs import MultiModalFeatureSpec
+from paged.scheduler.pooling_params import PoolingParams
 from paged.scheduler.sampling_params import SamplingParams
 
 # Block ids per KV cache group: one list per group, in group order.
@@ -78,6 +79,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, fro
     # ...}} naming the EPD producer that holds each item's encoder output (an open
     # dict, as the client or proxy sent it; the EC connector reads what it knows).
     ec_transfer_params: dict[str, Any] | None = None
+    # A pooling request (embed/classify/...): it finishes after its prefill and
+    # its `sampling_params` are not used (vLLM sets them None; here they stay a
+    # default instance so every generation path keeps its non-optional type).
+    pooling_params: PoolingParams | None = None
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -95,6 +100,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     num_computed_tokens: int
     mm_features: list[MultiModalFeatureSpec] | None = None
     lora_request: str | None = None
+    # Set for pooling requests: the runner keeps their hidden states and pools them.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -209,6 +216,17 @@ class ECConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     failed_recving: list[str] = msgspec.field(default_factory=list)
 
 
+class PoolerOutput(msgspec.Struct, array_like=True, frozen=True):
+    """One request's pooled result as float32 bytes (msgspec cannot carry tensors).
+
+    `data`: little-endian float32, C order; `shape`: e.g. [hidden] for embed,
+    [num_labels] for classify, [n_tokens, hidden] for token_embed.
+    """
+
+    data: bytes
+    shape: list[int]
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """The runner's answer to one `SchedulerOutput`; plain lists, never tensors.
 
@@ -230,6 +248,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Encoder-cache connector report (finished async loads/saves); trailing, optional.
     ec_connector_output: ECConnectorOutput | None = None
+    # Pooling requests whose last prefill chunk ran this step (vLLM's pooler_output).
+    pooler_output: dict[str, PoolerOutput] = msgspec.field(default_factory=dict)
 
 
 class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -305,6 +325,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, froz
     num_cached_tokens: int = 0
     # What the EC connector's `request_finished` returned (vLLM's ec_transfer_params).
     ec_transfer_params: dict[str, Any] | None = None
+    # A finished pooling request's result (vLLM's EngineCoreOutput.pooling_output).
+    pooling_output: PoolerOutput | None = None
 
     @property
     def finished(self) -> bool:

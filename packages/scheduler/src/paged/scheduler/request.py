@@ -21,6 +21,7 @@ from typing import Any
 from paged.kvcache.ids import BlockHash
 from paged.multimodal.inputs import MultiModalFeatureSpec
 from paged.scheduler.boundary import EngineCoreRequest, FinishReason, KVTransferParams
+from paged.scheduler.pooling_params import PoolingParams
 from paged.scheduler.sampling_params import SamplingParams
 
 
@@ -107,6 +108,7 @@ class Request:
         "num_nans_in_logits",
         "num_preemptions",
         "num_prompt_tokens",
+        "pooling_params",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -134,6 +136,7 @@ class Request:
         kv_transfer_params: KVTransferParams | None = None,
         block_hasher: BlockHasher | None = None,
         ec_transfer_params: dict[str, Any] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -150,10 +153,14 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         # Which EPD producer holds each mm item's encoder output (the EC connector reads it).
         self.ec_transfer_params = ec_transfer_params
+        # A pooling request (embed/classify/...) finishes with its prefill.
+        self.pooling_params = pooling_params
         # max_tokens=None means "whatever max_model_len leaves after the prompt".
         requested = sampling_params.max_tokens
         room = max(max_model_len - self.num_prompt_tokens, 0)
         self.max_tokens = room if requested is None else requested
+        if pooling_params is not None:
+            self.max_tokens = 1  # as vllm/v1/request.py:109-111: one "step" past the prompt
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.finish_detail: str | None = None
@@ -199,6 +206,7 @@ class Request:
             kv_transfer_params=request.kv_transfer_params,
             block_hasher=block_hasher,
             ec_transfer_params=request.ec_transfer_params,
+            pooling_params=request.pooling_params,
         )
 
     # -- token views --------------------------------------------------------
@@ -236,7 +244,11 @@ class Request:
     @property
     def skip_reading_prefix_cache(self) -> bool:
         # Prompt logprobs need the logits of every prompt position, so cached
-        # prefix positions must be recomputed.
+        # prefix positions must be recomputed; so do pooling tasks that return a
+        # row per prompt token (PoolingParams.verify decides, as vLLM's).
+        pooling = self.pooling_params
+        if pooling is not None:
+            return bool(pooling.skip_reading_prefix_cache)
         return self.sampling_params.prompt_logprobs is not None
 
     @property

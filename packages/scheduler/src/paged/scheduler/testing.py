@@ -9,6 +9,7 @@ the sequence so far, so runs with and without preemption must agree.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from paged.scheduler.boundary import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
+    PoolerOutput,
     SchedulerOutput,
 )
 from paged.scheduler.config import SchedulerConfig
@@ -112,6 +114,10 @@ class FakeRunner:
     reqs: dict[str, RunnerRequest] = field(default_factory=dict)
     # Extra per-call behaviour for tests (NaNs, connector outputs...).
     extra: dict[str, Any] = field(default_factory=dict)
+    # Pooling requests (NewRequestData.pooling_params set): pooled, never sampled.
+    pooling: set[str] = field(default_factory=set)
+    # Prompt positions each pooling request computed, in order (chunking checks).
+    pooled_positions: dict[str, list[int]] = field(default_factory=dict)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
@@ -123,6 +129,8 @@ class FakeRunner:
                 [list(g) for g in new.block_ids],
                 len(new.prompt_token_ids),
             )
+            if new.pooling_params is not None:
+                self.pooling.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.reqs[rid]
@@ -141,18 +149,31 @@ class FakeRunner:
             state.num_computed = cached.num_computed_tokens[i]
         req_ids: list[str] = []
         sampled: list[list[int]] = []
+        pooled: dict[str, PoolerOutput] = {}
         for rid, n in so.num_scheduled_tokens.items():
             state = self.reqs[rid]
+            start = state.num_computed
             state.num_computed += n
             # Every computed position needs a slot.
             assert len(state.block_ids[0]) * self.block_size >= state.num_computed, rid
             req_ids.append(rid)
-            if state.num_computed >= len(state.tokens):
+            if rid in self.pooling:
+                self.pooled_positions.setdefault(rid, []).extend(range(start, state.num_computed))
+                sampled.append([])
+                if state.num_computed >= len(state.tokens):
+                    # "Embedding": the prompt's token sum, one float32.
+                    value = struct.pack("<f", float(sum(state.tokens)))
+                    pooled[rid] = PoolerOutput(data=value, shape=[1])
+            elif state.num_computed >= len(state.tokens):
                 token = self.sample(state.tokens)
                 state.tokens.append(token)
                 sampled.append([token])
             else:
                 sampled.append([])
+        if pooled:
+            return ModelRunnerOutput(
+                req_ids=req_ids, sampled_token_ids=sampled, pooler_output=pooled, **self.extra
+            )
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **self.extra)
 
 

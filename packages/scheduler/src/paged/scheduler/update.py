@@ -194,6 +194,7 @@ def update_requests(
     nans = mro.num_nans_in_logits
     logprobs_by_id = mro.logprobs
     prompt_logprobs_by_id = mro.prompt_logprobs
+    pooled_by_id = mro.pooler_output
     stopped_running: set[str] = set()
     stopped_preempted: list[Request] = []
     running_status = RequestStatus.RUNNING
@@ -226,7 +227,15 @@ def update_requests(
             new_tokens, stopped = append_and_check(request, generated, max_model_len)
         else:
             new_tokens, stopped = [], False
-            if encode_only and running and request.num_computed_tokens >= request.num_prompt_tokens:
+            pooled = pooled_by_id.get(req_id) if pooled_by_id else None
+            if pooled is not None and request.pooling_params is not None:
+                # The runner pooled the last prefill chunk: the request is done
+                # (vllm/v1/core/sched/scheduler.py:2416, FINISHED_STOPPED).
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
+            elif (
+                encode_only and running and request.num_computed_tokens >= request.num_prompt_tokens
+            ):
                 # EPD producer: the prompt (so every image) went through the encoder.
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 stopped = True
@@ -260,6 +269,7 @@ def update_requests(
                 kv_params,
                 cached if cached > 0 else 0,
                 ec_params,
+                pooled_by_id.get(req_id) if stopped and pooled_by_id else None,
             )
             bucket = outputs.get(request.client_index)
             if bucket is None:

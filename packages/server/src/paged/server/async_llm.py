@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from paged.scheduler import SamplingParams, SchedulerStats
+from paged.scheduler import PoolingParams, SamplingParams, SchedulerStats
 from paged.scheduler.boundary import KVTransferParams
 from paged.server.client_protocols import (
     AsyncEngineClient,
@@ -37,6 +37,12 @@ from paged.server.offload import BlockingWork, prompt_size
 from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
 from paged.server.parent import fan_out
+from paged.server.pooling_frontend import (
+    PoolingFrontend,
+    build_pooling_request,
+    generate_unsupported_message,
+)
+from paged.server.pooling_outputs import PoolingOutput, PoolingOutputCollector, PoolingRequestOutput
 from paged.server.stats import IterationStats
 from paged.server.structured_output.compiler import GrammarCompiler
 from paged.server.structured_output.validate import check_compiles_async
@@ -66,8 +72,11 @@ class AsyncLLM:
         mm_frontend: MultiModalFrontend | None = None,
         generation_defaults: GenerationDefaults | None = None,
         log_requests: bool = False,
+        pooling: PoolingFrontend | None = None,
     ) -> None:
         self.engine_client = engine_client
+        # What the model pools (None: a generative model without a pooler).
+        self.pooling = pooling
         # --generation-config: the API's defaults for fields a request leaves out.
         self.generation_defaults = generation_defaults or GenerationDefaults()
         self.log_requests = log_requests  # --enable-log-requests
@@ -142,6 +151,8 @@ class AsyncLLM:
         """
         if not request_id:
             raise InvalidRequestError("request_id", "request_id must not be empty")
+        if "generate" not in self.supported_tasks:
+            raise InvalidRequestError(None, generate_unsupported_message("generate"))
         self._check_alive()
         internal_id = self._internal_request_id(request_id)
         if self.log_requests:
@@ -182,6 +193,98 @@ class AsyncLLM:
             if self.log_requests:
                 logger.info("Added request %s.", req.request_id)
         return queue
+
+    # -- pooling ---------------------------------------------------------------------
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's supported tasks ("generate", or the pooler's: embed, classify, ...)."""
+        return ("generate",) if self.pooling is None else self.pooling.supported_tasks
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's `AsyncLLM.get_supported_tasks` (async there too)."""
+        return self.supported_tasks
+
+    async def add_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        *,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+    ) -> PoolingOutputCollector:
+        """Validate and submit one pooling request; its collector (one final output).
+
+        `pooling_params.task` None takes the model's pooling task; the params
+        are verified against the model (InvalidRequestError naming the field).
+        """
+        pooling = self.pooling
+        if pooling is None or not pooling.can_pool:
+            raise InvalidRequestError(
+                None,
+                "This model does not support pooling; its tasks are "
+                f"{self.supported_tasks}. Try passing `--runner pooling`.",
+            )
+        task = pooling_params.task or pooling.pooling_task
+        try:
+            task = pooling.check_task(task)
+        except ValueError as exc:
+            raise InvalidRequestError("task", str(exc)) from exc
+        params = pooling.resolve_params(pooling_params, task)
+        if not request_id:
+            raise InvalidRequestError("request_id", "request_id must not be empty")
+        self._check_alive()
+        internal_id = self._internal_request_id(request_id)
+        request, prompt_text = await self.offload.run(
+            prompt_size(prompt),
+            build_pooling_request,
+            self.input_processor,
+            internal_id,
+            prompt,
+            params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            priority=priority,
+        )
+        self._check_alive()
+        self._ensure_output_handler()
+        queue = PoolingOutputCollector(internal_id)
+        self.output_processor.add_request(
+            request, prompt_text, external_req_id=request_id, pooling_queue=queue
+        )
+        await self.engine_client.add_request_async(request)
+        if self.log_requests:
+            logger.info("Added pooling request %s.", internal_id)
+        return queue
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
+        """vLLM's `AsyncLLM.encode`: yields the request's one, final PoolingRequestOutput.
+
+        Closing the generator before it yields aborts the request.
+        """
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        queue = await self.add_pooling_request(
+            rid,
+            prompt,
+            pooling_params,
+            priority=priority,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        finished = False
+        try:
+            out = queue.get_nowait() or await queue.get()
+            finished = True
+            yield out
+        finally:
+            if not finished:
+                await self.abort(queue.request_id, internal=True)
 
     def _internal_request_id(self, request_id: str) -> str:
         states, parents = (

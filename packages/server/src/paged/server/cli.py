@@ -88,6 +88,16 @@ def _structured_outputs_config(text: str) -> str:
     return text
 
 
+def _pooler_config(text: str) -> str:
+    from paged.server.pooling_config import parse_pooler_config
+
+    try:
+        parse_pooler_config(text)  # a bad key or value exits 2 before anything loads
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _kv_events_config(text: str) -> Any:
     from paged.connectors.events import KVEventsConfigError, parse_kv_events_config
 
@@ -365,6 +375,35 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="seed of the prefix block-hash chain; engines sharing stored KV "
         "(disk tier across restarts, P/D peers) must use the same value",
     )
+    _add_pooling_args(parser)
+
+
+def _add_pooling_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM 0.33's --runner / --convert / --pooler-config (vllm/engine/arg_utils.py)."""
+    from paged.runner.runner_type import CONVERT_OPTIONS, RUNNER_OPTIONS
+
+    p = parser.add_argument_group("pooling models (embeddings, classification, scoring)")
+    p.add_argument(
+        "--runner",
+        choices=RUNNER_OPTIONS,
+        default="auto",
+        help="generate text or pool hidden states; auto: from the architecture and a "
+        "sentence-transformers modules.json (draft is for speculative draft models)",
+    )
+    p.add_argument(
+        "--convert",
+        choices=CONVERT_OPTIONS,
+        default="auto",
+        help="serve a generative architecture as a pooling model (embed or classify)",
+    )
+    p.add_argument(
+        "--pooler-config",
+        type=_pooler_config,
+        default=None,
+        metavar="JSON",
+        help='the pooler, e.g. \'{"pooling_type":"MEAN","use_activation":true}\' '
+        "(keys of vLLM's PoolerConfig; the model's sentence-transformers files give the rest)",
+    )
 
 
 def _add_multimodal_args(parser: argparse.ArgumentParser) -> None:
@@ -466,6 +505,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         trust_remote_code=ns.trust_remote_code,
         generation_config=ns.generation_config,
         disable_log_stats=ns.disable_log_stats,
+        runner=ns.runner,
+        convert=ns.convert,
+        pooler_config=ns.pooler_config,
     )
 
 

@@ -243,6 +243,7 @@ def open_async_llm(
     outputs, images and the API's metrics around the same engine client.
     """
     from paged.server.async_llm import AsyncLLM
+    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.engine.core import make_engine_core_factory
     from paged.server.engine_args import tokenizer_path
     from paged.server.tokenizer import load_tokenizer
@@ -266,4 +267,5 @@ def open_async_llm(
         eos_token_ids=mc.eos_token_ids,
         max_logprobs=config.scheduler_limits.max_logprobs,
         stat_loggers=stat_loggers,
+        pooling=PoolingFrontend.from_model_config(mc, args.model_name()),
     )

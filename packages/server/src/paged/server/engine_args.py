@@ -186,6 +186,11 @@ class EngineArgs:
     trust_remote_code: bool = False
     generation_config: str = "auto"
     disable_log_stats: bool = False
+    # vLLM 0.33's --runner (auto/generate/pooling/draft), --convert (auto/none/embed/
+    # classify) and --pooler-config (JSON text or a dict): see paged.runner.runner_type.
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | dict[str, Any] | None = None
     _shm_prefix: str | None = field(default=None, repr=False)
 
     def check_compat_options(self) -> None:
@@ -273,6 +278,9 @@ class EngineArgs:
             raise ValueError(
                 f"attention_backend: {self.attention_backend!r} is unknown; use auto, torch, triton"
             )
+        from paged.server.pooling_config import parse_pooler_config
+
+        pooler_override = parse_pooler_config(self.pooler_config)  # before the model loads
         model_config = ModelConfig.from_pretrained(
             self.model,
             dtype=self.dtype,
@@ -282,8 +290,19 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             cpu_weight_panels=self.cpu_weight_panels,  # type: ignore[arg-type]
             quantization=self.quantization,
+            runner=self.runner,
+            convert=self.convert,
+            pooler_config=pooler_override,
         )
+        from paged.server.pooling_config import pooling_scheduler_settings
         from paged.server.speculative import resolve_speculative_config
+
+        chunked, prefix_caching, batched_tokens = pooling_scheduler_settings(
+            model_config,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
 
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config: not supported with async_scheduling")
@@ -301,7 +320,7 @@ class EngineArgs:
                     DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization
                 ),
                 cache_dtype=self.kv_cache_dtype,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -316,8 +335,8 @@ class EngineArgs:
             ),
             scheduler_limits=SchedulerLimits(
                 max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                enable_chunked_prefill=self.enable_chunked_prefill,
+                max_num_batched_tokens=batched_tokens,
+                enable_chunked_prefill=chunked,
                 max_logprobs=self.max_logprobs,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]  # checked there
                 long_prefill_token_threshold=self.long_prefill_token_threshold,

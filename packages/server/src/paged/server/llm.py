@@ -15,16 +15,24 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 from tqdm import tqdm
 
-from paged.scheduler import RequestOutputKind, SamplingParams
+from paged.scheduler import PoolingParams, RequestOutputKind, SamplingParams
 from paged.server.chat_utils import apply_chat_template, collect_image_urls
 from paged.server.client_protocols import SyncEngineClient, SyncUtilityClient
 from paged.server.engine_args import EngineArgs, build_frontend_for, tokenizer_path
 from paged.server.errors import InvalidRequestError
 from paged.server.generation_defaults import GenerationDefaults
-from paged.server.input_processor import InputProcessor, PromptType, TextPrompt
+from paged.server.input_processor import InputProcessor, ProcessedPrompt, PromptType, TextPrompt
 from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
 from paged.server.parent import fan_out
+from paged.server.pooling_frontend import PoolingFrontend, build_pooling_request
+from paged.server.pooling_outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
 from paged.server.structured_output.compiler import GrammarCompiler
 from paged.server.structured_output.validate import check_compiles
 from paged.server.tokenizer import TokenizerLike, load_tokenizer
@@ -89,6 +97,7 @@ class LLM:
             config.scheduler_limits.max_logprobs,
             None if backend is None else backend.compiler,
             mm_frontend,
+            PoolingFrontend.from_model_config(mc, args.model_name()),
         )
         self.generation_defaults = generation_defaults
 
@@ -105,6 +114,7 @@ class LLM:
         grammar_compiler: GrammarCompiler | None = None,
         mm_frontend: MultiModalFrontend | None = None,
         generation_defaults: GenerationDefaults | None = None,
+        pooling: PoolingFrontend | None = None,
     ) -> LLM:
         """An `LLM` over an existing engine client (tests, custom engines)."""
         self = cls.__new__(cls)
@@ -117,6 +127,7 @@ class LLM:
             max_logprobs,
             grammar_compiler,
             mm_frontend,
+            pooling,
         )
         self.generation_defaults = generation_defaults or GenerationDefaults()
         return self
@@ -131,8 +142,11 @@ class LLM:
         max_logprobs: int,
         grammar_compiler: GrammarCompiler | None = None,
         mm_frontend: MultiModalFrontend | None = None,
+        pooling: PoolingFrontend | None = None,
     ) -> None:
         self.engine_client = client
+        # What the model pools (None: a generative model without a pooler).
+        self.pooling = pooling
         self.grammar_compiler = grammar_compiler
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -149,6 +163,15 @@ class LLM:
 
     def get_tokenizer(self) -> TokenizerLike:
         return self.tokenizer
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's `LLM.supported_tasks` ("generate", or the pooler's tasks)."""
+        return ("generate",) if self.pooling is None else self.pooling.supported_tasks
+
+    def _check_generate(self, api: str) -> None:
+        if self.pooling is not None:
+            self.pooling.check_generate(api)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the generation config's defaults (--generation-config), else the neutral ones."""
@@ -169,6 +192,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order."""
+        self._check_generate("LLM.generate()")
         batch = _as_batch(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -202,6 +226,7 @@ class LLM:
         """
         from paged.server.openai.tools import parse_tools
 
+        self._check_generate("LLM.chat()")
         single = bool(messages) and isinstance(messages[0], Mapping)
         conversations = cast(Sequence[ChatMessages], [messages] if single else messages)
         tool_dicts = [t.template_dict() for t in parse_tools([dict(t) for t in tools or ()])]
@@ -278,13 +303,142 @@ class LLM:
             self.engine_client.add_request(req)
         return rid
 
+    # -- pooling (vllm/entrypoints/pooling/offline.py) -----------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """Pool every prompt's final hidden states for `pooling_task`; outputs in prompt order."""
+        pooling = self._require_pooling()
+        task = pooling.check_task(pooling_task)
+        batch = _as_batch(prompts)
+        if not batch:
+            raise InvalidRequestError("prompts", "prompts must not be empty")
+        params = _per_prompt_pooling(pooling_params, len(batch))
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(batch, params, strict=True):
+                ids.append(
+                    self._add_pooling_request(
+                        prompt, pooling.resolve_params(p, task), truncate_prompt_tokens
+                    )
+                )
+        except BaseException:
+            self._abort(ids)
+            raise
+        return self._run_pooling(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's `LLM.embed`)."""
+        items = self.encode(
+            prompts,
+            pooling_params,
+            use_tqdm=use_tqdm,
+            pooling_task="embed",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        return [EmbeddingRequestOutput.from_base(item) for item in items]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (vLLM's `LLM.classify`)."""
+        items = self.encode(
+            prompts,
+            pooling_params,
+            use_tqdm=use_tqdm,
+            pooling_task="classify",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        return [ClassificationRequestOutput.from_base(item) for item in items]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Scores of text pairs, 1:1, 1:N or N:N (vLLM's `LLM.score`)."""
+        from paged.server.pooling_offline import run_score
+
+        return run_score(
+            self, self._require_pooling(), data_1, data_2, use_tqdm, pooling_params,
+            truncate_prompt_tokens,
+        )
+
+    def _require_pooling(self) -> PoolingFrontend:
+        if self.pooling is None or not self.pooling.can_pool:
+            raise ValueError(
+                "LLM.encode() is only supported for pooling models. "
+                "Try passing `--runner pooling` to use the model as a pooling model."
+            )
+        return self.pooling
+
+    def _add_pooling_request(
+        self,
+        prompt: PromptType | ProcessedPrompt,
+        params: PoolingParams,
+        truncate_prompt_tokens: int | None,
+    ) -> str:
+        rid = str(next(self._counter))
+        request, text = build_pooling_request(
+            self.input_processor, rid, prompt, params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        self.output_processor.add_request(request, text)
+        self.engine_client.add_request(request)
+        return rid
+
+    def _run_pooling(
+        self, ids: list[str], use_tqdm: bool
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        done = self._run_until_finished(ids, use_tqdm)
+        out: list[PoolingRequestOutput[PoolingOutput]] = []
+        for rid in ids:
+            item = done[rid]
+            assert isinstance(item, PoolingRequestOutput)
+            if item.error is not None:
+                raise RuntimeError(f"pooling request {rid} failed: {item.error}")
+            out.append(item)
+        return out
+
     def _abort(self, ids: list[str]) -> None:
         engine_ids = self.output_processor.abort_requests(ids)
         if engine_ids:
             self.engine_client.abort_requests(engine_ids)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+        done = self._run_until_finished(ids, use_tqdm)
+        return [cast(RequestOutput, done[rid]) for rid in ids]
+
+    def _run_until_finished(
+        self, ids: list[str], use_tqdm: bool
+    ) -> dict[str, RequestOutput | PoolingRequestOutput[PoolingOutput]]:
+        """Step the engine until every request in flight finished (generation and pooling
+        requests alike: one engine batches both)."""
+        finished: dict[str, RequestOutput | PoolingRequestOutput[PoolingOutput]] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req")
         try:
             while self.output_processor.has_unfinished_requests():
@@ -301,12 +455,15 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
+                for pooled in processed.pooling_outputs:
+                    finished[pooled.request_id] = pooled
+                    bar.update(1)
         except BaseException:
             self._abort(ids)
             raise
         finally:
             bar.close()
-        return [finished[rid] for rid in ids]
+        return finished
 
     def shutdown(self) -> None:
         self.engine_client.shutdown()
@@ -326,6 +483,18 @@ def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt_pooling(
+    params: PoolingParams | Sequence[PoolingParams] | None, n: int
+) -> list[PoolingParams | None]:
+    if params is None or isinstance(params, PoolingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(
+            f"pooling_params: got {len(params)} for {n} prompts; give one or one per prompt"
+        )
+    return list(params)
 
 
 def _per_prompt(

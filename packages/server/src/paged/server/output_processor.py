@@ -21,6 +21,12 @@ from paged.server.kv_transfer import kv_transfer_params_to_dict
 from paged.server.logprobs import LogprobsProcessor
 from paged.server.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged.server.parent import ParentRequest
+from paged.server.pooling_outputs import (
+    PoolingOutput,
+    PoolingOutputCollector,
+    PoolingRequestOutput,
+    tensor_from_pooler_output,
+)
 from paged.server.stats import FinishedRequestStats, IterationStats
 from paged.server.tokenizer import TokenizerLike
 
@@ -63,6 +69,9 @@ class RequestState:
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None
         self.ec_transfer_params: dict[str, Any] | None = None
+        # A pooling request: one PoolingRequestOutput when it finishes (no text).
+        self.is_pooling = request.pooling_params is not None
+        self.pooling_queue: PoolingOutputCollector | None = None
         self._num_sent_tokens = 0  # token ids already returned (delta mode)
         self._num_sent_logprobs = 0
 
@@ -118,6 +127,8 @@ class OutputProcessorOutput:
     """What one `process_outputs` call produced."""
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
+    # Finished pooling requests without a collector (the in-process LLM).
+    pooling_outputs: list[PoolingRequestOutput[PoolingOutput]] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
 
 
@@ -148,10 +159,12 @@ class OutputProcessor:
         index: int = 0,
         queue: RequestOutputCollector | None = None,
         external_req_id: str | None = None,
+        pooling_queue: PoolingOutputCollector | None = None,
     ) -> None:
         if request.request_id in self.request_states:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         state = RequestState(request, self.tokenizer, prompt, parent, index, queue, external_req_id)
+        state.pooling_queue = pooling_queue
         self.request_states[request.request_id] = state
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
@@ -212,6 +225,8 @@ class OutputProcessor:
         for state in list(self.request_states.values()):
             if state.queue is not None:
                 state.queue.put_error(error)
+            if state.pooling_queue is not None:
+                state.pooling_queue.put_error(error)
             self._finish(state, FinishReason.ERROR, now, iteration_stats)
         self.request_states.clear()
         self.parent_requests.clear()
@@ -228,6 +243,9 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted by the frontend meanwhile
+            if state.is_pooling:
+                self._process_pooling(state, out, now, result, iteration_stats)
+                continue
             self._update_stats(state, out, now, iteration_stats)
             finish, stop_reason = out.finish_reason, out.stop_reason
             engine_finished = finish is not None
@@ -252,6 +270,42 @@ class OutputProcessor:
             if finish is not None:
                 self._finish(state, finish, now, iteration_stats)
         return result
+
+    def _process_pooling(
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        now: float,
+        result: OutputProcessorOutput,
+        stats: IterationStats | None,
+    ) -> None:
+        """A pooling request reports once, finished: its pooled tensor or its error."""
+        if out.finish_reason is None:
+            return
+        if stats is not None:
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
+            stats.num_pooling_requests += 1
+        error = None
+        data = None
+        if out.pooling_output is not None:
+            data = tensor_from_pooler_output(out.pooling_output)
+        else:
+            error = out.finish_detail or f"pooling request finished with {out.finish_reason}"
+        import torch
+
+        output: PoolingRequestOutput[PoolingOutput] = PoolingRequestOutput(
+            state.external_id,
+            PoolingOutput(data if data is not None else torch.empty(0)),
+            list(state.prompt_token_ids),
+            out.num_cached_tokens,
+            True,
+            error=error,
+        )
+        if state.pooling_queue is not None:
+            state.pooling_queue.put(output)
+        else:
+            result.pooling_outputs.append(output)
+        self._finish(state, out.finish_reason, now, stats)
 
     def _make_output(
         self,

@@ -82,3 +82,34 @@ class RequestOutput:
     # What the EC connector returned when the request finished (vLLM 0.33's
     # ec_transfer_params: an EPD producer's map of where each item is held).
     ec_transfer_params: dict[str, Any] | None = None
+
+
+# Pooling outputs (vLLM keeps them in vllm/outputs.py too); their own module.
+from paged.server.pooling_outputs import (  # noqa: E402
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+
+__all__ = [
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "Logprob",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "PositionLogprobs",
+    "PromptLogprobs",
+    "RequestMetrics",
+    "RequestOutput",
+    "SampleLogprobs",
+    "ScoringOutput",
+    "ScoringRequestOutput",
+]

@@ -53,6 +53,7 @@ def run_server(
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
+    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.openai.tools import ToolCallingConfig
     from paged.server.tokenizer import load_tokenizer
 
@@ -125,6 +126,7 @@ def run_server(
             mm_frontend=mm_frontend,
             generation_defaults=generation_defaults,
             log_requests=front.enable_log_requests,
+            pooling=PoolingFrontend.from_model_config(mc, name),
         )
         app = build_app(
             llm,

@@ -24,3 +24,6 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # Pooling requests (embed/classify/...) finished in this batch: counted apart
+    # from generation (they have no generated tokens); for the API's metrics.
+    num_pooling_requests: int = 0

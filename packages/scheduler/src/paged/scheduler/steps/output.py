@@ -26,6 +26,7 @@ def build_scheduler_output(state: SchedulerState, plan: StepPlan) -> SchedulerOu
             num_computed_tokens=r.num_computed_tokens,
             mm_features=r.mm_features or None,
             lora_request=r.lora_name,
+            pooling_params=r.pooling_params,
         )
         for r in plan.scheduled_new
     ]
