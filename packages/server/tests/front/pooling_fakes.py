@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from paged.scheduler import PoolingModelInfo, PoolingParams
 from paged.server.errors import InvalidRequestError
-from paged.server.input_processor import PromptType
+from paged.server.input_processor import PromptType, TokensPrompt
 from paged.server.offload import BlockingWork
 
 
@@ -86,7 +86,7 @@ class FakePoolingEngine:
         truncate_prompt_tokens: int | None = None,
     ) -> AsyncGenerator[FakeRequestOutput, None]:
         assert isinstance(prompt, dict) and "prompt_token_ids" in prompt
-        ids = list(prompt["prompt_token_ids"])
+        ids = list(cast(TokensPrompt, prompt)["prompt_token_ids"])
         params = pooling_params.verify(self.info())  # ValueError for what the model refuses
         self.calls.append((ids, pooling_params, request_id))
         if self.delay_s:

@@ -103,7 +103,10 @@ async def test_openai_client_embeddings_create(tokenizer: Any, gen_llm: AsyncLLM
     engine = FakePoolingEngine(tokenizer)
     app = _app(gen_llm, engine, EMBED)
     client = openai.AsyncOpenAI(
-        api_key="x", base_url="http://test/v1", http_client=_http(app), max_retries=0
+        api_key="x",
+        base_url="http://test/v1",
+        http_client=_http(app),  # type: ignore[arg-type]  # an httpx client (openai's is httpx2)
+        max_retries=0,
     )
     default = await client.embeddings.create(model=MODEL, input=["hello", "world"])
     floats = await client.embeddings.create(model=MODEL, input="hello", encoding_format="float")
@@ -274,11 +277,12 @@ async def test_score_bi_encoder_shapes(tokenizer: Any, gen_llm: AsyncLLM) -> Non
 
 
 def _bert_tokenizer(tmp_path: Any) -> Any:
-    from transformers import BertTokenizerFast
+    import transformers
 
+    bert_tokenizer: Any = transformers.BertTokenizerFast  # type: ignore[attr-defined]
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "what", "is", "a", "cat", "dog", "pet"]
     (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
-    return BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"))
+    return bert_tokenizer(vocab_file=str(tmp_path / "vocab.txt"))
 
 
 async def test_rerank_cross_encoder(tmp_path: Any, gen_llm: AsyncLLM) -> None:

@@ -53,8 +53,9 @@ def run_server(
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
-    from paged.server.pooling_frontend import PoolingFrontend
+    from paged.server.openai.pooling_tasks import ModelTasks
     from paged.server.openai.tools import ToolCallingConfig
+    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.tokenizer import load_tokenizer
 
     front = frontend if frontend is not None else FrontendOptions()
@@ -137,6 +138,11 @@ def run_server(
             cors=cors,
             max_request_body_bytes=max_request_body_bytes,
             tool_config=tool_config,
+            pooling_tasks=ModelTasks.from_hf_config(
+                mc.hf_config,
+                llm.supported_tasks,
+                None if mc.pooler_config is None else mc.pooler_config.task,
+            ),
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",
