@@ -358,3 +358,14 @@ async def test_pooling_requests_are_counted_apart(tokenizer: Any, gen_llm: Async
     assert f'paged:pooling_requests_total{{model_name="{MODEL}",task="embed"}} 2.0' in text
     assert f'paged:pooling_prompt_tokens_total{{model_name="{MODEL}",task="embed"}} 3.0' in text
     assert f'paged:pooling_requests_total{{model_name="{MODEL}",task="classify"}} 0.0' in text
+
+
+async def test_no_pooling_metrics_under_vllm_names(tokenizer: Any, gen_llm: AsyncLLM) -> None:
+    from paged.server.metrics_names import metrics_naming
+
+    stats = PrometheusStatLogger(MODEL, naming=metrics_naming("vllm"))
+    engine = FakePoolingEngine(tokenizer)
+    async with _http(_app(gen_llm, engine, EMBED, stat_logger=stats)) as http:
+        res = await http.post("/v1/embeddings", json={"input": "hello"})
+    assert res.status_code == 200
+    assert "pooling" not in generate_latest(stats.registry).decode()

@@ -142,8 +142,11 @@ class PrometheusStatLogger:
             ["endpoint", "status"],
             registry=r,
         )
-        # Pooling requests apart from generation (paged's own names, under any scheme).
-        self.pooling = PoolingMetrics(r, model_name)
+        # paged-only: pooling requests apart from generation; absent under vLLM's naming,
+        # whose exposition stays exactly vLLM's (which has no pooling metric).
+        self.pooling = (
+            PoolingMetrics(r, model_name) if naming.prefix == PAGED_NAMING.prefix else None
+        )
         # Every engine metric's label values: (model_name,) or vLLM's (model_name, engine);
         # always `.labels(*self._lv)`, never the model name alone.
         self._lv = naming.label_values(model_name)

@@ -2,10 +2,10 @@
 
 vLLM 0.33 has no pooling-specific metric: its pooling requests only show in
 `vllm:request_success` and `vllm:prompt_tokens` next to generation ones
-(vllm/v1/metrics/loggers.py). These counters keep the `paged:` prefix under
-either naming scheme (like `paged:http_requests`), so vLLM's series stay
-exactly vLLM's. Recorded by the API layer once a request's pooled outputs
-are all in.
+(vllm/v1/metrics/loggers.py). These are paged's own, registered under the
+default `paged` naming only (like the EPD encoder counters): with
+`--metrics-prefix vllm` the exposition stays exactly vLLM's. Recorded by the
+API layer once a request's pooled outputs are all in.
 """
 
 from __future__ import annotations

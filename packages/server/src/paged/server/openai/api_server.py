@@ -208,7 +208,7 @@ def build_app(
         pooling_engine if pooling_engine is not None else llm,
         model_name,
         tasks,
-        metrics=stat_logger.pooling if stat_logger is not None else None,
+        metrics=None if stat_logger is None else stat_logger.pooling,
     )
     # Added first, so it runs inside the key check and the response counter.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
