@@ -92,9 +92,11 @@ class EncoderPoolingRunner:
     def load_model(self, model: EncoderModel | None = None, pooler: Pooler | None = None) -> None:
         """Load the encoder and build the pooler (or adopt them, e.g. in tests)."""
         if model is None:
-            from paged.runner.models.bert import load_encoder_model
+            from paged.runner.models.bert import load_bert_model
 
-            model = load_encoder_model(self.model_config, self.device)
+            model = load_bert_model(
+                self.model_config.model, dtype=self.model_config.dtype, device=self.device
+            )
         self.model = model
         self.pooler = pooler if pooler is not None else build_model_pooler(self.model_config)
 

@@ -104,7 +104,9 @@ class PoolingStep:
         kept = dataclasses.replace(
             inputs,
             sampling_rows=rows[keep],
-            logits_indices=inputs.logits_indices[torch.from_numpy(keep).to(inputs.logits_indices.device)],
+            logits_indices=inputs.logits_indices[
+                torch.from_numpy(keep).to(inputs.logits_indices.device)
+            ],
         )
         return PoolingSplit(kept, [int(r) for r in rows[pooling]])
 

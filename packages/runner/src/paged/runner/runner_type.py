@@ -65,7 +65,9 @@ def is_pooling_architecture(architecture: str) -> bool:
     return architecture in ENCODER_ONLY_ARCHITECTURES
 
 
-def resolve_runner_type(architecture: str, model_dir: str | Path | None, runner: str, convert: str) -> str:
+def resolve_runner_type(
+    architecture: str, model_dir: str | Path | None, runner: str, convert: str
+) -> str:
     """vLLM's `_get_runner_type` (config/model.py:1283-1329)."""
     if runner not in RUNNER_OPTIONS:
         raise ValueError(f"runner: {runner!r} is not one of {', '.join(RUNNER_OPTIONS)}")

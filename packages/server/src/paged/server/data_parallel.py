@@ -243,9 +243,9 @@ def open_async_llm(
     outputs, images and the API's metrics around the same engine client.
     """
     from paged.server.async_llm import AsyncLLM
-    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.engine.core import make_engine_core_factory
     from paged.server.engine_args import tokenizer_path
+    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.tokenizer import load_tokenizer
 
     core_options = args.engine_core_options()

@@ -384,7 +384,12 @@ class LLM:
         from paged.server.pooling_offline import run_score
 
         return run_score(
-            self, self._require_pooling(), data_1, data_2, use_tqdm, pooling_params,
+            self,
+            self._require_pooling(),
+            data_1,
+            data_2,
+            use_tqdm,
+            pooling_params,
             truncate_prompt_tokens,
         )
 
@@ -404,7 +409,10 @@ class LLM:
     ) -> str:
         rid = str(next(self._counter))
         request, text = build_pooling_request(
-            self.input_processor, rid, prompt, params,
+            self.input_processor,
+            rid,
+            prompt,
+            params,
             truncate_prompt_tokens=truncate_prompt_tokens,
         )
         self.output_processor.add_request(request, text)

@@ -48,9 +48,7 @@ def _supports_chunking_and_caching(model_config: ModelConfig) -> bool:
         return True
     if model_config.is_encoder_only:
         return False
-    return not (
-        config.seq_pooling_type in ("MEAN", "CLS") or config.tok_pooling_type == "STEP"
-    )
+    return not (config.seq_pooling_type in ("MEAN", "CLS") or config.tok_pooling_type == "STEP")
 
 
 def pooling_scheduler_settings(

@@ -63,7 +63,9 @@ class PoolingFrontend:
     is_cross_encoder: bool
 
     @classmethod
-    def from_model_config(cls, model_config: ModelConfig, served_model_name: str) -> PoolingFrontend:
+    def from_model_config(
+        cls, model_config: ModelConfig, served_model_name: str
+    ) -> PoolingFrontend:
         from paged.server.pooling_config import pooling_model_info
 
         tasks = model_config.supported_tasks

@@ -7,6 +7,7 @@ the two embeddings); other models have no Scoring API.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 def run_score(
     llm: LLM,
     pooling: PoolingFrontend,
-    data_1: str | list[str] | tuple[str, ...],
-    data_2: str | list[str] | tuple[str, ...],
+    data_1: str | Sequence[str],
+    data_2: str | Sequence[str],
     use_tqdm: bool,
     pooling_params: PoolingParams | None,
     truncate_prompt_tokens: int | None,

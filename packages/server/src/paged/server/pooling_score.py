@@ -19,9 +19,7 @@ from paged.server.input_processor import ProcessedPrompt
 from paged.server.tokenizer import TokenizerLike
 
 
-def score_pairs(
-    data_1: str | Sequence[str], data_2: str | Sequence[str]
-) -> list[tuple[str, str]]:
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
     """The (query, document) pairs: 1 -> N replicates the single query, N -> N zips."""
     first = [data_1] if isinstance(data_1, str) else list(data_1)
     second = [data_2] if isinstance(data_2, str) else list(data_2)
@@ -46,9 +44,7 @@ def compress_token_type_ids(token_type_ids: Sequence[int]) -> tuple[int, int]:
     n = len(token_type_ids)
     first_one = next((i for i, t in enumerate(token_type_ids) if t == 1), n)
     end = next((i for i in range(first_one, n) if token_type_ids[i] != 1), n)
-    if any(t not in (0, 1) for t in token_type_ids) or any(
-        t != 0 for t in token_type_ids[end:]
-    ):
+    if any(t not in (0, 1) for t in token_type_ids) or any(t != 0 for t in token_type_ids[end:]):
         raise ValueError(
             "Token type ids are expected to be a sequence of zeros followed by ones "
             "and optional trailing zeros"
