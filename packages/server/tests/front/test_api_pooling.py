@@ -141,6 +141,7 @@ async def test_chat_messages_go_through_the_template(tokenizer: Any, gen_llm: As
         ({"input": [1.5, 2]}, "input", "Invalid value for 'input'"),
         ({"input": [["a", 2]]}, "input", "Invalid value for 'input'"),
         ({"input": [[]]}, "input", "must not be empty"),
+        ({"input": ""}, "input", "must not be empty"),
         ({"input": [999999]}, "input", "out of range"),
         ({"input": "hi", "dimensions": 4}, "dimensions", "does not support Matryoshka"),
         ({"input": "hi", "normalize": True}, "normalize", "use `use_activation` instead"),

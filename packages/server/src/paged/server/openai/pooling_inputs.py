@@ -16,6 +16,7 @@ from typing import Any
 
 from paged.server.chat_utils import apply_chat_template
 from paged.server.errors import ContextLengthError, InvalidRequestError
+from paged.server.pooling_score import compress_token_type_ids
 from paged.server.tokenizer import TokenizerLike
 
 # Checks a token list against the vocabulary (InputProcessor.check_token_ids).
@@ -41,13 +42,15 @@ class TokenLimits:
             )
 
     def fit(self, ids: list[int], tokenizer: object) -> list[int]:
-        """`ids` truncated as asked; ContextLengthError when they still do not fit."""
+        """`ids` truncated as asked; a 400 when empty or still too long to fit."""
         keep = self.truncate_prompt_tokens
         if keep is not None and keep < 0:
             keep = self.max_model_len
         if keep is not None and keep < len(ids):
             side = self.truncation_side or getattr(tokenizer, "truncation_side", "right")
             ids = ids[len(ids) - keep :] if side == "left" else ids[:keep]
+        if not ids:
+            raise InvalidRequestError("input", "a prompt must not be empty (it has no tokens)")
         if len(ids) > self.max_model_len:
             raise ContextLengthError(
                 "input",
@@ -170,7 +173,7 @@ class PairTokens:
 
     token_ids: list[int]
     # [start, end) of the tokens of type 1 (the document), vLLM's compressed
-    # token_type_ids; None when the tokenizer gives no token types.
+    # token_type_ids (scoring/utils.py:265-291); None when there are none.
     token_type_range: tuple[int, int] | None
 
 
@@ -201,27 +204,5 @@ def encode_pair(
     if len(fitted) < len(ids):  # truncated: keep the types aligned with the kept tokens
         side = limits.truncation_side or getattr(tokenizer, "truncation_side", "right")
         types = types[len(types) - len(fitted) :] if side == "left" else types[: len(fitted)]
-    return PairTokens(fitted, compress_token_type_ids(types))
-
-
-def compress_token_type_ids(token_type_ids: Sequence[int]) -> tuple[int, int]:
-    """The [start, end) range of type-1 tokens ((n, n) when there are none).
-
-    Zeros, then ones, then optional trailing zeros (right padding); anything
-    else is a ValueError, as vLLM 0.33's compress_token_type_ids
-    (scoring/utils.py:265-291).
-    """
-    n = len(token_type_ids)
-    first_one = n
-    end = n
-    for i, t in enumerate(token_type_ids):
-        if t not in (0, 1) or (t == 1 and end < n):
-            raise ValueError(
-                "Token type ids are expected to be a sequence of zeros followed by ones "
-                "and optional trailing zeros"
-            )
-        if t == 1 and first_one == n:
-            first_one = i
-        elif t == 0 and first_one < n and end == n:
-            end = i
-    return first_one, end
+    span = compress_token_type_ids(types)
+    return PairTokens(fitted, span if span[0] < span[1] else None)
