@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ import torch
 from paged.scheduler import PoolingParams, SamplingParams
 from paged.server.errors import InvalidRequestError
 from paged.server.llm import LLM
+from paged.server.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +30,29 @@ def _word_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    fast_cls: Any = PreTrainedTokenizerFast  # untyped in transformers
     vocab = {f"w{i}": i for i in range(_VOCAB)}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast: Any = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="w1", eos_token="w2")
+    fast = fast_cls(tokenizer_object=tk, bos_token="w1", eos_token="w2")
     fast.save_pretrained(str(path))
 
 
 def _st_last_token_files(path: Path) -> None:
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
     ]
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir()
@@ -98,9 +110,7 @@ def _reference(path: Path, prompts: list[str]) -> list[torch.Tensor]:
 
 
 def _engine(path: Path, **kw: Any) -> LLM:
-    return LLM(
-        str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, **kw
-    )
+    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, **kw)
 
 
 def test_embed_matches_transformers_last_token_chunked_and_whole(tiny_qwen3: Path) -> None:
@@ -154,9 +164,9 @@ def test_embed_in_a_batch_mixed_with_generation(tiny_qwen3: Path) -> None:
         pool_ids = [llm._add_pooling_request(p, embed_params, None) for p in _PROMPTS]
         done = llm._run_until_finished(gen_ids + pool_ids, use_tqdm=False)
         mixed = [done[i] for i in gen_ids]
-        assert [m.outputs[0].token_ids for m in mixed] == alone  # type: ignore[union-attr]
+        assert [cast(RequestOutput, m).outputs[0].token_ids for m in mixed] == alone
         for rid, expected in zip(pool_ids, ref, strict=True):
-            data = done[rid].outputs.data  # type: ignore[union-attr]
+            data = cast(PoolingRequestOutput[PoolingOutput], done[rid]).outputs.data
             torch.testing.assert_close(data, expected, atol=1e-5, rtol=0)
 
 
@@ -165,7 +175,7 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import BertConfig, BertModel
 
     path = tmp_path_factory.mktemp("tiny-bert-embed")
-    config = BertConfig(
+    config: Any = BertConfig(
         vocab_size=_VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -174,11 +184,17 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
         max_position_embeddings=128,
     )
     torch.manual_seed(1)
-    BertModel(config).eval().save_pretrained(str(path))
+    bert: Any = BertModel(config)
+    bert.eval().save_pretrained(str(path))
     _word_tokenizer(path)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
     ]
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir()
@@ -213,3 +229,50 @@ def test_bert_embed_and_score_match_transformers_mean_pooling(tiny_bert: Path) -
             assert abs(s.outputs.score - float(want)) < 1e-5
         with pytest.raises(InvalidRequestError, match="data_1 has 2 inputs and data_2 3"):
             llm.score(prompts[:2], prompts, use_tqdm=False)
+
+
+def _cross_encoder(path: Path) -> Path:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config_cls: Any = BertConfig
+    config = config_cls(
+        vocab_size=_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        num_labels=1,
+        architectures=["BertForSequenceClassification"],
+    )
+    torch.manual_seed(2)
+    cross: Any = BertForSequenceClassification(config)
+    cross.eval().save_pretrained(str(path))
+    _word_tokenizer(path)
+    return path
+
+
+def test_bert_cross_encoder_classify_and_score_match_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = _cross_encoder(tmp_path / "cross")
+    tok: Any = AutoTokenizer.from_pretrained(str(path))
+    model: Any = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    query, docs = _PROMPTS[0], _PROMPTS[1:4]
+    with torch.no_grad():
+        want = []
+        for doc in docs:
+            enc = tok(query, text_pair=doc, return_tensors="pt")
+            want.append(float(torch.sigmoid(model(**enc).logits[0, 0])))
+        single = float(
+            torch.sigmoid(model(input_ids=torch.tensor([tok.encode(query)])).logits[0, 0])
+        )
+    with _engine(path, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=128) as llm:
+        assert llm.supported_tasks == ("classify", "token_classify")
+        scores = llm.score(query, docs, use_tqdm=False)
+        for s, expected in zip(scores, want, strict=True):
+            assert abs(s.outputs.score - expected) < 1e-5
+        probs = llm.classify(query, use_tqdm=False)[0].outputs.probs
+        assert len(probs) == 1 and abs(probs[0] - single) < 1e-5
+        with pytest.raises(ValueError, match="Embedding API is not supported"):
+            llm.embed(query, use_tqdm=False)

@@ -8,17 +8,45 @@ the two embeddings); other models have no Scoring API.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
 from paged.scheduler import PoolingParams
+from paged.server.input_processor import ProcessedPrompt, PromptType
 from paged.server.pooling_frontend import PoolingFrontend
 from paged.server.pooling_outputs import PoolingOutput, PoolingRequestOutput, ScoringRequestOutput
 from paged.server.pooling_score import cosine_score, cross_encoder_prompt, score_pairs
+from paged.server.tokenizer import TokenizerLike
 
-if TYPE_CHECKING:
-    from paged.server.llm import LLM
+
+class LLM(Protocol):
+    """The part of `paged.server.llm.LLM` scoring drives (a Protocol: no import cycle)."""
+
+    tokenizer: TokenizerLike
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = ...,
+        *,
+        use_tqdm: bool = ...,
+        pooling_task: str | None = ...,
+        truncate_prompt_tokens: int | None = ...,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]: ...
+
+    def _add_pooling_request(
+        self,
+        prompt: PromptType | ProcessedPrompt,
+        params: PoolingParams,
+        truncate_prompt_tokens: int | None,
+    ) -> str: ...
+
+    def _run_pooling(
+        self, ids: list[str], use_tqdm: bool
+    ) -> list[PoolingRequestOutput[PoolingOutput]]: ...
+
+    def _abort(self, ids: list[str]) -> None: ...
 
 
 def run_score(
