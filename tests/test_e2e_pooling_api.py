@@ -127,5 +127,5 @@ def test_rerank_scores_are_cosines(server: LiveServer, st_model: tuple[Path, Any
     assert [r["index"] for r in body["results"]] == order
     for r in body["results"]:
         assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=1e-5)
-        assert r["document"] == {"text": docs[r["index"]]}
+        assert r["document"] == {"text": docs[r["index"]], "multi_modal": None}
     assert not any(math.isnan(r["relevance_score"]) for r in body["results"])

@@ -308,7 +308,9 @@ async def test_rerank_cross_encoder(tmp_path: Any, gen_llm: AsyncLLM) -> None:
     scores = [r["relevance_score"] for r in body["results"]]
     assert scores == sorted(scores, reverse=True)
     assert {r["index"] for r in body["results"]} == {0, 1, 2}
-    assert all(r["document"]["text"] == docs[r["index"]] for r in body["results"])
+    assert all(
+        r["document"] == {"text": docs[r["index"]], "multi_modal": None} for r in body["results"]
+    )
     # Each pair is the tokenizer's pair encoding, the document's tokens typed 1 (vLLM's range).
     pair = tok(text="what is a cat", text_pair="a cat")
     ids, params, _ = engine.calls[0]

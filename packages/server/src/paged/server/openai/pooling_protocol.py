@@ -277,6 +277,7 @@ class ScoreResponse(BaseModel):
 
 class RerankDocument(BaseModel):
     text: str | None = None
+    multi_modal: list[dict[str, Any]] | None = None  # vLLM's field; always null here (text only)
 
 
 class RerankResult(BaseModel):
