@@ -19,6 +19,7 @@ from paged.server.epd_metrics import EncoderItemMetrics
 from paged.server.kv_cache_metrics import KVCacheResidencyMetrics
 from paged.server.kv_metrics import KVConnectorMetrics
 from paged.server.metrics_names import PAGED_NAMING, MetricsNaming
+from paged.server.pooling_metrics import PoolingMetrics
 from paged.server.spec_metrics import SpecDecodingMetrics
 from paged.server.stats import IterationStats
 
@@ -140,6 +141,11 @@ class PrometheusStatLogger:
             "API requests by endpoint and status code",
             ["endpoint", "status"],
             registry=r,
+        )
+        # paged-only: pooling requests apart from generation; absent under vLLM's naming,
+        # whose exposition stays exactly vLLM's (which has no pooling metric).
+        self.pooling = (
+            PoolingMetrics(r, model_name) if naming.prefix == PAGED_NAMING.prefix else None
         )
         # Every engine metric's label values: (model_name,) or vLLM's (model_name, engine);
         # always `.labels(*self._lv)`, never the model name alone.

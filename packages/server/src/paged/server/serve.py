@@ -53,6 +53,7 @@ def run_server(
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
+    from paged.server.openai.pooling_tasks import ModelTasks
     from paged.server.openai.responses import ResponseStore, store_enabled_from_env
     from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
     from paged.server.pooling_frontend import PoolingFrontend
@@ -143,6 +144,11 @@ def run_server(
             tool_config=tool_config,
             reasoning_parser=reasoning_parser,
             responses_store=responses_store,
+            pooling_tasks=ModelTasks.from_hf_config(
+                mc.hf_config,
+                llm.supported_tasks,
+                None if mc.pooler_config is None else mc.pooler_config.task,
+            ),
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",

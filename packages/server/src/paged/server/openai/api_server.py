@@ -33,6 +33,8 @@ from paged.server.openai.cache_routes import add_cache_routes
 from paged.server.openai.cors import CorsConfig, install_cors
 from paged.server.openai.disconnect import run_until_disconnect
 from paged.server.openai.lifespan import engine_lifespan
+from paged.server.openai.pooling_routes import add_pooling_routes
+from paged.server.openai.pooling_tasks import ModelTasks
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -55,6 +57,7 @@ from paged.server.openai.responses import (
 from paged.server.openai.responses.routes import add_responses_routes
 from paged.server.openai.responses.serving import ResponseNotFoundError
 from paged.server.openai.serving import EngineRequestError, ModelNotFoundError, OpenAIServing
+from paged.server.openai.serving_pooling import PoolingEngine, PoolingServing
 from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
 from paged.server.reasoning import make_reasoning_parser
 
@@ -95,7 +98,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         return error_response(
             400, "We could not parse the JSON body of your request. Send valid JSON."
         )
-    if kind in ("invalid_unicode", "int_out_of_range", "too_deep"):
+    if kind in ("invalid_unicode", "int_out_of_range", "too_deep", "invalid_field"):
         ctx = err.get("ctx") or {}
         param = str(ctx.get("param") or "") or None
         return error_response(400, str(err.get("msg")), param)
@@ -184,8 +187,16 @@ def build_app(
     tool_config: ToolCallingConfig | None = None,
     reasoning_parser: str | None = None,
     responses_store: ResponseStore | None = None,
+    pooling_tasks: ModelTasks | None = None,
+    pooling_engine: PoolingEngine | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `llm` under the name `model_name`.
+
+    `pooling_tasks`: what the model serves (generation and/or pooling tasks,
+    its labels); None = a generative model only. The pooling routes
+    (/v1/embeddings, /pooling, /classify, /score, /rerank) and the generation
+    routes answer a 400 naming the model's task when it cannot serve them.
+    `pooling_engine`: where pooling requests go (default: `llm`).
 
     `cors`: cross-origin access for browsers; None or no origins = no CORS headers.
     Bodies over `max_request_body_bytes` are refused with a 413.
@@ -204,6 +215,13 @@ def build_app(
     serving = OpenAIServing(llm, model_name, tool_flags, make_reasoning_parser(reasoning_parser))
     if responses_store is None:
         responses_store = ResponseStore(enabled=store_enabled_from_env())
+    tasks = pooling_tasks if pooling_tasks is not None else ModelTasks()
+    pooling = PoolingServing(
+        pooling_engine if pooling_engine is not None else llm,
+        model_name,
+        tasks,
+        metrics=None if stat_logger is None else stat_logger.pooling,
+    )
     # Added first, so it runs inside the key check and the response counter.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)
@@ -224,6 +242,7 @@ def build_app(
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        tasks.require_generate("Chat Completions API")
         header_id = request.headers.get("X-Request-Id")
         return await respond(request, serving.create_chat_completion(body, header_id))
 
@@ -233,10 +252,12 @@ def build_app(
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        tasks.require_generate("Completions API")
         header_id = request.headers.get("X-Request-Id")
         return await respond(request, serving.create_completion(body, header_id))
 
     add_responses_routes(app, OpenAIServingResponses(serving, responses_store), respond, _ERRORS)
+    add_pooling_routes(app, pooling, respond, _ERRORS)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
