@@ -61,14 +61,19 @@ def fake_engine(engine_cls: Any, tokenizer: Any, reply: Reply) -> Any:
 
 @pytest.fixture
 async def llm(tokenizer: Any, fake_engine: Any) -> AsyncIterator[AsyncLLM]:
+    # The tokenizer is the session's: its template goes back for the other modules.
+    original = tokenizer.chat_template
     tokenizer.chat_template = TOOL_TEMPLATE
     eos = [tokenizer.eos_token_id]
     compiler = GrammarCompiler(load_ll_tokenizer(tokenizer, len(tokenizer), eos), eos_token_ids=eos)
     engine = AsyncLLM(
         fake_engine, tokenizer, max_model_len=4096, eos_token_ids=eos, grammar_compiler=compiler
     )
-    yield engine
-    engine.shutdown()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        tokenizer.chat_template = original
 
 
 def _http(
