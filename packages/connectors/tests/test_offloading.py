@@ -432,3 +432,33 @@ def test_a_restart_announces_the_disk_and_a_load_error_removes_the_chunk(
     side = second.sched_side.scheduler_side
     assert len(side.tier_block_hashes(Tier.DISK)) == 3
     second.close()
+
+
+# ------------------------------------------------------- vLLM 0.33's store policy keys
+def test_store_threshold_stores_a_chunk_only_once_it_was_offered_that_often() -> None:
+    # vLLM 0.33 CPUOffloadingManager.prepare_store: a new chunk is stored once its
+    # offer count reaches store_threshold (here 2: the second request computing it).
+    engine = _Engine({"cpu_bytes_to_use": 10 * CHUNK_BYTES, "store_threshold": 2})
+    engine.run("a", PROMPT)
+    scheduler_side = engine.sched_side.scheduler_side
+    assert scheduler_side.host is not None and len(scheduler_side.host) == 0
+    assert scheduler_side.admission.skipped == 3
+    engine.forget_device_cache()
+    engine.run("b", PROMPT)  # a miss again: computed, offered a second time, stored
+    assert scheduler_side.host.keys_lru_first() == _keys(PROMPT)
+    engine.forget_device_cache()
+    engine.sched.add_request(make_request("c", PROMPT, max_tokens=1))
+    assert engine.sched.schedule().scheduled_new_reqs[0].num_computed_tokens == 24
+    engine.close()
+
+
+@pytest.mark.parametrize(("prompt_only", "chunks"), [(True, 3), (False, 4)])
+def test_offload_prompt_only_false_also_saves_decode_chunks(prompt_only: bool, chunks: int) -> None:
+    # 27 prompt tokens + 10 generated: KV exists for 36 tokens, four full chunks of 8;
+    # the fourth holds decode tokens 27..31, saved only with offload_prompt_only false.
+    engine = _Engine({"kv_bytes_per_rank": 10 * CHUNK_BYTES, "offload_prompt_only": prompt_only})
+    engine.run("a", PROMPT, max_tokens=10)
+    host = engine.sched_side.scheduler_side.host
+    assert host is not None and len(host) == chunks
+    assert len(engine.worker_side.worker_side.host or ()) == chunks
+    engine.close()

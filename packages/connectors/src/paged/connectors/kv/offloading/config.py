@@ -99,9 +99,7 @@ class OffloadingConfig:
                 f"OffloadingConnector: offload_prompt_only must be true or false, "
                 f"got {prompt_only!r}"
             )
-        return cls(
-            chunk, host, disk_path, disk_bytes, int(threshold), int(tracker), prompt_only
-        )
+        return cls(chunk, host, disk_path, disk_bytes, int(threshold), int(tracker), prompt_only)
 
 
 def check_extra_config(extra: Mapping[str, Any], block_size: int, world_size: int) -> None:
@@ -154,8 +152,6 @@ def _disk_path(extra: Mapping[str, Any]) -> Path | None:
             "disk tier; keep the fs tier's root_dir"
         )
     if raw is not None and (not isinstance(raw, str) or not raw):
-        raise ValueError(
-            f"OffloadingConnector: disk_path must be a non-empty string, got {raw!r}"
-        )
+        raise ValueError(f"OffloadingConnector: disk_path must be a non-empty string, got {raw!r}")
     path = root if root is not None else raw
     return Path(path) if path is not None else None

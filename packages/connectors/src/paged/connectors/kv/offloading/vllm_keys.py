@@ -38,7 +38,8 @@ _REFUSED: dict[str, str] = {
     "size the host tier with cpu_bytes_to_use (bytes, all ranks together)",
     "cpu_bytes_to_use_per_rank": "it is SimpleCPUOffloadConnector's key; use cpu_bytes_to_use "
     "(all ranks together) or paged's kv_bytes_per_rank",
-    "spec_module_path": f"out-of-tree offloading specs are not loaded; spec_name is one of {_SPECS}",
+    "spec_module_path": "out-of-tree offloading specs are not loaded; "
+    f"spec_name is one of {list(_SPECS)}",
     "cache_policy_module_path": "out-of-tree cache policies are not loaded; "
     f"eviction_policy is one of {list(_EVICTION_POLICIES)}",
     "backpressure": "paged's disk tier has no back-pressure detector (its writer drops writes "
@@ -86,8 +87,10 @@ def check_refused_keys(extra: Mapping[str, Any]) -> None:
             f"tier evicts least recently used chunks: use {list(_EVICTION_POLICIES)}"
         )
     for flag, offer in (
-        ("self_describing_kv_events", "paged's tier events already carry the chunk's block "
-         "hashes, token ids and parent hash"),
+        (
+            "self_describing_kv_events",
+            "paged's tier events already carry the chunk's block hashes, token ids and parent hash",
+        ),
         ("canonical_layout", "chunks are stored in each rank's own page layout"),
     ):
         value = extra.get(flag, False)
@@ -138,7 +141,9 @@ def _check_tiers(extra: Mapping[str, Any], spec: str) -> None:
         )
     for tier in tiers:
         if not isinstance(tier, Mapping):
-            raise ValueError(f"OffloadingConnector: a secondary tier must be an object, got {tier!r}")
+            raise ValueError(
+                f"OffloadingConnector: a secondary tier must be an object, got {tier!r}"
+            )
         _check_fs_tier(tier)
 
 
@@ -154,7 +159,8 @@ def _check_fs_tier(tier: Mapping[str, Any]) -> None:
     if unknown:
         raise ValueError(
             f"OffloadingConnector: fs tier keys {unknown} are not supported "
-            f"(paged takes {sorted(_FS_KEYS)}; locality, backpressure and module_path are vLLM-only)"
+            f"(paged takes {sorted(_FS_KEYS)}; locality, backpressure and module_path "
+            "are vLLM-only)"
         )
     root = tier.get("root_dir")
     if not isinstance(root, str) or not root:
