@@ -462,3 +462,25 @@ def test_offload_prompt_only_false_also_saves_decode_chunks(prompt_only: bool, c
     assert host is not None and len(host) == chunks
     assert len(engine.worker_side.worker_side.host or ()) == chunks
     engine.close()
+
+
+@pytest.mark.parametrize("enable", [False, True])
+def test_an_fs_tier_publishes_storage_events_only_with_enable_kv_events(
+    tmp_path: Path, enable: bool
+) -> None:
+    # vLLM 0.33 fs tier: enable_kv_events (default false) opts into STORAGE BlockStored.
+    fs = {"type": "fs", "root_dir": str(tmp_path), "enable_kv_events": enable}
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 10 * CHUNK_BYTES,
+        "secondary_tiers": [fs],
+    }
+    engine = _Engine(extra, events=True)
+    engine.run("a", PROMPT)
+    events = engine.sched.take_kv_cache_events()
+    assert len(_stored(events, "CPU")) == 3
+    assert len(_stored(events, "STORAGE")) == (3 if enable else 0)
+    side = engine.sched_side.scheduler_side
+    assert side.disk is not None and len(side.disk) == 3  # stored either way
+    assert len(side.tier_block_hashes(Tier.DISK)) == 3
+    engine.close()

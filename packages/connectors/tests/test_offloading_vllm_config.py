@@ -59,7 +59,7 @@ def test_vllm_docs_single_tier_example_and_chunk_keys() -> None:
         ({"cpu_bytes_to_use": 1, "spec_module_path": "x.y"}, "spec_module_path"),
         ({"cpu_bytes_to_use": 1, "cache_policy_module_path": "x"}, "cache_policy_module_path"),
         ({"cpu_bytes_to_use": 1, "canonical_layout": True}, "canonical_layout=true"),
-        ({"cpu_bytes_to_use": 1, "self_describing_kv_events": True}, "self_describing"),
+        ({"cpu_bytes_to_use": 1, "self_describing_kv_events": 1}, "self_describing_kv_events must"),
         ({"cpu_bytes_to_use": 1, "block_size": 16, "blocks_per_chunk": 1}, "only one of"),
         ({"cpu_bytes_to_use": 1, "block_size": 24}, "block_size 24 must be a positive multiple"),
         ({"cpu_bytes_to_use": 1, "blocks_per_chunk": 0}, "blocks_per_chunk must be greater"),

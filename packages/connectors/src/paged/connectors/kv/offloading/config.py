@@ -28,6 +28,7 @@ from typing import Any
 
 from paged.connectors.kv.offloading.vllm_keys import (
     check_refused_keys,
+    fs_tier_events,
     fs_tier_root_dir,
     number,
 )
@@ -48,6 +49,9 @@ class OffloadingConfig:
     store_threshold: int = 0
     max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
     offload_prompt_only: bool = True
+    # Whether the disk tier publishes KV events: always with paged's disk_path, and for
+    # vLLM's fs tier only with its enable_kv_events (vLLM's default: false).
+    disk_events: bool = True
 
     @property
     def has_host(self) -> bool:
@@ -99,7 +103,16 @@ class OffloadingConfig:
                 f"OffloadingConnector: offload_prompt_only must be true or false, "
                 f"got {prompt_only!r}"
             )
-        return cls(chunk, host, disk_path, disk_bytes, int(threshold), int(tracker), prompt_only)
+        return cls(
+            chunk,
+            host,
+            disk_path,
+            disk_bytes,
+            int(threshold),
+            int(tracker),
+            prompt_only,
+            disk_events=fs_tier_events(extra),
+        )
 
 
 def check_extra_config(extra: Mapping[str, Any], block_size: int, world_size: int) -> None:

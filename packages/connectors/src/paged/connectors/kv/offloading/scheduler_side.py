@@ -92,7 +92,8 @@ class OffloadingScheduler:
         self.disk: TierIndex | None = None
         self._evict_host: list[ChunkKey] = []
         self._evict_disk: list[ChunkKey] = []
-        self.events = TierEvents(block_size, self.blocks_per_chunk)
+        quiet = frozenset() if config.disk_events else frozenset({Tier.DISK})
+        self.events = TierEvents(block_size, self.blocks_per_chunk, quiet)
         disk_path = config.rank_disk_path(0, world_size)  # rank 0 speaks for all ranks
         if disk_path is not None:
             self.disk = TierIndex("disk", config.disk_bytes)

@@ -86,18 +86,19 @@ def check_refused_keys(extra: Mapping[str, Any]) -> None:
             f"OffloadingConnector: eviction_policy {policy!r} is not supported; paged's host "
             f"tier evicts least recently used chunks: use {list(_EVICTION_POLICIES)}"
         )
-    for flag, offer in (
-        (
-            "self_describing_kv_events",
-            "paged's tier events already carry the chunk's block hashes, token ids and parent hash",
-        ),
-        ("canonical_layout", "chunks are stored in each rank's own page layout"),
-    ):
+    # paged's tier events always carry each chunk's block hashes, token ids and parent
+    # hash (the self-describing form), so either value is honoured; a canonical layout
+    # is not: chunks are stored in each rank's own page layout.
+    for flag in ("self_describing_kv_events", "canonical_layout"):
         value = extra.get(flag, False)
         if not isinstance(value, bool):
             raise ValueError(f"OffloadingConnector: {flag} must be true or false, got {value!r}")
-        if value:
-            raise ValueError(f"OffloadingConnector: {flag}=true is not supported: {offer}")
+    if extra.get("canonical_layout", False):
+        raise ValueError(
+            "OffloadingConnector: canonical_layout=true is not supported: chunks are stored "
+            "in each rank's own page layout (share a disk tier only between engines of one "
+            "tensor-parallel size)"
+        )
     # Accepted for vLLM configs, no effect: tier_poll_interval_s paces only p2p tiers
     # (refused here) and paged's loads are always synchronous (any sync_load_budget_bytes).
     number(extra, "tier_poll_interval_s", 0)
@@ -120,6 +121,14 @@ def fs_tier_root_dir(extra: Mapping[str, Any]) -> str | None:
             root = tier.get("root_dir")
             return root if isinstance(root, str) else None
     return None
+
+
+def fs_tier_events(extra: Mapping[str, Any]) -> bool:
+    """Whether the disk tier publishes KV events: its enable_kv_events, True without an fs tier."""
+    for tier in extra.get("secondary_tiers") or []:
+        if isinstance(tier, Mapping) and tier.get("type") == "fs":
+            return tier.get("enable_kv_events", False) is True
+    return True
 
 
 def _check_tiers(extra: Mapping[str, Any], spec: str) -> None:
