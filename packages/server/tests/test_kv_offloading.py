@@ -139,3 +139,19 @@ def test_vllm_keys_pass_argument_parsing_and_lmcache_is_named(
     assert main(["serve", "/nonexistent/model", "--kv-transfer-config", config]) == 2
     err = capsys.readouterr().err
     assert "'LMCacheConnectorV1' is not available" in err and "OffloadingConnector" in err
+
+
+def test_an_offloading_child_of_a_multi_connector_is_checked_too(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    child = {
+        "kv_connector": "OffloadingConnector",
+        "kv_connector_extra_config": {"num_cpu_blocks": 8},
+    }
+    config = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [child]},
+    }
+    assert main(["serve", "/nonexistent/model", "--kv-transfer-config", json.dumps(config)]) == 2
+    assert "num_cpu_blocks is not supported" in capsys.readouterr().err

@@ -94,11 +94,7 @@ def kv_connector_builder(
     """
     if config is None:
         return None
-    from paged.connectors.kv import (
-        KVConnectorFactory,
-        kv_transfer_config_from_dict,
-        parse_kv_transfer_config,
-    )
+    from paged.connectors.kv import kv_transfer_config_from_dict, parse_kv_transfer_config
 
     parsed = (
         kv_transfer_config_from_dict(config)
@@ -107,27 +103,39 @@ def kv_connector_builder(
     )
     if parsed.kv_connector is None:
         return None
-    if parsed.kv_connector in _LMCACHE_CONNECTORS:
-        raise ValueError(
-            f"kv_transfer_config: kv_connector {parsed.kv_connector!r} is not available: the "
-            "lmcache package moves KV only with CUDA kernels, which paged cannot use "
-            "(packages/connectors/docs/lmcache.md); use paged's OffloadingConnector "
-            '(\'{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
-            '"kv_connector_extra_config":{"cpu_bytes_to_use":...}}\')'
-        )
-    # Import the class here, in the process that parses the flag, so an unknown
-    # connector stops start-up before any engine process is spawned.
-    KVConnectorFactory.with_builtins().get_connector_class(parsed)
-    if parsed.kv_connector == "OffloadingConnector":
-        # Its extra config too: a key paged refuses stops start-up, not the engine core.
-        from paged.connectors.kv.offloading.config import check_extra_config
-
-        check_extra_config(parsed.kv_connector_extra_config, block_size, world_size)
+    _check_connector(parsed, block_size, world_size)
     return KVConnectorBuilder(
         config_json=parsed.to_json(),
         block_size=block_size,
         model_name=os.path.basename(model_name.rstrip("/")),
     )
+
+
+def _check_connector(config: KVTransferConfig, block_size: int, world_size: int) -> None:
+    """Refuse here what would only fail in the engine core: LMCache, offloading keys.
+
+    Runs in the process that parses the flag, before any model loads or engine
+    process is spawned; MultiConnector's children are checked the same way.
+    """
+    from paged.connectors.kv import KVConnectorFactory
+    from paged.connectors.kv.multi import child_configs
+    from paged.connectors.kv.offloading.config import check_extra_config
+
+    if config.kv_connector in _LMCACHE_CONNECTORS:
+        raise ValueError(
+            f"kv_transfer_config: kv_connector {config.kv_connector!r} is not available: the "
+            "lmcache package moves KV only with CUDA kernels, which paged cannot use "
+            "(packages/connectors/docs/lmcache.md); use paged's OffloadingConnector "
+            '(\'{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+            '"kv_connector_extra_config":{"cpu_bytes_to_use":...}}\')'
+        )
+    # Import the class now so an unknown connector stops start-up.
+    KVConnectorFactory.with_builtins().get_connector_class(config)
+    if config.kv_connector == "OffloadingConnector":
+        check_extra_config(config.kv_connector_extra_config, block_size, world_size)
+    elif config.kv_connector == "MultiConnector":
+        for child in child_configs(config):
+            _check_connector(child, block_size, world_size)
 
 
 def make_scheduler_connector(
