@@ -42,8 +42,8 @@ _REFUSED: dict[str, str] = {
     f"spec_name is one of {list(_SPECS)}",
     "cache_policy_module_path": "out-of-tree cache policies are not loaded; "
     f"eviction_policy is one of {list(_EVICTION_POLICIES)}",
-    "backpressure": "paged's disk tier has no back-pressure detector (its writer drops writes "
-    "when its queue is full); remove the key",
+    "backpressure": "paged's disk tier has no back-pressure detector (one background writer "
+    "thread takes every write); remove the key",
 }
 
 _FS_KEYS = frozenset({"type", "root_dir", "n_read_threads", "n_write_threads", "enable_kv_events"})
