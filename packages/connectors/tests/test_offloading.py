@@ -484,3 +484,24 @@ def test_an_fs_tier_publishes_storage_events_only_with_enable_kv_events(
     assert side.disk is not None and len(side.disk) == 3  # stored either way
     assert len(side.tier_block_hashes(Tier.DISK)) == 3
     engine.close()
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lru", "b"), ("arc", "a")])
+def test_eviction_policy_arc_keeps_a_reused_chunk_that_lru_evicts(policy: str, kept: str) -> None:
+    # Host tier of two chunks. a is stored and reused; then b and c are stored once.
+    # LRU evicts a (least recently used); ARC evicts b (seen once, T1) and keeps a (T2).
+    engine = _Engine({"kv_bytes_per_rank": 2 * CHUNK_BYTES, "eviction_policy": policy})
+    prompts = {name: [base + i for i in range(9)] for name, base in (("a", 100), ("b", 200))}
+    prompts["c"] = [300 + i for i in range(9)]
+    engine.run("a", prompts["a"])
+    engine.forget_device_cache()
+    engine.run("a2", prompts["a"])  # a host-tier hit: a reuse
+    engine.run("b", prompts["b"])
+    engine.run("c", prompts["c"])
+    host = engine.sched_side.scheduler_side.host
+    assert host is not None
+    assert sorted(host.keys_lru_first()) == sorted(
+        [_keys(prompts[kept])[0], _keys(prompts["c"])[0]]
+    )
+    assert len(engine.worker_side.worker_side.host or ()) == 2
+    engine.close()

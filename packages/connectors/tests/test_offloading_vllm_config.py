@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 
 from paged.connectors.kv.offloading.admission import StoreAdmission
+from paged.connectors.kv.offloading.arc import ArcTierIndex
 from paged.connectors.kv.offloading.chunks import ChunkKey
 from paged.connectors.kv.offloading.config import OffloadingConfig, check_extra_config
+from paged.connectors.kv.offloading.index import TierIndex
 
 
 def test_vllm_docs_multi_tier_example_maps_onto_host_and_disk(tmp_path: Path) -> None:
@@ -54,7 +56,7 @@ def test_vllm_docs_single_tier_example_and_chunk_keys() -> None:
     [
         ({"num_cpu_blocks": 100}, "num_cpu_blocks is not supported.*cpu_bytes_to_use"),
         ({"cpu_bytes_to_use_per_rank": 1}, "cpu_bytes_to_use_per_rank is not supported"),
-        ({"cpu_bytes_to_use": 1, "eviction_policy": "arc"}, "eviction_policy 'arc'.*\\['lru'\\]"),
+        ({"cpu_bytes_to_use": 1, "eviction_policy": "lfu"}, "'lfu'.*\\['lru', 'arc'\\]"),
         ({"cpu_bytes_to_use": 1, "spec_name": "MySpec"}, "spec_name 'MySpec'"),
         ({"cpu_bytes_to_use": 1, "spec_module_path": "x.y"}, "spec_module_path"),
         ({"cpu_bytes_to_use": 1, "cache_policy_module_path": "x"}, "cache_policy_module_path"),
@@ -132,3 +134,36 @@ def test_store_admission_counts_offers_in_a_bounded_table() -> None:
     full = StoreAdmission(2, 1)
     full.record([a, b])  # an offer never evicts its own keys: b goes uncounted
     assert len(full) == 1
+
+
+def _scan_after_reuse(index: TierIndex) -> list[ChunkKey]:
+    """a, b reused, then c, d and a one-off scan e, f, g: what the tier keeps."""
+    a, b, c, d, e, f, g = (ChunkKey(k) for k in "abcdefg")
+    for key in (a, b):
+        index.insert(key, 1)
+    index.touch(a)
+    index.touch(b)
+    for key in (c, d, e, f, g):
+        index.insert(key, 1)
+    index.check_integrity()
+    return sorted(index.keys_lru_first())
+
+
+def test_arc_keeps_reused_chunks_through_a_scan_where_lru_loses_them() -> None:
+    assert _scan_after_reuse(TierIndex("host", 4)) == ["d", "e", "f", "g"]
+    arc = ArcTierIndex("host", 4)
+    assert _scan_after_reuse(arc) == ["a", "b", "f", "g"]  # T1 gave way, T2 stayed
+    assert arc.frequent_keys() == ["a", "b"] and arc.num_evictions == 3
+    # c was evicted from T1 too early: storing it again grows T1's target by one,
+    # and the next eviction still comes from T1 (2 chunks >= target 1).
+    result = arc.insert(ChunkKey("c"), 1)
+    assert arc.target_t1 == 1.0 and result.evicted == ["f"]
+    assert arc.recent_keys() == ["g", "c"]
+    arc.remove(ChunkKey("a"))
+    assert arc.frequent_keys() == ["b"] and len(arc) == 3
+    arc.check_integrity()
+
+
+def test_eviction_policy_arc_gives_the_host_tier_an_arc_index() -> None:
+    cfg = OffloadingConfig.from_extra_config({"cpu_bytes_to_use": 1, "eviction_policy": "arc"}, 16)
+    assert cfg.eviction_policy == "arc"

@@ -112,7 +112,7 @@ def _serve_exit(extra: dict[str, object], capsys: pytest.CaptureFixture[str]) ->
     ("extra", "message"),
     [
         ({"num_cpu_blocks": 1000}, "num_cpu_blocks is not supported"),
-        ({"cpu_bytes_to_use": 1e9, "eviction_policy": "arc"}, "eviction_policy 'arc'"),
+        ({"cpu_bytes_to_use": 1e9, "eviction_policy": "lfu"}, "eviction_policy 'lfu'"),
         (
             {
                 "spec_name": "TieringOffloadingSpec",

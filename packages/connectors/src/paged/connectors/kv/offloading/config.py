@@ -5,7 +5,7 @@ vLLM 0.33's keys (docs/features/kv_offloading_usage.md, v1/kv_offload/):
     {"spec_name": "TieringOffloadingSpec",   CPUOffloadingSpec (default) or TieringOffloadingSpec
      "cpu_bytes_to_use": 10737418240,        host tier, all ranks together (split per rank)
      "block_size": 256,                      tokens per chunk (or "blocks_per_chunk": 16)
-     "eviction_policy": "lru",               host tier policy (paged: lru only)
+     "eviction_policy": "lru",               host tier policy: lru or arc
      "store_threshold": 2,                   store a chunk once it was offered this many times
      "max_tracker_size": 64000,              chunks the store_threshold tracker remembers
      "offload_prompt_only": true,            false: decode chunks are offloaded too
@@ -52,6 +52,8 @@ class OffloadingConfig:
     # Whether the disk tier publishes KV events: always with paged's disk_path, and for
     # vLLM's fs tier only with its enable_kv_events (vLLM's default: false).
     disk_events: bool = True
+    # The host tier's policy (vLLM's primary tier); the disk tier is always LRU.
+    eviction_policy: str = "lru"
 
     @property
     def has_host(self) -> bool:
@@ -112,6 +114,7 @@ class OffloadingConfig:
             int(tracker),
             prompt_only,
             disk_events=fs_tier_events(extra),
+            eviction_policy=str(extra.get("eviction_policy", "lru")),
         )
 
 

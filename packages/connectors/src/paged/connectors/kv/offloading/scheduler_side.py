@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from paged.connectors.kv.offloading.admission import StoreAdmission
+from paged.connectors.kv.offloading.arc import ArcTierIndex
 from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys
 from paged.connectors.kv.offloading.config import OffloadingConfig
 from paged.connectors.kv.offloading.events import TierEvents
@@ -88,7 +89,8 @@ class OffloadingScheduler:
         self.chunk_bytes = block_bytes * self.blocks_per_chunk
         self.can_load = can_load
         self.can_save = can_save
-        self.host = TierIndex("host", config.host_bytes) if config.has_host else None
+        host_index = ArcTierIndex if config.eviction_policy == "arc" else TierIndex
+        self.host = host_index("host", config.host_bytes) if config.has_host else None
         self.disk: TierIndex | None = None
         self._evict_host: list[ChunkKey] = []
         self._evict_disk: list[ChunkKey] = []

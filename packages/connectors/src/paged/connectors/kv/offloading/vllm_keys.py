@@ -30,7 +30,7 @@ _VLLM_KEYS = frozenset(
     }
 )
 _SPECS = ("CPUOffloadingSpec", "TieringOffloadingSpec")
-_EVICTION_POLICIES = ("lru",)
+EVICTION_POLICIES = ("lru", "arc")
 
 # Keys refused with a reason (everything else unknown is refused with the key list).
 _REFUSED: dict[str, str] = {
@@ -41,7 +41,7 @@ _REFUSED: dict[str, str] = {
     "spec_module_path": "out-of-tree offloading specs are not loaded; "
     f"spec_name is one of {list(_SPECS)}",
     "cache_policy_module_path": "out-of-tree cache policies are not loaded; "
-    f"eviction_policy is one of {list(_EVICTION_POLICIES)}",
+    f"eviction_policy is one of {list(EVICTION_POLICIES)}",
     "backpressure": "paged's disk tier has no back-pressure detector (one background writer "
     "thread takes every write); remove the key",
 }
@@ -81,10 +81,10 @@ def check_refused_keys(extra: Mapping[str, Any]) -> None:
             f"OffloadingConnector: spec_name {spec!r} is not supported; use one of {list(_SPECS)}"
         )
     policy = extra.get("eviction_policy", "lru")
-    if policy not in _EVICTION_POLICIES:
+    if policy not in EVICTION_POLICIES:
         raise ValueError(
             f"OffloadingConnector: eviction_policy {policy!r} is not supported; paged's host "
-            f"tier evicts least recently used chunks: use {list(_EVICTION_POLICIES)}"
+            f"tier offers {list(EVICTION_POLICIES)}"
         )
     # paged's tier events always carry each chunk's block hashes, token ids and parent
     # hash (the self-describing form), so either value is honoured; a canonical layout
