@@ -267,3 +267,46 @@ def test_http_2048_token_prompt_host_tier_disk_restart_and_corruption(
     text, _ = complete(third)
     assert text == expected  # the checksums failed: recomputed, never wrong tokens
     _stop(third)
+
+
+@pytest.mark.slow
+def test_vllm_docs_multi_tier_config_is_accepted_and_serves(
+    tiny_model: Path, expected: list[int], tmp_path: Path
+) -> None:
+    # vLLM 0.33 docs/features/kv_offloading_usage.md "Multi-Tier Setup", as written
+    # there but for the sizes: host tier + fs secondary tier (paged's disk tier).
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 1 << 20,
+        "block_size": CHUNK,
+        "eviction_policy": "lru",
+        "secondary_tiers": [
+            {
+                "type": "fs",
+                "root_dir": str(tmp_path / "kv"),
+                "n_read_threads": 32,
+                "n_write_threads": 16,
+            }
+        ],
+    }
+    llm = LLM(
+        str(tiny_model),
+        device="cpu",
+        block_size=BLOCK,
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=128,
+        kv_transfer_config=_offload_config_chunks(extra),
+    )
+    try:
+        tokens, cached = _greedy(llm)
+        assert tokens == expected and cached == 0
+        conn = _connector(llm)
+        assert conn.offload_config.disk_path == tmp_path / "kv"
+        host = conn.scheduler_side.host
+        assert host is not None and len(host) == 2
+        assert llm.reset_prefix_cache()
+        tokens, cached = _greedy(llm)
+        assert cached == HIT and tokens == expected
+    finally:
+        llm.engine_client.shutdown()
+    assert len(list((tmp_path / "kv").glob("*.kvchunk"))) == 2

@@ -432,3 +432,76 @@ def test_a_restart_announces_the_disk_and_a_load_error_removes_the_chunk(
     side = second.sched_side.scheduler_side
     assert len(side.tier_block_hashes(Tier.DISK)) == 3
     second.close()
+
+
+# ------------------------------------------------------- vLLM 0.33's store policy keys
+def test_store_threshold_stores_a_chunk_only_once_it_was_offered_that_often() -> None:
+    # vLLM 0.33 CPUOffloadingManager.prepare_store: a new chunk is stored once its
+    # offer count reaches store_threshold (here 2: the second request computing it).
+    engine = _Engine({"cpu_bytes_to_use": 10 * CHUNK_BYTES, "store_threshold": 2})
+    engine.run("a", PROMPT)
+    scheduler_side = engine.sched_side.scheduler_side
+    assert scheduler_side.host is not None and len(scheduler_side.host) == 0
+    assert scheduler_side.admission.skipped == 3
+    engine.forget_device_cache()
+    engine.run("b", PROMPT)  # a miss again: computed, offered a second time, stored
+    assert scheduler_side.host.keys_lru_first() == _keys(PROMPT)
+    engine.forget_device_cache()
+    engine.sched.add_request(make_request("c", PROMPT, max_tokens=1))
+    assert engine.sched.schedule().scheduled_new_reqs[0].num_computed_tokens == 24
+    engine.close()
+
+
+@pytest.mark.parametrize(("prompt_only", "chunks"), [(True, 3), (False, 4)])
+def test_offload_prompt_only_false_also_saves_decode_chunks(prompt_only: bool, chunks: int) -> None:
+    # 27 prompt tokens + 10 generated: KV exists for 36 tokens, four full chunks of 8;
+    # the fourth holds decode tokens 27..31, saved only with offload_prompt_only false.
+    engine = _Engine({"kv_bytes_per_rank": 10 * CHUNK_BYTES, "offload_prompt_only": prompt_only})
+    engine.run("a", PROMPT, max_tokens=10)
+    host = engine.sched_side.scheduler_side.host
+    assert host is not None and len(host) == chunks
+    assert len(engine.worker_side.worker_side.host or ()) == chunks
+    engine.close()
+
+
+@pytest.mark.parametrize("enable", [False, True])
+def test_an_fs_tier_publishes_storage_events_only_with_enable_kv_events(
+    tmp_path: Path, enable: bool
+) -> None:
+    # vLLM 0.33 fs tier: enable_kv_events (default false) opts into STORAGE BlockStored.
+    fs = {"type": "fs", "root_dir": str(tmp_path), "enable_kv_events": enable}
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 10 * CHUNK_BYTES,
+        "secondary_tiers": [fs],
+    }
+    engine = _Engine(extra, events=True)
+    engine.run("a", PROMPT)
+    events = engine.sched.take_kv_cache_events()
+    assert len(_stored(events, "CPU")) == 3
+    assert len(_stored(events, "STORAGE")) == (3 if enable else 0)
+    side = engine.sched_side.scheduler_side
+    assert side.disk is not None and len(side.disk) == 3  # stored either way
+    assert len(side.tier_block_hashes(Tier.DISK)) == 3
+    engine.close()
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lru", "b"), ("arc", "a")])
+def test_eviction_policy_arc_keeps_a_reused_chunk_that_lru_evicts(policy: str, kept: str) -> None:
+    # Host tier of two chunks. a is stored and reused; then b and c are stored once.
+    # LRU evicts a (least recently used); ARC evicts b (seen once, T1) and keeps a (T2).
+    engine = _Engine({"kv_bytes_per_rank": 2 * CHUNK_BYTES, "eviction_policy": policy})
+    prompts = {name: [base + i for i in range(9)] for name, base in (("a", 100), ("b", 200))}
+    prompts["c"] = [300 + i for i in range(9)]
+    engine.run("a", prompts["a"])
+    engine.forget_device_cache()
+    engine.run("a2", prompts["a"])  # a host-tier hit: a reuse
+    engine.run("b", prompts["b"])
+    engine.run("c", prompts["c"])
+    host = engine.sched_side.scheduler_side.host
+    assert host is not None
+    assert sorted(host.keys_lru_first()) == sorted(
+        [_keys(prompts[kept])[0], _keys(prompts["c"])[0]]
+    )
+    assert len(engine.worker_side.worker_side.host or ()) == 2
+    engine.close()

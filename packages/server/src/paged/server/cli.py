@@ -402,8 +402,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     k.add_argument(
         "--kv-offloading-backend",
         default="native",
-        choices=["native", "lmcache"],
-        help="offloading backend for --kv-offloading-size (only native is built)",
+        choices=["native"],
+        help="offloading backend for --kv-offloading-size (vLLM's lmcache is not available: "
+        "packages/connectors/docs/lmcache.md)",
     )
     sd = parser.add_argument_group("speculative decoding")
     sd.add_argument(

@@ -277,7 +277,10 @@ class EngineArgs:
         check_kv_cache_dtype(self.kv_cache_dtype)  # before the model loads
         # Validated first: a bad connector config must stop start-up before the model loads.
         kv_connector = kv_connector_builder(
-            self._kv_transfer_config(), self.block_size, model_name=self.model_name()
+            self._kv_transfer_config(),
+            self.block_size,
+            model_name=self.model_name(),
+            world_size=self.tensor_parallel_size,
         )
         ec_connector = ec_connector_builder(self.ec_transfer_config, model_name=self.model_name())
         if kv_connector is not None and self.kv_cache_dtype.startswith("fp8"):

@@ -76,8 +76,16 @@ class KVConnectorBuilder:
         return self._create("SCHEDULER", 0, world_size, num_kv_cache_groups, kv_bytes_per_block)
 
 
+# vLLM's LMCache connectors: lmcache 0.5.6 from PyPI moves KV only through its CUDA
+# kernels (packages/connectors/docs/lmcache.md), so they are refused by name.
+_LMCACHE_CONNECTORS = ("LMCacheConnectorV1", "LMCacheMPConnector")
+
+
 def kv_connector_builder(
-    config: str | dict[str, Any] | None, block_size: int, model_name: str = ""
+    config: str | dict[str, Any] | None,
+    block_size: int,
+    model_name: str = "",
+    world_size: int = 1,
 ) -> KVConnectorBuilder | None:
     """Validate a kv-transfer config; None when it names no connector.
 
@@ -86,11 +94,7 @@ def kv_connector_builder(
     """
     if config is None:
         return None
-    from paged.connectors.kv import (
-        KVConnectorFactory,
-        kv_transfer_config_from_dict,
-        parse_kv_transfer_config,
-    )
+    from paged.connectors.kv import kv_transfer_config_from_dict, parse_kv_transfer_config
 
     parsed = (
         kv_transfer_config_from_dict(config)
@@ -99,14 +103,39 @@ def kv_connector_builder(
     )
     if parsed.kv_connector is None:
         return None
-    # Import the class here, in the process that parses the flag, so an unknown
-    # connector stops start-up before any engine process is spawned.
-    KVConnectorFactory.with_builtins().get_connector_class(parsed)
+    _check_connector(parsed, block_size, world_size)
     return KVConnectorBuilder(
         config_json=parsed.to_json(),
         block_size=block_size,
         model_name=os.path.basename(model_name.rstrip("/")),
     )
+
+
+def _check_connector(config: KVTransferConfig, block_size: int, world_size: int) -> None:
+    """Refuse here what would only fail in the engine core: LMCache, offloading keys.
+
+    Runs in the process that parses the flag, before any model loads or engine
+    process is spawned; MultiConnector's children are checked the same way.
+    """
+    from paged.connectors.kv import KVConnectorFactory
+    from paged.connectors.kv.multi import child_configs
+    from paged.connectors.kv.offloading.config import check_extra_config
+
+    if config.kv_connector in _LMCACHE_CONNECTORS:
+        raise ValueError(
+            f"kv_transfer_config: kv_connector {config.kv_connector!r} is not available: the "
+            "lmcache package moves KV only with CUDA kernels, which paged cannot use "
+            "(packages/connectors/docs/lmcache.md); use paged's OffloadingConnector "
+            '(\'{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+            '"kv_connector_extra_config":{"cpu_bytes_to_use":...}}\')'
+        )
+    # Import the class now so an unknown connector stops start-up.
+    KVConnectorFactory.with_builtins().get_connector_class(config)
+    if config.kv_connector == "OffloadingConnector":
+        check_extra_config(config.kv_connector_extra_config, block_size, world_size)
+    elif config.kv_connector == "MultiConnector":
+        for child in child_configs(config):
+            _check_connector(child, block_size, world_size)
 
 
 def make_scheduler_connector(
@@ -141,7 +170,8 @@ def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
     )
 
 
-OFFLOADING_BACKENDS = ("native", "lmcache")
+# vLLM also offers "lmcache"; paged cannot run it (packages/connectors/docs/lmcache.md).
+OFFLOADING_BACKENDS = ("native",)
 
 
 def offloading_kv_transfer_config(
@@ -149,22 +179,21 @@ def offloading_kv_transfer_config(
 ) -> dict[str, Any]:
     """vLLM's `--kv-offloading-size GiB --kv-offloading-backend native`, as a transfer config.
 
-    As vLLM's NativeOffloadingParser: the OffloadingConnector in kv_both, with
-    the size split over the ranks as `kv_bytes_per_rank` (a host-memory tier).
+    As vLLM 0.33 (config/vllm.py:1167-1174): the OffloadingConnector in kv_both
+    with `cpu_bytes_to_use` = GiB * 2**30, all ranks together (the connector
+    splits it over the ranks).
     """
     if size_gib <= 0:
         raise ValueError(f"kv_offloading_size must be positive GiB, got {size_gib}")
     if backend != "native":
         raise ValueError(
             f"kv_offloading_backend {backend!r} is not supported; use 'native' "
-            f"(known to vLLM: {', '.join(OFFLOADING_BACKENDS)})"
+            "(vLLM's 'lmcache' is not available: packages/connectors/docs/lmcache.md)"
         )
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "kv_bytes_per_rank": size_gib * (1 << 30) / tensor_parallel_size
-        },
+        "kv_connector_extra_config": {"cpu_bytes_to_use": size_gib * (1 << 30)},
     }
 
 

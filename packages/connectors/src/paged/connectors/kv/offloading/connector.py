@@ -42,7 +42,7 @@ class OffloadingConnector(KVConnectorBase):
                 f"{context.num_kv_cache_groups}"
             )
         self.offload_config = OffloadingConfig.from_extra_config(
-            config.kv_connector_extra_config, context.block_size
+            config.kv_connector_extra_config, context.block_size, context.world_size
         )
         self._scheduler: OffloadingScheduler | None = None
         self._worker: OffloadingWorker | None = None

@@ -52,9 +52,14 @@ class TierEvents:
     every eviction or drop), each with the hashes its `BlockStored` carried.
     """
 
-    def __init__(self, block_size: int, blocks_per_chunk: int) -> None:
+    def __init__(
+        self, block_size: int, blocks_per_chunk: int, quiet: frozenset[Tier] = frozenset()
+    ) -> None:
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
+        # Tiers whose events are not published (vLLM's fs tier without enable_kv_events);
+        # what they hold is still tracked, so `announced` stays the tier's contents.
+        self.quiet = quiet
         self._queue: list[KVCacheEvent] = []
         self._announced: dict[Tier, dict[ChunkKey, list[BlockHash]]] = {t: {} for t in Tier}
 
@@ -65,7 +70,8 @@ class TierEvents:
         hashes = [BlockHash(h) for h in request.block_hashes[first : first + bpc]]
         start, end = first * bs, (first + bpc) * bs
         self._announced[tier][key] = hashes
-        self._queue.append(
+        self._publish(
+            tier,
             BlockStored(
                 block_hashes=hashes,
                 parent_block_hash=BlockHash(request.block_hashes[first - 1]) if first else None,
@@ -75,7 +81,7 @@ class TierEvents:
                 lora_name=request.lora_name,
                 extra_keys=self._extra_keys(request, start),
                 group_idx=_GROUP_IDX,
-            )
+            ),
         )
 
     def stored_by_key(self, tier: Tier, keys: Iterable[ChunkKey]) -> None:
@@ -83,7 +89,8 @@ class TierEvents:
         for key in keys:
             hashes = [BlockHash(bytes.fromhex(key))]
             self._announced[tier][key] = hashes
-            self._queue.append(
+            self._publish(
+                tier,
                 BlockStored(
                     block_hashes=hashes,
                     parent_block_hash=None,
@@ -91,7 +98,7 @@ class TierEvents:
                     block_size=self.block_size * self.blocks_per_chunk,
                     medium=TIER_MEDIUM[tier],
                     group_idx=_GROUP_IDX,
-                )
+                ),
             )
 
     def removed(self, tier: Tier, keys: Iterable[ChunkKey]) -> None:
@@ -99,11 +106,16 @@ class TierEvents:
         for key in keys:
             hashes = self._announced[tier].pop(key, None)
             if hashes is not None:  # never announced: nothing for a subscriber to forget
-                self._queue.append(
+                self._publish(
+                    tier,
                     BlockRemoved(
                         block_hashes=hashes, medium=TIER_MEDIUM[tier], group_idx=_GROUP_IDX
-                    )
+                    ),
                 )
+
+    def _publish(self, tier: Tier, event: KVCacheEvent) -> None:
+        if tier not in self.quiet:
+            self._queue.append(event)
 
     def announced(self, tier: Tier) -> dict[ChunkKey, list[BlockHash]]:
         """What subscribers were told `tier` holds: chunk key -> block hashes (a copy)."""

@@ -10,7 +10,8 @@ Lookup (a request that missed the device prefix cache beyond `num_local`):
                                                      prompt token is left to compute)
 
 Loads are synchronous: `(N, False)`, done in the worker's `start_load_kv`
-of the step that schedules the request. Saves: every full prompt chunk, in
+of the step that schedules the request. Saves: every full prompt chunk (and decode chunk
+with offload_prompt_only false; once offered store_threshold times), in
 the step whose forward computes its last token, to every configured tier
 that does not hold it yet (write-through: host and disk).
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from paged.connectors.kv.offloading.admission import StoreAdmission
+from paged.connectors.kv.offloading.arc import ArcTierIndex
 from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys
 from paged.connectors.kv.offloading.config import OffloadingConfig
 from paged.connectors.kv.offloading.events import TierEvents
@@ -86,11 +89,13 @@ class OffloadingScheduler:
         self.chunk_bytes = block_bytes * self.blocks_per_chunk
         self.can_load = can_load
         self.can_save = can_save
-        self.host = TierIndex("host", config.host_bytes) if config.has_host else None
+        host_index = ArcTierIndex if config.eviction_policy == "arc" else TierIndex
+        self.host = host_index("host", config.host_bytes) if config.has_host else None
         self.disk: TierIndex | None = None
         self._evict_host: list[ChunkKey] = []
         self._evict_disk: list[ChunkKey] = []
-        self.events = TierEvents(block_size, self.blocks_per_chunk)
+        quiet = frozenset() if config.disk_events else frozenset({Tier.DISK})
+        self.events = TierEvents(block_size, self.blocks_per_chunk, quiet)
         disk_path = config.rank_disk_path(0, world_size)  # rank 0 speaks for all ranks
         if disk_path is not None:
             self.disk = TierIndex("disk", config.disk_bytes)
@@ -100,6 +105,7 @@ class OffloadingScheduler:
             # joins later learns them through replay.
             self.events.stored_by_key(Tier.DISK, self.disk.keys_lru_first())
         self.stats = OffloadingStats()
+        self.admission = StoreAdmission(config.store_threshold, config.max_tracker_size)
         self._reported_evictions = [0, 0]  # host, disk: evictions already in a report
         self._requests: dict[str, _RequestState] = {}
         self._plans: dict[str, _LoadPlan] = {}
@@ -249,14 +255,22 @@ class OffloadingScheduler:
     def _emit_saves(self, state: _RequestState, computed_end: int, saves: list[ChunkSave]) -> None:
         request = state.request
         chunk = self.config.chunk_size
-        # Only full prompt chunks are saved (LMCache's default: no decode KV).
-        limit = min(computed_end, request.num_prompt_tokens) // chunk
+        # Full chunks only; by default prompt chunks only (vLLM 0.33's offload_prompt_only,
+        # LMCache's default): decode KV is saved only when that is false.
+        saved_end = computed_end
+        if self.config.offload_prompt_only:
+            saved_end = min(computed_end, request.num_prompt_tokens)
+        limit = saved_end // chunk
         if state.next_save_chunk >= limit:
             return
         keys = chunk_keys(request.block_hashes, self.blocks_per_chunk)
         bpc = self.blocks_per_chunk
-        for i in range(state.next_save_chunk, min(limit, len(keys))):
+        offered = range(state.next_save_chunk, min(limit, len(keys)))
+        self.admission.record([keys[i] for i in offered])
+        for i in offered:
             key = keys[i]
+            if not self._held(key) and not self.admission.admit(key):
+                continue  # store_threshold: not offered often enough yet
             to_host = self._insert(Tier.HOST, key, request, i, touch=True)
             to_disk = self._insert(Tier.DISK, key, request, i, touch=True)
             if to_host or to_disk:
@@ -286,6 +300,11 @@ class OffloadingScheduler:
         if result.inserted:
             self.events.stored(tier, key, request, chunk_idx)
         return result.inserted
+
+    def _held(self, key: ChunkKey) -> bool:
+        return (self.host is not None and key in self.host) or (
+            self.disk is not None and key in self.disk
+        )
 
     def _tier(self, tier: Tier) -> tuple[TierIndex | None, list[ChunkKey]]:
         if tier is Tier.HOST:
