@@ -68,7 +68,7 @@ def run_batch_command(args: EngineArgs, ns: argparse.Namespace) -> int:
     """Run the batch; the exit status (ValueError for bad files or flags, before loading)."""
     from tqdm import tqdm
 
-    from paged.server.batch.endpoints import openai_endpoints
+    from paged.server.batch.endpoints import openai_endpoints, pooling_endpoints
     from paged.server.batch.engine import batch_serving, default_max_inflight
     from paged.server.batch.runner import run_batch_lines
     from paged.server.openai.tools import ToolCallingConfig
@@ -90,7 +90,10 @@ def run_batch_command(args: EngineArgs, ns: argparse.Namespace) -> int:
                 written = asyncio.run(
                     run_batch_lines(
                         lines,
-                        openai_endpoints(serving),
+                        {
+                            **openai_endpoints(serving.openai, serving.tasks),
+                            **pooling_endpoints(serving.pooling),
+                        },
                         output.write,
                         max_inflight=max_inflight,
                         on_done=lambda: bar.update(),

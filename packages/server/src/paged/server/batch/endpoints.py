@@ -1,8 +1,11 @@
 """The dispatch table of `run-batch`: which URL runs which handler on which request model.
 
 vLLM 0.33 builds the same table (entrypoints/launchers/run_batch.py:773-866,
-`build_endpoint_registry`); a new endpoint (e.g. /v1/embeddings) is one more
-`BatchEndpoint` in the table passed to `run_batch_lines`.
+`build_endpoint_registry`): /v1/chat/completions, /v1/embeddings, and /score
+and /rerank matched by suffix (url_matches, :662-667), which the table spells
+out here as /score, /v1/score, /rerank, /v1/rerank, /v2/rerank. paged adds
+/v1/completions. A route the model cannot serve answers each line with the
+HTTP API's 400 naming the model's task.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from paged.server.openai.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from paged.server.openai.pooling_tasks import ModelTasks
 from paged.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from paged.server.openai.serving import OpenAIServing
+from paged.server.openai.serving_pooling import PoolingServing
 
 Handler = Callable[[Any], Awaitable[BaseModel | AsyncIterator[str]]]
 
@@ -29,11 +35,32 @@ class BatchEndpoint:
     handler: Handler
 
 
-def openai_endpoints(serving: OpenAIServing) -> dict[str, BatchEndpoint]:
-    """The generation endpoints of `serving`, by URL."""
-    chat = serving.create_chat_completion
+def openai_endpoints(
+    serving: OpenAIServing, tasks: ModelTasks | None = None
+) -> dict[str, BatchEndpoint]:
+    """The generation endpoints of `serving`, by URL; `tasks` refuses them on a pooling model."""
+    model_tasks = tasks if tasks is not None else ModelTasks()
+
+    def chat(body: Any) -> Awaitable[BaseModel | AsyncIterator[str]]:
+        model_tasks.require_generate("Chat Completions API")
+        return serving.create_chat_completion(body)
+
+    def completion(body: Any) -> Awaitable[BaseModel | AsyncIterator[str]]:
+        model_tasks.require_generate("Completions API")
+        return serving.create_completion(body)
+
     endpoints = [
         BatchEndpoint("/v1/chat/completions", ChatCompletionRequest, chat),
-        BatchEndpoint("/v1/completions", CompletionRequest, serving.create_completion),
+        BatchEndpoint("/v1/completions", CompletionRequest, completion),
     ]
+    return {e.url: e for e in endpoints}
+
+
+def pooling_endpoints(pooling: PoolingServing) -> dict[str, BatchEndpoint]:
+    """The pooling endpoints vLLM 0.33's run-batch serves, by URL (each checks the task)."""
+    endpoints = [BatchEndpoint("/v1/embeddings", EmbeddingRequest, pooling.create_embedding)]
+    for url in ("/score", "/v1/score"):
+        endpoints.append(BatchEndpoint(url, ScoreRequest, pooling.create_score))
+    for url in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        endpoints.append(BatchEndpoint(url, RerankRequest, pooling.create_rerank))
     return {e.url: e for e in endpoints}

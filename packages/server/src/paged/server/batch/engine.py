@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from paged.server.engine_args import EngineArgs
 
 if TYPE_CHECKING:  # imported in batch_serving: `paged run-batch --help` stays fast
+    from paged.server.openai.pooling_tasks import ModelTasks
     from paged.server.openai.serving import OpenAIServing
+    from paged.server.openai.serving_pooling import PoolingServing
     from paged.server.openai.tools import ToolCallingConfig
 
 logger = logging.getLogger(__name__)
@@ -28,14 +31,23 @@ def default_max_inflight(args: EngineArgs) -> int:
     return max(MIN_DEFAULT_INFLIGHT, 2 * args.max_num_seqs)
 
 
+@dataclass(frozen=True, slots=True)
+class BatchServing:
+    """The handlers a batch line can reach: generation, pooling, and what the model serves."""
+
+    openai: OpenAIServing
+    pooling: PoolingServing
+    tasks: ModelTasks
+
+
 @contextlib.contextmanager
 def batch_serving(
     args: EngineArgs,
     *,
     tool_config: ToolCallingConfig | None = None,
     chat_template: str | None = None,
-) -> Iterator[OpenAIServing]:
-    """An `OpenAIServing` over a started engine; the engine stops on exit.
+) -> Iterator[BatchServing]:
+    """The API's handlers over a started engine; the engine stops on exit.
 
     `tool_config`: vLLM's tool flags; `chat_template`: --chat-template's text.
     """
@@ -47,8 +59,11 @@ def batch_serving(
     )
     from paged.server.engine.core import make_engine_core_factory
     from paged.server.engine_args import build_frontend_for, tokenizer_path
+    from paged.server.openai.pooling_tasks import ModelTasks
     from paged.server.openai.serving import OpenAIServing
-    from paged.server.openai.tools import ToolCallingConfig
+    from paged.server.openai.serving_pooling import PoolingServing
+    from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
+    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.reasoning import make_reasoning_parser
     from paged.server.serve import structured_outputs_for
     from paged.server.tokenizer import load_tokenizer
@@ -63,7 +78,8 @@ def batch_serving(
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    tool_flags = tools.resolve(getattr(tokenizer, "chat_template", None))
+    # As `paged serve`: the generic tool format when the template ignores tools.
+    tool_flags = resolve_for_tokenizer(tools, tokenizer)
     mm_frontend = build_frontend_for(args, config)
     so_config, compiler = structured_outputs_for(args, config, tokenizer)
     client = build_engine_client(
@@ -82,9 +98,19 @@ def batch_serving(
         grammar_compiler=compiler,
         mm_frontend=mm_frontend,
         generation_defaults=generation_defaults,
+        pooling=PoolingFrontend.from_model_config(mc, args.model_name()),
+    )
+    tasks = ModelTasks.from_hf_config(
+        mc.hf_config,
+        llm.supported_tasks,
+        None if mc.pooler_config is None else mc.pooler_config.task,
     )
     try:
-        yield OpenAIServing(llm, args.model_name(), tool_flags, reasoning)
+        yield BatchServing(
+            OpenAIServing(llm, args.model_name(), tool_flags, reasoning),
+            PoolingServing(llm, args.model_name(), tasks),
+            tasks,
+        )
     finally:
         llm.shutdown()
         client.shutdown()
