@@ -1,0 +1,360 @@
+/* GGUF's own bytes in qgemm.c's tiles (inlined into qgemm.c by cpu_kernels/build.py:
+ * one translation unit; the packing is cpu_kernels/packing_native.py).
+ *
+ * The packed formats of qgemm.c keep float32 scales per 16 rows x 32 inputs (4-bit:
+ * 6 bits a weight) and widen 6-bit codes to int8 (12 bits a weight). These keep
+ * the checkpoint's byte count, in the same tiles of 16 output rows so that one
+ * 64-byte load still holds 4 inputs of 16 rows (vpdpbusd's shape):
+ *
+ *   FMT_Q4K (GGUF Q4_K, 4.5 bits a weight), per tile and super-block of 256 inputs,
+ *   Q4K_SB = 2304 bytes:
+ *       8 x 256 B  codes of groups 0..7, each exactly qgemm.c's 4-bit code block
+ *       32 B  d[16] f16    32 B  dm[16] f16             (per row: w = d sc q + dm m)
+ *       64 B  sc low nibbles: byte (j * 16 + l) = sc[j][l] & 15 | (sc[j + 4][l] & 15) << 4
+ *       64 B  m low nibbles, the same
+ *       32 B  sc high bits: byte (v * 16 + l), bits 2i..2i+1 = sc[4v + i][l] >> 4
+ *       32 B  m high bits, the same                    (sc, m: 6 bits, 0..63)
+ *     GGUF stores d, dmin = -dm and the same 6-bit sc / m (12 bytes a row); this is
+ *     that, interleaved across the 16 rows so that a group's 16 scales are one
+ *     16-byte load. d sc and dm m are exact in float32 (11 + 6 bits): the same
+ *     float32 values as the expanded 4-bit block, so the same results, bit for bit.
+ *   FMT_Q6K (GGUF Q6_K, 6.5625 bits), per tile and super-block, Q6K_SB = 3360 bytes:
+ *       8 x (256 B low nibbles of q (q = code + 32, 0..63), in the 4-bit code block
+ *            order; 128 B high bits: byte (v * 64 + l * 4 + b), bits 2i..2i+1 =
+ *            q[row l][4 (4v + i) + b] >> 4)
+ *       256 B sc[8 groups][2 halves][16 rows] int8     32 B d[16] f16
+ *                                                      w = d sc (q - 32) per 16 inputs
+ *   FMT_Q40 (GGUF Q4_0, 4.5 bits), per tile and group of 32, Q40_BLOCK = 288 bytes:
+ *       256 B codes (4-bit code block), 32 B d[16] f16     w = d q - 8 d
+ *
+ * Kernels: on the VNNI path, calls of at most 2 rows (decode) read these bytes
+ * directly: the scales are decoded in registers, each weight byte read once.
+ * Everything else (more rows, the AVX2 and scalar paths) expands each tile once
+ * into qgemm.c's float32-scale block of the same values (expand_tile) and runs
+ * the tile kernels above on it: with many rows the expansion is a small share,
+ * and below VNNI the fallbacks stay the tested ones. The direct kernels do the
+ * float32 operations of those kernels in the same order on the same values, so a
+ * row's result does not depend on which path, batch or thread computed it.
+ */
+
+#define SB_INPUTS 256
+#define SB_GROUPS 8
+#define Q4K_SB (SB_GROUPS * 256 + 256)
+#define Q6K_GROUP (256 + 128)
+#define Q6K_SB (SB_GROUPS * Q6K_GROUP + 256 + 32)
+#define Q40_BLOCK (256 + 32)
+#define Q8_SUB2_BLOCK (Q8_CODES + 2 * 128)
+
+enum { FMT_Q4 = 4, FMT_Q4K = 5, FMT_Q6K = 6, FMT_Q40 = 7, FMT_Q8 = 8 };
+
+QG_INLINE float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            exp--;
+        }
+        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+QG_INLINE uint16_t ld16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* Group j's 6-bit value of row l from the nibble plane lo and the 2-bit plane hi. */
+QG_INLINE int six_bit(const uint8_t *lo, const uint8_t *hi, int j, int l) {
+    const int low = (lo[(j & 3) * 16 + l] >> (4 * (j >> 2))) & 15;
+    return low | ((hi[(j >> 2) * 16 + l] >> (2 * (j & 3))) & 3) << 4;
+}
+
+/* Weight bytes of one tile (16 rows, `groups` groups of 32 inputs). */
+static int64_t native_tile_bytes(int fmt, int64_t groups) {
+    if (fmt == FMT_Q4K) return groups / SB_GROUPS * Q4K_SB;
+    if (fmt == FMT_Q6K) return groups / SB_GROUPS * Q6K_SB;
+    return groups * Q40_BLOCK;
+}
+
+/* The qgemm.c block (fmt 4, or fmt 8 with 2 scales per 32: Q6_K) holding one native
+ * tile's values: out holds groups * Q4_BLOCK or groups * Q8_SUB2_BLOCK bytes. */
+static void expand_tile(int fmt, const uint8_t *wt, int64_t groups, uint8_t *out) {
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t sb = g / SB_GROUPS;
+        const int j = (int)(g % SB_GROUPS);
+        if (fmt == FMT_Q40) {
+            const uint8_t *blk = wt + g * Q40_BLOCK;
+            uint8_t *o = out + g * Q4_BLOCK;
+            float d[TILE], mn[TILE];
+            for (int l = 0; l < TILE; l++) {
+                d[l] = f16_to_f32(ld16(blk + 256 + 2 * l));
+                mn[l] = d[l] * -8.0f;
+            }
+            memcpy(o, blk, 256);
+            memcpy(o + 256, d, 64);
+            memcpy(o + 320, mn, 64);
+        } else if (fmt == FMT_Q4K) {
+            const uint8_t *s = wt + sb * Q4K_SB, *h = s + SB_GROUPS * 256;
+            uint8_t *o = out + g * Q4_BLOCK;
+            float d[TILE], mn[TILE];
+            for (int l = 0; l < TILE; l++) {
+                d[l] = f16_to_f32(ld16(h + 2 * l)) * (float)six_bit(h + 64, h + 192, j, l);
+                mn[l] = f16_to_f32(ld16(h + 32 + 2 * l)) * (float)six_bit(h + 128, h + 224, j, l);
+            }
+            memcpy(o, s + j * 256, 256);
+            memcpy(o + 256, d, 64);
+            memcpy(o + 320, mn, 64);
+        } else { /* FMT_Q6K -> int8 codes q - 32, corr = -128 sum, d sc per 16 inputs */
+            const uint8_t *s = wt + sb * Q6K_SB, *blk = s + j * Q6K_GROUP;
+            const int8_t *sc = (const int8_t *)(s + SB_GROUPS * Q6K_GROUP);
+            const uint8_t *dh = s + SB_GROUPS * Q6K_GROUP + 256;
+            uint8_t *o = out + g * Q8_SUB2_BLOCK;
+            int32_t corr[2][TILE] = {{0}};
+            float d[2][TILE];
+            for (int c = 0; c < 8; c++)
+                for (int l = 0; l < TILE; l++)
+                    for (int b = 0; b < 4; b++) {
+                        const int at = l * 4 + b;
+                        const int low = (blk[(c & 3) * 64 + at] >> (4 * (c >> 2))) & 15;
+                        const int high = (blk[256 + (c >> 2) * 64 + at] >> (2 * (c & 3))) & 3;
+                        const int q = (low | high << 4) - 32;
+                        o[c * 64 + at] = (uint8_t)(int8_t)q;
+                        corr[c >> 2][l] += -128 * q;
+                    }
+            for (int half = 0; half < 2; half++)
+                for (int l = 0; l < TILE; l++)
+                    d[half][l] = f16_to_f32(ld16(dh + 2 * l)) * (float)sc[(j * 2 + half) * TILE + l];
+            memcpy(o + Q8_CODES, corr, sizeof corr);
+            memcpy(o + Q8_CODES + 128, d, sizeof d);
+        }
+    }
+}
+
+/* A per-thread buffer for one expanded tile (grown, never shrunk). */
+static __thread uint8_t *expand_ptr = NULL;
+static __thread size_t expand_cap = 0;
+
+static uint8_t *expand_buffer(size_t bytes) {
+    if (bytes > expand_cap) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, bytes) != 0) return NULL;
+        free(expand_ptr);
+        expand_ptr = (uint8_t *)p;
+        expand_cap = bytes;
+    }
+    return expand_ptr;
+}
+
+/* ------------------------------------------------ direct kernels (VNNI, 1-2 rows)
+ *
+ * Each mirrors q4_tile_vnni / q8_tile_vnni's MB <= 2 case: per group, the codes
+ * unpacked once into 8 vectors, two vpdpbusd chains per row, then per row
+ * a = fma(float(i), scale * xs, a) (4-bit: then a = fma(m, xsum, a)), the
+ * residual rows into a2, added at the end. */
+#if defined(QG_VNNI)
+
+/* One 4-bit group (codes at p) with its row scales d and offsets mn, MB <= 2 rows. */
+QG_INLINE void q4n_group(const uint8_t *p, __m512 d, __m512 mn, const QRows *o, int64_t r0,
+                         int64_t g, int64_t groups, unsigned bits, const int MB, __m512 *a,
+                         __m512 *a2) {
+    const int64_t k = groups * GROUP; /* QOFF / SOFF's operands */
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i w[8];
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(p + c * 64));
+        w[c] = _mm512_and_si512(v, low4);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    for (int r = 0; r < MB; r++) {
+        const int64_t at = SOFF(r0 + r, g);
+        const __m512 f = _mm512_cvtepi32_ps(q4_dot_regs(w, QX(o, r0 + r, g)));
+        a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs[at])), a[r]);
+        a[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum[at]), a[r]);
+    }
+    for (int r = 0; r < MB; r++) {
+        if (!(bits >> r & 1u)) continue;
+        const int64_t at = SOFF(r0 + r, g);
+        const __m512 f = _mm512_cvtepi32_ps(q4_dot_regs(w, QX2(o, r0 + r, g)));
+        a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs2[at])), a2[r]);
+        a2[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum2[at]), a2[r]);
+    }
+}
+
+/* 16 unsigned bytes -> 16 float32 lanes. */
+QG_INLINE __m512 u8_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+
+/* Group j's 16 six-bit values (see the layout above) from the planes lo and hi. */
+QG_INLINE __m128i six_bits16(const uint8_t *lo, const uint8_t *hi, int j) {
+    __m128i l = _mm_loadu_si128((const __m128i *)(lo + (j & 3) * 16));
+    l = _mm_and_si128(_mm_srl_epi16(l, _mm_cvtsi32_si128(4 * (j >> 2))), _mm_set1_epi8(15));
+    __m128i h = _mm_loadu_si128((const __m128i *)(hi + (j >> 2) * 16));
+    h = _mm_and_si128(_mm_srl_epi16(h, _mm_cvtsi32_si128(2 * (j & 3))), _mm_set1_epi8(3));
+    return _mm_or_si128(l, _mm_slli_epi16(h, 4));
+}
+
+QG_INLINE __m512 f16x16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+QG_INLINE void q4k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
+                               const uint8_t *mask2, const int MB, float acc[][TILE],
+                               const uint8_t *pf) {
+    __m512 a[2], a2[2];
+    for (int r = 0; r < MB; r++) a[r] = a2[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < groups / SB_GROUPS; sb++) {
+        const uint8_t *s = wt + sb * Q4K_SB, *h = s + SB_GROUPS * 256;
+        prefetch_block(pf + sb * Q4K_SB, Q4K_SB);
+        const __m512 dv = f16x16(h), dm = f16x16(h + 32);
+        for (int j = 0; j < SB_GROUPS; j++) {
+            const int64_t g = sb * SB_GROUPS + j;
+            const __m512 d = _mm512_mul_ps(dv, u8_to_ps(six_bits16(h + 64, h + 192, j)));
+            const __m512 mn = _mm512_mul_ps(dm, u8_to_ps(six_bits16(h + 128, h + 224, j)));
+            q4n_group(s + j * 256, d, mn, o, r0, g, groups, mask2 ? mask2[g] : 0u, MB, a, a2);
+        }
+    }
+    for (int r = 0; r < MB; r++) {
+        if (mask2) a[r] = _mm512_add_ps(a[r], a2[r]);
+        _mm512_storeu_ps(acc[r], a[r]);
+    }
+}
+
+QG_INLINE void q40_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
+                               const uint8_t *mask2, const int MB, float acc[][TILE],
+                               const uint8_t *pf) {
+    __m512 a[2], a2[2];
+    for (int r = 0; r < MB; r++) a[r] = a2[r] = _mm512_setzero_ps();
+    const __m512 minus8 = _mm512_set1_ps(-8.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = wt + g * Q40_BLOCK;
+        prefetch_block(pf + g * Q40_BLOCK, Q40_BLOCK);
+        const __m512 d = f16x16(blk + 256);
+        q4n_group(blk, d, _mm512_mul_ps(d, minus8), o, r0, g, groups, mask2 ? mask2[g] : 0u, MB, a,
+                  a2);
+    }
+    for (int r = 0; r < MB; r++) {
+        if (mask2) a[r] = _mm512_add_ps(a[r], a2[r]);
+        _mm512_storeu_ps(acc[r], a[r]);
+    }
+}
+
+/* sum of 16 int8 (the -32 of Q6_K's unsigned codes: sum (q - 32) x = sum q x - 32 sum x) */
+QG_INLINE int32_t sum16_i8(const int8_t *x) {
+    const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)x), _mm_set1_epi8((char)0x80));
+    const __m128i s = _mm_sad_epu8(v, _mm_setzero_si128());
+    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+}
+
+/* Half `half` of a Q6_K group (4 chunks of unsigned codes w) x one row: sum (q - 32) x. */
+QG_INLINE __m512 q6_half_dot(const __m512i *w, int half, const int8_t *xr) {
+    const int c0 = 4 * half;
+    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+    for (int c = c0; c < c0 + 4; c += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(ld32(xr + 4 * c)));
+        i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(ld32(xr + 4 * c + 4)));
+    }
+    const __m512i bias = _mm512_set1_epi32(32 * sum16_i8(xr + 16 * half));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(i0, i1), bias));
+}
+
+QG_INLINE void q6k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
+                               const uint8_t *mask2, const int MB, float acc[][TILE],
+                               const uint8_t *pf) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+    const int64_t k = groups * GROUP; /* QOFF / SOFF's operands */
+    __m512 a[2], a2[2];
+    for (int r = 0; r < MB; r++) a[r] = a2[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < groups / SB_GROUPS; sb++) {
+        const uint8_t *s = wt + sb * Q6K_SB;
+        const int8_t *sc = (const int8_t *)(s + SB_GROUPS * Q6K_GROUP);
+        prefetch_block(pf + sb * Q6K_SB, Q6K_SB);
+        const __m512 dv = f16x16(s + SB_GROUPS * Q6K_GROUP + 256);
+        for (int j = 0; j < SB_GROUPS; j++) {
+            const int64_t g = sb * SB_GROUPS + j;
+            const uint8_t *blk = s + j * Q6K_GROUP;
+            __m512i w[8];
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(blk + c * 64));
+                w[c] = _mm512_and_si512(v, low4);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+            for (int half = 0; half < 2; half++) { /* bits 2i..2i+1 -> bits 4..5 */
+                const __m512i hv = _mm512_loadu_si512((const void *)(blk + 256 + half * 64));
+                const int c = 4 * half;
+                w[c] = _mm512_or_si512(w[c], _mm512_and_si512(_mm512_slli_epi16(hv, 4), two));
+                w[c + 1] = _mm512_or_si512(w[c + 1], _mm512_and_si512(_mm512_slli_epi16(hv, 2), two));
+                w[c + 2] = _mm512_or_si512(w[c + 2], _mm512_and_si512(hv, two));
+                w[c + 3] = _mm512_or_si512(w[c + 3], _mm512_and_si512(_mm512_srli_epi16(hv, 2), two));
+            }
+            const unsigned bits = mask2 ? mask2[g] : 0u;
+            for (int half = 0; half < 2; half++) {
+                const __m128i s8 = _mm_loadu_si128((const __m128i *)(sc + (j * 2 + half) * TILE));
+                const __m512 d =
+                    _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)));
+                for (int r = 0; r < MB; r++) {
+                    const __m512 sx = _mm512_set1_ps(o->xs[SOFF(r0 + r, g)]);
+                    const __m512 f = q6_half_dot(w, half, QX(o, r0 + r, g));
+                    a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx), a[r]);
+                }
+                for (int r = 0; r < MB; r++) {
+                    if (!(bits >> r & 1u)) continue;
+                    const __m512 sx2 = _mm512_set1_ps(o->xs2[SOFF(r0 + r, g)]);
+                    const __m512 f = q6_half_dot(w, half, QX2(o, r0 + r, g));
+                    a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx2), a2[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < MB; r++) {
+        if (mask2) a[r] = _mm512_add_ps(a[r], a2[r]);
+        _mm512_storeu_ps(acc[r], a[r]);
+    }
+}
+
+/* One tile of a native format for mb (1 or 2) rows read directly. */
+static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const QRows *o,
+                             int64_t r0, const uint8_t *mask2, int mb, float acc[][TILE],
+                             const uint8_t *pf) {
+    if (fmt == FMT_Q4K) {
+        if (mb == 2) q4k_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
+        else q4k_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
+    } else if (fmt == FMT_Q6K) {
+        if (mb == 2) q6k_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
+        else q6k_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
+    } else {
+        if (mb == 2) q40_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
+        else q40_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
+    }
+}
+#define QG_DIRECT_ROWS 2 /* calls of at most this many rows read native tiles directly */
+#else
+#define QG_DIRECT_ROWS 0
+static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const QRows *o,
+                             int64_t r0, const uint8_t *mask2, int mb, float acc[][TILE],
+                             const uint8_t *pf) {
+    (void)fmt, (void)wt, (void)groups, (void)o, (void)r0, (void)mask2, (void)mb, (void)acc, (void)pf;
+}
+#endif
+
+/* Test hook: every tile of a native weight expanded into the qgemm.c blocks (fmt 4 or
+ * 8 with two scales per 32), so that Python reads the values the kernels apply. */
+int paged_qgemm_expand(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
+    if ((fmt != FMT_Q4K && fmt != FMT_Q6K && fmt != FMT_Q40) || n <= 0 || k <= 0) return -1;
+    if (k % (fmt == FMT_Q40 ? GROUP : SB_INPUTS) != 0) return -1;
+    const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
+    const int64_t in_bytes = native_tile_bytes(fmt, groups);
+    const int64_t out_bytes = groups * (fmt == FMT_Q6K ? Q8_SUB2_BLOCK : Q4_BLOCK);
+    for (int64_t t = 0; t < tiles; t++) expand_tile(fmt, w + t * in_bytes, groups, out + t * out_bytes);
+    return 0;
+}
