@@ -556,6 +556,7 @@ static int qg_parallel(int64_t ntasks, pool_task_fn fn, void *ctx, int64_t work)
 typedef struct {
     int fmt, sub, levels, x_bf16, y_bf16, flip;
     int direct; /* a native format read directly (VNNI, few rows), else expanded per tile */
+    int32_t *bias; /* direct Q6_K: 32 x each 16 codes' sum (q6_bias) */
     float ratio;
     const uint8_t *w;
     int64_t n, k, groups, tiles, tile_bytes, per_task, y_stride, x_stride, m0, mc;
@@ -616,7 +617,7 @@ static int tiles_task(void *ctx, int64_t task) {
              * kernel 15% at many rows, code generation) */
             const uint8_t *pf = r0 == 0 && t + 1 < t1 && expanded == NULL ? wt + c->tile_bytes : wt;
             if (c->direct)
-                native_tile_rows(c->fmt, wt, c->groups, o, r0, mask2, mb, acc, pf);
+                native_tile_rows(c->fmt, wt, c->groups, o, r0, mask2, mb, acc, pf, c->bias);
             else if (run_fmt == FMT_Q4)
                 q4_tile_rows(wt, c->groups, o, r0, c->k, mask2, mb, acc, pf);
             else
@@ -663,7 +664,9 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
     const size_t qbytes = (size_t)(((slots * k + 63) / 64) * 64);
     const size_t fbytes = (size_t)(slots * groups) * sizeof(float);
     const size_t mbytes = levels == 2 ? (size_t)(blocks * groups) : 0;
-    uint8_t *buf = (uint8_t *)scratch(qbytes * levels + fbytes * 2 * levels + mbytes + 64);
+    const size_t bbytes = direct && fmt == FMT_Q6K ? (size_t)(4 * 2 * groups) * 4 : 0;
+    const size_t boff = (qbytes * levels + fbytes * 2 * levels + mbytes + 63) / 64 * 64;
+    uint8_t *buf = (uint8_t *)scratch(boff + bbytes + 64);
     if (buf == NULL) return -2;
     QRows o;
     o.bw = rows < MB_ROWS ? rows : MB_ROWS;
@@ -680,7 +683,8 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
 #else
     const int flip = 0;
 #endif
-    QCall c = {fmt, sub, levels, x_bf16, y_bf16, flip, direct, ratio, w, n, k, groups, tiles,
+    int32_t *bias = bbytes ? (int32_t *)(buf + boff) : NULL;
+    QCall c = {fmt, sub, levels, x_bf16, y_bf16, flip, direct, bias, ratio, w, n, k, groups, tiles,
                tile_bytes, 1, y_stride, x_stride, 0, 0, NULL, y, &o};
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t mc = m - m0 < chunk ? m - m0 : chunk;
@@ -693,6 +697,7 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
         /* quantising reads the rows once: its work is the activations' bytes */
         int rc = qg_parallel(row_blocks, quantize_task, &c, mc * k * 4);
         if (rc != 0) return rc;
+        if (bias != NULL) q6_bias(&o, mc, groups, levels, bias);
         c.per_task = tiles_per_task(tiles, tile_bytes, row_blocks);
         rc = qg_parallel((tiles + c.per_task - 1) / c.per_task, tiles_task, &c,
                          tiles * tile_bytes * row_blocks);

@@ -165,43 +165,63 @@ static uint8_t *expand_buffer(size_t bytes) {
  * residual rows into a2, added at the end. */
 #if defined(QG_VNNI)
 
+/* One 4-bit group (code block at p) x one row: the high nibbles are multiplied in
+ * place (p & 0xF0 = 16 q) and the sum divided by 16 (exact), one op fewer a vector
+ * than shifting them down; the integer is the 4-bit kernels' sum, bit for bit. */
+QG_INLINE __m512i q4n_dot(const __m512i *lo, const __m512i *hi16, const int8_t *xr) {
+    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        i0 = _mm512_dpbusd_epi32(i0, lo[c], _mm512_set1_epi32(ld32(xr + 4 * c)));
+        i1 = _mm512_dpbusd_epi32(i1, hi16[c], _mm512_set1_epi32(ld32(xr + 4 * c + 16)));
+    }
+    return _mm512_add_epi32(i0, _mm512_srai_epi32(i1, 4));
+}
+
 /* One 4-bit group (codes at p) with its row scales d and offsets mn, MB <= 2 rows. */
 QG_INLINE void q4n_group(const uint8_t *p, __m512 d, __m512 mn, const QRows *o, int64_t r0,
                          int64_t g, int64_t groups, unsigned bits, const int MB, __m512 *a,
                          __m512 *a2) {
     const int64_t k = groups * GROUP; /* QOFF / SOFF's operands */
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512i w[8];
+    const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0);
+    __m512i lo[4], hi16[4];
     for (int c = 0; c < 4; c++) {
         const __m512i v = _mm512_loadu_si512((const void *)(p + c * 64));
-        w[c] = _mm512_and_si512(v, low4);
-        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        lo[c] = _mm512_and_si512(v, low4);
+        hi16[c] = _mm512_and_si512(v, high4);
     }
     for (int r = 0; r < MB; r++) {
         const int64_t at = SOFF(r0 + r, g);
-        const __m512 f = _mm512_cvtepi32_ps(q4_dot_regs(w, QX(o, r0 + r, g)));
+        const __m512 f = _mm512_cvtepi32_ps(q4n_dot(lo, hi16, QX(o, r0 + r, g)));
         a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs[at])), a[r]);
         a[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum[at]), a[r]);
     }
     for (int r = 0; r < MB; r++) {
         if (!(bits >> r & 1u)) continue;
         const int64_t at = SOFF(r0 + r, g);
-        const __m512 f = _mm512_cvtepi32_ps(q4_dot_regs(w, QX2(o, r0 + r, g)));
+        const __m512 f = _mm512_cvtepi32_ps(q4n_dot(lo, hi16, QX2(o, r0 + r, g)));
         a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs2[at])), a2[r]);
         a2[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum2[at]), a2[r]);
     }
 }
 
-/* 16 unsigned bytes -> 16 float32 lanes. */
-QG_INLINE __m512 u8_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+/* A super-block's 8 x 16 six-bit values (planes lo: 64 B, hi: 32 B; see the layout)
+ * -> out[j * 16 + l], once per super-block rather than once per group. */
+QG_INLINE void six_bits_sb(const uint8_t *lo, const uint8_t *hi, uint8_t *out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    /* 128-bit lane i of a broadcast high plane moves its bits 2i..2i+1 down */
+    const __m512i shifts = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0);
+    const __m512i v = _mm512_loadu_si512((const void *)lo);
+    for (int half = 0; half < 2; half++) {
+        const __m512i l = _mm512_and_si512(half ? _mm512_srli_epi16(v, 4) : v, low4);
+        const __m512i h = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(hi + 16 * half)));
+        const __m512i hb = _mm512_and_si512(_mm512_srlv_epi64(h, shifts), three);
+        _mm512_store_si512((void *)(out + 64 * half), _mm512_or_si512(l, _mm512_slli_epi16(hb, 4)));
+    }
+}
 
-/* Group j's 16 six-bit values (see the layout above) from the planes lo and hi. */
-QG_INLINE __m128i six_bits16(const uint8_t *lo, const uint8_t *hi, int j) {
-    __m128i l = _mm_loadu_si128((const __m128i *)(lo + (j & 3) * 16));
-    l = _mm_and_si128(_mm_srl_epi16(l, _mm_cvtsi32_si128(4 * (j >> 2))), _mm_set1_epi8(15));
-    __m128i h = _mm_loadu_si128((const __m128i *)(hi + (j >> 2) * 16));
-    h = _mm_and_si128(_mm_srl_epi16(h, _mm_cvtsi32_si128(2 * (j & 3))), _mm_set1_epi8(3));
-    return _mm_or_si128(l, _mm_slli_epi16(h, 4));
+/* 16 unsigned bytes -> 16 float32 lanes. */
+QG_INLINE __m512 u8_to_ps(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)p)));
 }
 
 QG_INLINE __m512 f16x16(const uint8_t *p) {
@@ -212,15 +232,20 @@ QG_INLINE void q4k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
                                const uint8_t *mask2, const int MB, float acc[][TILE],
                                const uint8_t *pf) {
     __m512 a[2], a2[2];
+    uint8_t sc[128] __attribute__((aligned(64))), mins[128] __attribute__((aligned(64)));
     for (int r = 0; r < MB; r++) a[r] = a2[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < groups / SB_GROUPS; sb++) {
         const uint8_t *s = wt + sb * Q4K_SB, *h = s + SB_GROUPS * 256;
-        prefetch_block(pf + sb * Q4K_SB, Q4K_SB);
         const __m512 dv = f16x16(h), dm = f16x16(h + 32);
+        six_bits_sb(h + 64, h + 192, sc);
+        six_bits_sb(h + 128, h + 224, mins);
         for (int j = 0; j < SB_GROUPS; j++) {
             const int64_t g = sb * SB_GROUPS + j;
-            const __m512 d = _mm512_mul_ps(dv, u8_to_ps(six_bits16(h + 64, h + 192, j)));
-            const __m512 mn = _mm512_mul_ps(dm, u8_to_ps(six_bits16(h + 128, h + 224, j)));
+            /* an eighth of the next tile's super-block a group, spread as the 4-bit
+             * kernel's (a burst of 36 lines at once streamed at 2/3 of its rate) */
+            prefetch_block(pf + sb * Q4K_SB + j * (Q4K_SB / SB_GROUPS), Q4K_SB / SB_GROUPS);
+            const __m512 d = _mm512_mul_ps(dv, u8_to_ps(sc + 16 * j));
+            const __m512 mn = _mm512_mul_ps(dm, u8_to_ps(mins + 16 * j));
             q4n_group(s + j * 256, d, mn, o, r0, g, groups, mask2 ? mask2[g] : 0u, MB, a, a2);
         }
     }
@@ -249,28 +274,41 @@ QG_INLINE void q40_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
     }
 }
 
-/* sum of 16 int8 (the -32 of Q6_K's unsigned codes: sum (q - 32) x = sum q x - 32 sum x) */
-QG_INLINE int32_t sum16_i8(const int8_t *x) {
-    const __m128i v = _mm_xor_si128(_mm_loadu_si128((const __m128i *)x), _mm_set1_epi8((char)0x80));
-    const __m128i s = _mm_sad_epu8(v, _mm_setzero_si128());
-    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+/* 32 times the sums of each 16 activation codes of the call's rows (at most 2), level 1
+ * then level 2: bias[(level * 2 + r) * 2 * groups + 2 g + half]. Q6_K's unsigned codes
+ * q = w + 32 give sum w x = sum q x - 32 sum x; computed once a call, not once a tile. */
+static void q6_bias(const QRows *o, int64_t rows, int64_t groups, int levels, int32_t *bias) {
+    const int64_t k = groups * GROUP; /* QOFF's operand */
+    for (int lvl = 0; lvl < levels; lvl++)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t g = 0; g < groups; g++) {
+                const int8_t *x = (lvl ? o->q2 : o->q) + QOFF(r, g);
+                int32_t s0 = 0, s1 = 0;
+                for (int i = 0; i < 16; i++) {
+                    s0 += x[i];
+                    s1 += x[16 + i];
+                }
+                int32_t *b = bias + (lvl * 2 + r) * 2 * groups + 2 * g;
+                b[0] = 32 * s0;
+                b[1] = 32 * s1;
+            }
 }
 
 /* Half `half` of a Q6_K group (4 chunks of unsigned codes w) x one row: sum (q - 32) x. */
-QG_INLINE __m512 q6_half_dot(const __m512i *w, int half, const int8_t *xr) {
+QG_INLINE __m512 q6_half_dot(const __m512i *w, int half, const int8_t *xr, int32_t bias) {
     const int c0 = 4 * half;
     __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
     for (int c = c0; c < c0 + 4; c += 2) {
         i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(ld32(xr + 4 * c)));
         i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(ld32(xr + 4 * c + 4)));
     }
-    const __m512i bias = _mm512_set1_epi32(32 * sum16_i8(xr + 16 * half));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(i0, i1), bias));
+    return _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(_mm512_add_epi32(i0, i1), _mm512_set1_epi32(bias)));
 }
 
 QG_INLINE void q6k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
                                const uint8_t *mask2, const int MB, float acc[][TILE],
-                               const uint8_t *pf) {
+                               const uint8_t *pf, const int32_t *bias) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
     const int64_t k = groups * GROUP; /* QOFF / SOFF's operands */
     __m512 a[2], a2[2];
@@ -278,11 +316,11 @@ QG_INLINE void q6k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
     for (int64_t sb = 0; sb < groups / SB_GROUPS; sb++) {
         const uint8_t *s = wt + sb * Q6K_SB;
         const int8_t *sc = (const int8_t *)(s + SB_GROUPS * Q6K_GROUP);
-        prefetch_block(pf + sb * Q6K_SB, Q6K_SB);
         const __m512 dv = f16x16(s + SB_GROUPS * Q6K_GROUP + 256);
         for (int j = 0; j < SB_GROUPS; j++) {
             const int64_t g = sb * SB_GROUPS + j;
             const uint8_t *blk = s + j * Q6K_GROUP;
+            prefetch_block(pf + sb * Q6K_SB + j * (Q6K_SB / SB_GROUPS), Q6K_SB / SB_GROUPS);
             __m512i w[8];
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(blk + c * 64));
@@ -292,10 +330,10 @@ QG_INLINE void q6k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
             for (int half = 0; half < 2; half++) { /* bits 2i..2i+1 -> bits 4..5 */
                 const __m512i hv = _mm512_loadu_si512((const void *)(blk + 256 + half * 64));
                 const int c = 4 * half;
-                w[c] = _mm512_or_si512(w[c], _mm512_and_si512(_mm512_slli_epi16(hv, 4), two));
-                w[c + 1] = _mm512_or_si512(w[c + 1], _mm512_and_si512(_mm512_slli_epi16(hv, 2), two));
-                w[c + 2] = _mm512_or_si512(w[c + 2], _mm512_and_si512(hv, two));
-                w[c + 3] = _mm512_or_si512(w[c + 3], _mm512_and_si512(_mm512_srli_epi16(hv, 2), two));
+                w[c] = _mm512_ternarylogic_epi32(w[c], _mm512_slli_epi16(hv, 4), two, 0xF8);
+                w[c + 1] = _mm512_ternarylogic_epi32(w[c + 1], _mm512_slli_epi16(hv, 2), two, 0xF8);
+                w[c + 2] = _mm512_ternarylogic_epi32(w[c + 2], hv, two, 0xF8);
+                w[c + 3] = _mm512_ternarylogic_epi32(w[c + 3], _mm512_srli_epi16(hv, 2), two, 0xF8);
             }
             const unsigned bits = mask2 ? mask2[g] : 0u;
             for (int half = 0; half < 2; half++) {
@@ -304,13 +342,15 @@ QG_INLINE void q6k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
                     _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)));
                 for (int r = 0; r < MB; r++) {
                     const __m512 sx = _mm512_set1_ps(o->xs[SOFF(r0 + r, g)]);
-                    const __m512 f = q6_half_dot(w, half, QX(o, r0 + r, g));
+                    const int32_t b = bias[(r0 + r) * 2 * groups + 2 * g + half];
+                    const __m512 f = q6_half_dot(w, half, QX(o, r0 + r, g), b);
                     a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx), a[r]);
                 }
                 for (int r = 0; r < MB; r++) {
                     if (!(bits >> r & 1u)) continue;
                     const __m512 sx2 = _mm512_set1_ps(o->xs2[SOFF(r0 + r, g)]);
-                    const __m512 f = q6_half_dot(w, half, QX2(o, r0 + r, g));
+                    const int32_t b = bias[(2 + r0 + r) * 2 * groups + 2 * g + half];
+                    const __m512 f = q6_half_dot(w, half, QX2(o, r0 + r, g), b);
                     a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx2), a2[r]);
                 }
             }
@@ -325,13 +365,13 @@ QG_INLINE void q6k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
 /* One tile of a native format for mb (1 or 2) rows read directly. */
 static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const QRows *o,
                              int64_t r0, const uint8_t *mask2, int mb, float acc[][TILE],
-                             const uint8_t *pf) {
+                             const uint8_t *pf, const int32_t *bias) {
     if (fmt == FMT_Q4K) {
         if (mb == 2) q4k_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
         else q4k_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
     } else if (fmt == FMT_Q6K) {
-        if (mb == 2) q6k_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
-        else q6k_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
+        if (mb == 2) q6k_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf, bias);
+        else q6k_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf, bias);
     } else {
         if (mb == 2) q40_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
         else q40_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
@@ -342,8 +382,12 @@ static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const Q
 #define QG_DIRECT_ROWS 0
 static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const QRows *o,
                              int64_t r0, const uint8_t *mask2, int mb, float acc[][TILE],
-                             const uint8_t *pf) {
-    (void)fmt, (void)wt, (void)groups, (void)o, (void)r0, (void)mask2, (void)mb, (void)acc, (void)pf;
+                             const uint8_t *pf, const int32_t *bias) {
+    (void)fmt, (void)wt, (void)groups, (void)o, (void)r0, (void)mask2, (void)mb, (void)acc;
+    (void)pf, (void)bias;
+}
+static void q6_bias(const QRows *o, int64_t rows, int64_t groups, int levels, int32_t *bias) {
+    (void)o, (void)rows, (void)groups, (void)levels, (void)bias;
 }
 #endif
 
