@@ -46,10 +46,13 @@ def factor_scales(
     d = torch.zeros(values.shape[0])
     q = torch.zeros(values.shape, dtype=torch.int16)
     todo = (ref != 0).nonzero().squeeze(1)
+    everything = todo.numel() == values.shape[0]
     for k in candidates:
         if todo.numel() == 0:
             break
-        v, dk = values[todo], ref[todo] / k
+        # the first candidate usually factors every row: no gathering then
+        v, dk = (values, ref / k) if everything else (values[todo], ref[todo] / k)
+        everything = False
         qk = torch.round(v / dk[:, None])
         ok = (dk.half().float() == dk) & ((qk >= low) & (qk <= high)).all(1)
         ok &= (qk * dk[:, None] == v).all(1)
@@ -70,7 +73,7 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
 def _rows_last(values: torch.Tensor, per_sb: int) -> torch.Tensor:
     """[N, S * per_sb] -> [T, S, per_sb, 16] (tile, super-block, entry, row in tile)."""
     t = _tiles(values)
-    return t.reshape(t.shape[0] // TILE, TILE, -1, per_sb).permute(0, 2, 3, 1)
+    return t.reshape(t.shape[0] // TILE, TILE, -1, per_sb).permute(0, 2, 3, 1).contiguous()
 
 
 def _f16_rows(d: torch.Tensor) -> torch.Tensor:
