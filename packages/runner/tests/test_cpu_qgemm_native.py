@@ -1,4 +1,4 @@
-"""qgemm's GGUF-native layouts (Q4_K, Q6_K, Q4_0 at the file's byte count, qgemm_native.c).
+"""qgemm's GGUF-native layouts (Q4_K, Q6_K, Q4_0, Q4_1, Q8_0 at the file's byte count).
 
 The native weights hold the same values as qgemm.c's float32-scale blocks, so every
 ISA path must give the same bits as those blocks at every row count (the direct
@@ -20,6 +20,8 @@ from paged.runner.cpu_kernels.packing_native import (
     FMT_Q4K,
     FMT_Q6K,
     FMT_Q40,
+    FMT_Q41,
+    FMT_Q80,
     factor_scales,
 )
 from paged.runner.loader.gguf_quant import GGUFQuantizedTensor
@@ -63,23 +65,43 @@ def _q40(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes, d, d * -8.0
 
 
+def _q41(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes, d, _ = _q40(n, k, seed)
+    m = (torch.randn(n, k // 32, generator=torch.Generator().manual_seed(seed)) * 0.05).half()
+    return codes, d, m.float()
+
+
+def _q80(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    return codes, (torch.rand(n, k // 32, generator=gen) * 0.002).half().float()
+
+
 def _pairs(lib: QGemmLibrary, n: int, k: int, seed: int) -> dict[str, tuple[QGemm, QGemm]]:
     """Each native format and the float32-scale layout of the same values."""
     c4, s4, o4 = _q4k(n, k, seed)
     c6, s6 = _q6k(n, k, seed + 1)
     c0, s0, o0 = _q40(n, k, seed + 2)
+    c1, s1, o1 = _q41(n, k, seed + 3)
+    c8, s8 = _q80(n, k, seed + 4)
     return {
         "q4k": (QGemm.int4(lib, c4, s4, o4), QGemm.int4(lib, c4, s4, o4, native=False)),
         "q6k": (QGemm.int8(lib, c6, s6), QGemm.int8(lib, c6, s6, native=False)),
         "q40": (QGemm.int4(lib, c0, s0, o0), QGemm.int4(lib, c0, s0, o0, native=False)),
+        "q41": (QGemm.int4(lib, c1, s1, o1), QGemm.int4(lib, c1, s1, o1, native=False)),
+        "q80": (QGemm.int8(lib, c8, s8), QGemm.int8(lib, c8, s8, native=False)),
     }
 
 
 def test_the_native_layouts_take_the_files_bytes() -> None:
-    """4.5 bits a weight for Q4_K and Q4_0, 6.5625 for Q6_K (qgemm.c's blocks: 6 and 12)."""
+    """Bits a weight: Q4_K and Q4_0 4.5, Q4_1 5, Q6_K 6.5625, Q8_0 8.5 (qgemm.c's blocks:
+    6 for the 4-bit ones, 12 for Q6_K's two scales per 32, 10 for Q8_0)."""
     n, k = 64, 512
     pairs = _pairs(_lib(), n, k, seed=1)
-    expected = {"q4k": (FMT_Q4K, 4.5, 6.0), "q6k": (FMT_Q6K, 6.5625, 12.0), "q40": (FMT_Q40, 4.5, 6.0)}
+    expected = {
+        "q4k": (FMT_Q4K, 4.5, 6.0), "q6k": (FMT_Q6K, 6.5625, 12.0), "q40": (FMT_Q40, 4.5, 6.0),
+        "q41": (FMT_Q41, 5.0, 6.0), "q80": (FMT_Q80, 8.5, 10.0),
+    }  # fmt: skip
     for name, (native, packed) in pairs.items():
         fmt, bits, old_bits = expected[name]
         assert native.fmt == fmt, name
@@ -132,9 +154,11 @@ def test_scales_without_the_files_form_keep_the_float32_blocks() -> None:
     assert QGemm.int8(_lib(), codes8, torch.rand(32, 32, generator=gen)).fmt == 8
     wide = torch.randint(-100, 100, (32, 512), dtype=torch.int8, generator=gen)  # not 6-bit
     _, q6_scale = _q6k(32, 512, seed=6)
-    assert QGemm.int8(_lib(), wide, q6_scale).fmt == 8
+    assert QGemm.int8(_lib(), wide, q6_scale).fmt == 8  # and 16-input scales: no Q8_0
     c4, s4, o4 = _q4k(32, 512, seed=7)
-    assert QGemm.int4(_lib(), c4[:, :480], s4[:, :15], o4[:, :15]).fmt == 4  # K % 256 != 0
+    # K % 256 != 0: no Q4_K form; the scales are no f16 either (d sc rounds): fmt 4
+    s4 = s4 * (1 + 2**-20)
+    assert QGemm.int4(_lib(), c4[:, :480], s4[:, :15], o4[:, :15]).fmt == 4
 
 
 def test_factor_scales_finds_a_factoring_whatever_the_largest_sub_scale() -> None:
@@ -164,7 +188,10 @@ def _gguf_blocks(qtype: Q, rows: int, cols: int, seed: int) -> GGUFQuantizedTens
     return GGUFQuantizedTensor(data.reshape(rows, -1), qtype, cols)
 
 
-@pytest.mark.parametrize(("qtype", "fmt"), [(Q.Q4_K, FMT_Q4K), (Q.Q6_K, FMT_Q6K), (Q.Q4_0, FMT_Q40)])
+@pytest.mark.parametrize(
+    ("qtype", "fmt"),
+    [(Q.Q4_K, FMT_Q4K), (Q.Q6_K, FMT_Q6K), (Q.Q4_0, FMT_Q40), (Q.Q4_1, FMT_Q41), (Q.Q8_0, FMT_Q80)],
+)
 def test_a_gguf_tensor_packs_at_its_own_bytes_and_values(qtype: Q, fmt: int) -> None:
     """The loader's groups of a file's tensor factor back into the file's form: the
     packed weight is as large as the file's blocks and equals gguf-py's decoding."""
@@ -183,6 +210,7 @@ def test_a_gguf_tensor_packs_at_its_own_bytes_and_values(qtype: Q, fmt: int) -> 
         exact = g4.codes.float() * g4.scale.repeat_interleave(32, 1)
         exact += g4.offset.repeat_interleave(32, 1)
     else:
-        exact = g8.codes.float() * g8.scale.repeat_interleave(16, 1)
+        group = g8.codes.shape[1] // g8.scale.shape[1]
+        exact = g8.codes.float() * g8.scale.repeat_interleave(group, 1)
     assert torch.equal(gemm.dequantized(), exact)
     torch.testing.assert_close(gemm.dequantized(), t.dequantize(), rtol=0, atol=1e-7)

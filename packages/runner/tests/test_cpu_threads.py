@@ -118,12 +118,13 @@ def _qgemm_outputs(lib: Any) -> list[torch.Tensor]:
     )  # fmt: skip
     d0 = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
     w40 = QGemm.int4(lib, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen), d0, -8 * d0)
-    assert (w4k.fmt, w6k.fmt, w40.fmt) == (5, 6, 7)
+    w80 = QGemm.int8(lib, torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), d0)
+    assert (w4k.fmt, w6k.fmt, w40.fmt, w80.fmt) == (5, 6, 7, 9)
     outs = []
     for m in (1, 2, 3, 37, 300):  # decode, a few rows, prefill, more than one chunk of rows
         x = torch.randn(m, k, generator=gen)
         x[:, 5] *= 40  # outliers: the residual level's groups
-        for w in (w4, w8, w4k, w6k, w40):
+        for w in (w4, w8, w4k, w6k, w40, w80):
             outs.append(w.matmul(x))
             outs.append(w.matmul(x.bfloat16(), torch.bfloat16, outlier_ratio=4.0))
     return outs

@@ -6,7 +6,8 @@ file's f16 super-block scale and its small integer sub-scales. `factor_scales`
 finds such a factoring again (any one whose products are the same float32 values
 is as good: the kernels multiply them back exactly), so that the packed weight
 takes the file's bytes: Q4_K 4.5 bits a weight (qgemm.c's 4-bit blocks: 6),
-Q6_K 6.5625 (qgemm.c's 8-bit blocks with two scales per 32: 12), Q4_0 4.5 (6).
+Q6_K 6.5625 (qgemm.c's 8-bit blocks with two scales per 32: 12), Q4_0 4.5 (6),
+Q4_1 5 (6), Q8_0 8.5 (10; Q5_0's codes take this form too: 8.5 for its 5.5).
 A weight whose scales have no such form returns None (the caller keeps
 qgemm.c's float32-scale blocks).
 """
@@ -19,12 +20,14 @@ import torch
 
 from paged.runner.cpu_kernels.packing import GROUP, TILE, _chunked, _tiles
 
-FMT_Q4K, FMT_Q6K, FMT_Q40 = 5, 6, 7
+FMT_Q4K, FMT_Q6K, FMT_Q40, FMT_Q80, FMT_Q41 = 5, 6, 7, 9, 10
 SB_INPUTS = 256  # inputs per K-quant super-block
 SB_GROUPS = SB_INPUTS // GROUP
 Q4K_SB = SB_GROUPS * 256 + 256  # bytes per tile and super-block
 Q6K_SB = SB_GROUPS * (256 + 128) + 256 + 32
 Q40_BLOCK = 256 + 32
+Q41_BLOCK = 256 + 64
+Q80_BLOCK = 512 + 32
 
 # Sub-scale candidates in the order llama.cpp's quantisers make them likely:
 # Q4_K's largest 6-bit scale / min is 63; Q6_K's largest |scale| is stored as -128.
@@ -121,9 +124,40 @@ def pack_q40(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> 
     d = scale.half()
     if not (torch.equal(d.float(), scale) and torch.equal(scale * -8.0, offset.float())):
         return None
-    nib = _nibbles(codes)
-    dh = _rows_last(d.view(torch.int16), 1).contiguous().view(torch.uint8)[..., 0, :]
-    return torch.cat([nib, dh], dim=2).reshape(-1).contiguous()
+    return torch.cat([_nibbles(codes), _f16_per_group(d)], dim=2).reshape(-1).contiguous()
+
+
+def _f16_exact(t: torch.Tensor) -> torch.Tensor | None:
+    """t's values as float16 when every one is exactly an f16, else None."""
+    half = t.half()
+    return half if torch.equal(half.float(), t.float()) else None
+
+
+def _f16_per_group(d: torch.Tensor) -> torch.Tensor:
+    """f16 [N, G] -> [T, G, 32] bytes: 16 rows' values of each group."""
+    return _rows_last(d.contiguous().view(torch.int16), 1).contiguous().view(torch.uint8)[..., 0, :]
+
+
+def pack_q41(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor | None:
+    """w = codes * scale + offset per 32 with f16 scale and offset (Q4_1) -> FMT_Q41 bytes,
+    or None."""
+    d, m = _f16_exact(scale), _f16_exact(offset)
+    if d is None or m is None:
+        return None
+    parts = [_nibbles(codes), _f16_per_group(d), _f16_per_group(m)]
+    return torch.cat(parts, dim=2).reshape(-1).contiguous()
+
+
+def pack_q80(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """w = codes * scale per 32 inputs with an f16 scale (Q8_0, Q5_0) -> FMT_Q80 bytes
+    (codes stored q ^ 0x80), or None."""
+    n, k = codes.shape
+    d = _f16_exact(scale) if scale.shape == (n, k // GROUP) else None
+    if d is None:
+        return None
+    flipped = (_tiles(codes.to(torch.int8)).view(torch.uint8) ^ 0x80).contiguous()
+    c = _chunked(flipped).reshape(-1, k // GROUP, 512)
+    return torch.cat([c, _f16_per_group(d)], dim=2).reshape(-1).contiguous()
 
 
 def pack_q6k(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -154,5 +188,8 @@ def pack_q6k(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
 def native_nbytes(fmt: int, n: int, k: int) -> int:
     """Bytes of an FMT_* weight [n, k] (tiles of 16 rows)."""
     tiles, groups = -(-n // TILE), k // GROUP
-    per = {FMT_Q4K: groups // SB_GROUPS * Q4K_SB, FMT_Q6K: groups // SB_GROUPS * Q6K_SB}
-    return tiles * per.get(fmt, groups * Q40_BLOCK)
+    per = {
+        FMT_Q4K: groups // SB_GROUPS * Q4K_SB, FMT_Q6K: groups // SB_GROUPS * Q6K_SB,
+        FMT_Q40: groups * Q40_BLOCK, FMT_Q41: groups * Q41_BLOCK, FMT_Q80: groups * Q80_BLOCK,
+    }  # fmt: skip
+    return tiles * per[fmt]

@@ -556,7 +556,7 @@ static int qg_parallel(int64_t ntasks, pool_task_fn fn, void *ctx, int64_t work)
 typedef struct {
     int fmt, sub, levels, x_bf16, y_bf16, flip;
     int direct; /* a native format read directly (VNNI, few rows), else expanded per tile */
-    int32_t *bias; /* direct Q6_K: 32 x each 16 codes' sum (q6_bias) */
+    int32_t *bias; /* direct Q6_K / Q8_0: each 16 activation codes' sum (x_sums16) */
     float ratio;
     const uint8_t *w;
     int64_t n, k, groups, tiles, tile_bytes, per_task, y_stride, x_stride, m0, mc;
@@ -595,8 +595,9 @@ static int tiles_task(void *ctx, int64_t task) {
     const int64_t t1 = t0 + c->per_task < c->tiles ? t0 + c->per_task : c->tiles;
     const int native = c->fmt != FMT_Q4 && c->fmt != FMT_Q8;
     /* an expanded native tile is qgemm.c's 4-bit block, or its 8-bit one with 2 scales */
-    const int run_fmt = native ? (c->fmt == FMT_Q6K ? FMT_Q8 : FMT_Q4) : c->fmt;
-    const int run_sub = native ? 2 : c->sub;
+    const int eight = c->fmt == FMT_Q6K || c->fmt == FMT_Q80;
+    const int run_fmt = native ? (eight ? FMT_Q8 : FMT_Q4) : c->fmt;
+    const int run_sub = native ? (c->fmt == FMT_Q6K ? 2 : 1) : c->sub;
     uint8_t *expanded = NULL;
     if (native && !c->direct) {
         expanded = expand_buffer((size_t)(c->groups * Q8_SUB2_BLOCK));
@@ -664,7 +665,8 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
     const size_t qbytes = (size_t)(((slots * k + 63) / 64) * 64);
     const size_t fbytes = (size_t)(slots * groups) * sizeof(float);
     const size_t mbytes = levels == 2 ? (size_t)(blocks * groups) : 0;
-    const size_t bbytes = direct && fmt == FMT_Q6K ? (size_t)(4 * 2 * groups) * 4 : 0;
+    const int unsigned_w = fmt == FMT_Q6K || fmt == FMT_Q80; /* weights as u8 + bias */
+    const size_t bbytes = direct && unsigned_w ? (size_t)(4 * 2 * groups) * 4 : 0;
     const size_t boff = (qbytes * levels + fbytes * 2 * levels + mbytes + 63) / 64 * 64;
     uint8_t *buf = (uint8_t *)scratch(boff + bbytes + 64);
     if (buf == NULL) return -2;
@@ -679,7 +681,7 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
     o.mask2 = levels == 2 ? buf + qbytes * levels + fbytes * 2 * levels : NULL;
 #if defined(QG_VNNI)
     /* the 8-bit VNNI tiles take unsigned activations (Q6_K's direct kernel: signed) */
-    const int flip = fmt == FMT_Q8 || (fmt == FMT_Q6K && !direct);
+    const int flip = fmt == FMT_Q8 || (unsigned_w && !direct);
 #else
     const int flip = 0;
 #endif
@@ -697,7 +699,7 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
         /* quantising reads the rows once: its work is the activations' bytes */
         int rc = qg_parallel(row_blocks, quantize_task, &c, mc * k * 4);
         if (rc != 0) return rc;
-        if (bias != NULL) q6_bias(&o, mc, groups, levels, bias);
+        if (bias != NULL) x_sums16(&o, mc, groups, levels, bias);
         c.per_task = tiles_per_task(tiles, tile_bytes, row_blocks);
         rc = qg_parallel((tiles + c.per_task - 1) / c.per_task, tiles_task, &c,
                          tiles * tile_bytes * row_blocks);
@@ -718,10 +720,11 @@ int paged_qgemm_q8(const uint8_t *w, int64_t n, int64_t k, int sub, int levels, 
     return qgemm(8, w, n, k, sub, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
 }
 
-/* fmt FMT_Q4K, FMT_Q6K (k a multiple of 256) or FMT_Q40: see qgemm_native.c. */
+/* fmt FMT_Q4K, FMT_Q6K (k a multiple of 256), FMT_Q40, FMT_Q41 or FMT_Q80: see
+ * qgemm_native.c. */
 int paged_qgemm_native(int fmt, const uint8_t *w, int64_t n, int64_t k, int levels, float ratio,
                        const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,
                        int64_t y_stride, int y_bf16) {
-    if (fmt != FMT_Q4K && fmt != FMT_Q6K && fmt != FMT_Q40) return -1;
+    if (!native_fmt(fmt)) return -1;
     return qgemm(fmt, w, n, k, 1, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
 }

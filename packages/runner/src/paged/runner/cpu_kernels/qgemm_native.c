@@ -26,6 +26,11 @@
  *                                                      w = d sc (q - 32) per 16 inputs
  *   FMT_Q40 (GGUF Q4_0, 4.5 bits), per tile and group of 32, Q40_BLOCK = 288 bytes:
  *       256 B codes (4-bit code block), 32 B d[16] f16     w = d q - 8 d
+ *   FMT_Q41 (GGUF Q4_1, 5 bits), Q41_BLOCK = 320 bytes: the same, then 32 B m[16] f16
+ *                                                      w = d q + m
+ *   FMT_Q80 (GGUF Q8_0, 8.5 bits; 10 in qgemm.c's block, which adds a 64 B int32
+ *       correction), Q80_BLOCK = 544 bytes: 512 B codes q ^ 0x80 (unsigned: vpdpbusd's
+ *       first operand) in the 8-bit code block order, 32 B d[16] f16     w = d q
  *
  * Kernels: on the VNNI path, calls of at most 2 rows (decode) read these bytes
  * directly: the scales are decoded in registers, each weight byte read once.
@@ -43,9 +48,12 @@
 #define Q6K_GROUP (256 + 128)
 #define Q6K_SB (SB_GROUPS * Q6K_GROUP + 256 + 32)
 #define Q40_BLOCK (256 + 32)
+#define Q41_BLOCK (256 + 64)
+#define Q80_BLOCK (Q8_CODES + 32)
 #define Q8_SUB2_BLOCK (Q8_CODES + 2 * 128)
+#define Q8_SUB1_BLOCK (Q8_CODES + 128)
 
-enum { FMT_Q4 = 4, FMT_Q4K = 5, FMT_Q6K = 6, FMT_Q40 = 7, FMT_Q8 = 8 };
+enum { FMT_Q4 = 4, FMT_Q4K = 5, FMT_Q6K = 6, FMT_Q40 = 7, FMT_Q8 = 8, FMT_Q80 = 9, FMT_Q41 = 10 };
 
 QG_INLINE float f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -85,26 +93,42 @@ QG_INLINE int six_bit(const uint8_t *lo, const uint8_t *hi, int j, int l) {
 static int64_t native_tile_bytes(int fmt, int64_t groups) {
     if (fmt == FMT_Q4K) return groups / SB_GROUPS * Q4K_SB;
     if (fmt == FMT_Q6K) return groups / SB_GROUPS * Q6K_SB;
+    if (fmt == FMT_Q80) return groups * Q80_BLOCK;
+    if (fmt == FMT_Q41) return groups * Q41_BLOCK;
     return groups * Q40_BLOCK;
 }
 
-/* The qgemm.c block (fmt 4, or fmt 8 with 2 scales per 32: Q6_K) holding one native
- * tile's values: out holds groups * Q4_BLOCK or groups * Q8_SUB2_BLOCK bytes. */
+/* qgemm.c's blocks (fmt 4; fmt 8 with 2 scales per 32 for Q6_K, 1 for Q8_0) holding one
+ * native tile's values: out holds groups * (Q4_BLOCK, Q8_SUB2_BLOCK or Q8_SUB1_BLOCK). */
 static void expand_tile(int fmt, const uint8_t *wt, int64_t groups, uint8_t *out) {
     for (int64_t g = 0; g < groups; g++) {
         const int64_t sb = g / SB_GROUPS;
         const int j = (int)(g % SB_GROUPS);
-        if (fmt == FMT_Q40) {
-            const uint8_t *blk = wt + g * Q40_BLOCK;
+        if (fmt == FMT_Q40 || fmt == FMT_Q41) {
+            const uint8_t *blk = wt + g * (fmt == FMT_Q40 ? Q40_BLOCK : Q41_BLOCK);
             uint8_t *o = out + g * Q4_BLOCK;
             float d[TILE], mn[TILE];
             for (int l = 0; l < TILE; l++) {
                 d[l] = f16_to_f32(ld16(blk + 256 + 2 * l));
-                mn[l] = d[l] * -8.0f;
+                mn[l] = fmt == FMT_Q40 ? d[l] * -8.0f : f16_to_f32(ld16(blk + 288 + 2 * l));
             }
             memcpy(o, blk, 256);
             memcpy(o + 256, d, 64);
             memcpy(o + 320, mn, 64);
+        } else if (fmt == FMT_Q80) {
+            const uint8_t *blk = wt + g * Q80_BLOCK;
+            uint8_t *o = out + g * Q8_SUB1_BLOCK;
+            int32_t corr[TILE] = {0};
+            float d[TILE];
+            for (int c = 0; c < 8; c++)
+                for (int at = 0; at < 64; at++) {
+                    const int8_t q = (int8_t)(blk[c * 64 + at] ^ 0x80);
+                    o[c * 64 + at] = (uint8_t)q;
+                    corr[at / 4] += -128 * q;
+                }
+            for (int l = 0; l < TILE; l++) d[l] = f16_to_f32(ld16(blk + Q8_CODES + 2 * l));
+            memcpy(o + Q8_CODES, corr, sizeof corr);
+            memcpy(o + Q8_CODES + 64, d, sizeof d);
         } else if (fmt == FMT_Q4K) {
             const uint8_t *s = wt + sb * Q4K_SB, *h = s + SB_GROUPS * 256;
             uint8_t *o = out + g * Q4_BLOCK;
@@ -274,10 +298,28 @@ QG_INLINE void q40_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
     }
 }
 
-/* 32 times the sums of each 16 activation codes of the call's rows (at most 2), level 1
- * then level 2: bias[(level * 2 + r) * 2 * groups + 2 g + half]. Q6_K's unsigned codes
- * q = w + 32 give sum w x = sum q x - 32 sum x; computed once a call, not once a tile. */
-static void q6_bias(const QRows *o, int64_t rows, int64_t groups, int levels, int32_t *bias) {
+QG_INLINE void q41_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
+                               const uint8_t *mask2, const int MB, float acc[][TILE],
+                               const uint8_t *pf) {
+    __m512 a[2], a2[2];
+    for (int r = 0; r < MB; r++) a[r] = a2[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = wt + g * Q41_BLOCK;
+        prefetch_block(pf + g * Q41_BLOCK, Q41_BLOCK);
+        q4n_group(blk, f16x16(blk + 256), f16x16(blk + 288), o, r0, g, groups,
+                  mask2 ? mask2[g] : 0u, MB, a, a2);
+    }
+    for (int r = 0; r < MB; r++) {
+        if (mask2) a[r] = _mm512_add_ps(a[r], a2[r]);
+        _mm512_storeu_ps(acc[r], a[r]);
+    }
+}
+
+/* The sums of each 16 activation codes of the call's rows (at most 2), level 1 then
+ * level 2: sums[(level * 2 + r) * 2 * groups + 2 g + half]. Unsigned weight codes
+ * u = w + b (Q6_K: b = 32; Q8_0: 128) give sum w x = sum u x - b sum x; computed
+ * once a call, not once a tile. */
+static void x_sums16(const QRows *o, int64_t rows, int64_t groups, int levels, int32_t *bias) {
     const int64_t k = groups * GROUP; /* QOFF's operand */
     for (int lvl = 0; lvl < levels; lvl++)
         for (int64_t r = 0; r < rows; r++)
@@ -289,8 +331,8 @@ static void q6_bias(const QRows *o, int64_t rows, int64_t groups, int levels, in
                     s1 += x[16 + i];
                 }
                 int32_t *b = bias + (lvl * 2 + r) * 2 * groups + 2 * g;
-                b[0] = 32 * s0;
-                b[1] = 32 * s1;
+                b[0] = s0;
+                b[1] = s1;
             }
 }
 
@@ -303,7 +345,7 @@ QG_INLINE __m512 q6_half_dot(const __m512i *w, int half, const int8_t *xr, int32
         i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(ld32(xr + 4 * c + 4)));
     }
     return _mm512_cvtepi32_ps(
-        _mm512_sub_epi32(_mm512_add_epi32(i0, i1), _mm512_set1_epi32(bias)));
+        _mm512_sub_epi32(_mm512_add_epi32(i0, i1), _mm512_set1_epi32(32 * bias)));
 }
 
 QG_INLINE void q6k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
@@ -362,6 +404,43 @@ QG_INLINE void q6k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
     }
 }
 
+QG_INLINE void q80_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
+                               const uint8_t *mask2, const int MB, float acc[][TILE],
+                               const uint8_t *pf, const int32_t *sums) {
+    const int64_t k = groups * GROUP; /* QOFF / SOFF's operands */
+    __m512 a[2], a2[2];
+    for (int r = 0; r < MB; r++) a[r] = a2[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = wt + g * Q80_BLOCK;
+        prefetch_block(pf + g * Q80_BLOCK, Q80_BLOCK);
+        __m512i w[8];
+        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(blk + c * 64));
+        const __m512 d = f16x16(blk + Q8_CODES);
+        const unsigned bits = mask2 ? mask2[g] : 0u;
+        for (int lvl = 0; lvl < 2; lvl++)
+            for (int r = 0; r < MB; r++) {
+                if (lvl == 1 && !(bits >> r & 1u)) continue;
+                const int64_t at = SOFF(r0 + r, g);
+                const int8_t *xr = lvl ? QX2(o, r0 + r, g) : QX(o, r0 + r, g);
+                __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+                for (int c = 0; c < 8; c += 2) {
+                    i0 = _mm512_dpbusd_epi32(i0, w[c], _mm512_set1_epi32(ld32(xr + 4 * c)));
+                    i1 = _mm512_dpbusd_epi32(i1, w[c + 1], _mm512_set1_epi32(ld32(xr + 4 * c + 4)));
+                }
+                const int32_t *s2 = sums + (lvl * 2 + r0 + r) * 2 * groups + 2 * g;
+                const __m512i bias = _mm512_set1_epi32(128 * (s2[0] + s2[1]));
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(i0, i1), bias));
+                const __m512 sx = _mm512_set1_ps(lvl ? o->xs2[at] : o->xs[at]);
+                if (lvl) a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx), a2[r]);
+                else a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, sx), a[r]);
+            }
+    }
+    for (int r = 0; r < MB; r++) {
+        if (mask2) a[r] = _mm512_add_ps(a[r], a2[r]);
+        _mm512_storeu_ps(acc[r], a[r]);
+    }
+}
+
 /* One tile of a native format for mb (1 or 2) rows read directly. */
 static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const QRows *o,
                              int64_t r0, const uint8_t *mask2, int mb, float acc[][TILE],
@@ -372,6 +451,12 @@ static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const Q
     } else if (fmt == FMT_Q6K) {
         if (mb == 2) q6k_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf, bias);
         else q6k_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf, bias);
+    } else if (fmt == FMT_Q80) {
+        if (mb == 2) q80_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf, bias);
+        else q80_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf, bias);
+    } else if (fmt == FMT_Q41) {
+        if (mb == 2) q41_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
+        else q41_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
     } else {
         if (mb == 2) q40_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
         else q40_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
@@ -386,19 +471,28 @@ static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const Q
     (void)fmt, (void)wt, (void)groups, (void)o, (void)r0, (void)mask2, (void)mb, (void)acc;
     (void)pf, (void)bias;
 }
-static void q6_bias(const QRows *o, int64_t rows, int64_t groups, int levels, int32_t *bias) {
+static void x_sums16(const QRows *o, int64_t rows, int64_t groups, int levels, int32_t *bias) {
     (void)o, (void)rows, (void)groups, (void)levels, (void)bias;
 }
 #endif
 
 /* Test hook: every tile of a native weight expanded into the qgemm.c blocks (fmt 4 or
  * 8 with two scales per 32), so that Python reads the values the kernels apply. */
+static int native_fmt(int fmt) {
+    return fmt == FMT_Q4K || fmt == FMT_Q6K || fmt == FMT_Q40 || fmt == FMT_Q80 || fmt == FMT_Q41;
+}
+
+/* Bytes of qgemm.c's block a native group expands into. */
+static int64_t expanded_group_bytes(int fmt) {
+    return fmt == FMT_Q6K ? Q8_SUB2_BLOCK : fmt == FMT_Q80 ? Q8_SUB1_BLOCK : Q4_BLOCK;
+}
+
 int paged_qgemm_expand(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
-    if ((fmt != FMT_Q4K && fmt != FMT_Q6K && fmt != FMT_Q40) || n <= 0 || k <= 0) return -1;
-    if (k % (fmt == FMT_Q40 ? GROUP : SB_INPUTS) != 0) return -1;
+    if (!native_fmt(fmt) || n <= 0 || k <= 0) return -1;
+    if (k % (fmt == FMT_Q4K || fmt == FMT_Q6K ? SB_INPUTS : GROUP) != 0) return -1;
     const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
     const int64_t in_bytes = native_tile_bytes(fmt, groups);
-    const int64_t out_bytes = groups * (fmt == FMT_Q6K ? Q8_SUB2_BLOCK : Q4_BLOCK);
+    const int64_t out_bytes = groups * expanded_group_bytes(fmt);
     for (int64_t t = 0; t < tiles; t++) expand_tile(fmt, w + t * in_bytes, groups, out + t * out_bytes);
     return 0;
 }
