@@ -82,7 +82,7 @@ def main() -> None:
             pool.attach(lib.use_pool)
         times: dict[str, list[float]] = {name: [] for name in layouts}
         load0 = os.getloadavg()
-        for name, weights in layouts.items():  # warm-up: page faults, first touches
+        for weights in layouts.values():  # warm-up: page faults, first touches
             _step(weights, xs)
         for _ in range(args.steps):
             for name, weights in layouts.items():

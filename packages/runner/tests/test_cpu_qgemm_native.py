@@ -196,21 +196,18 @@ def test_a_gguf_tensor_packs_at_its_own_bytes_and_values(qtype: Q, fmt: int) -> 
     """The loader's groups of a file's tensor factor back into the file's form: the
     packed weight is as large as the file's blocks and equals gguf-py's decoding."""
     t = _gguf_blocks(qtype, 48, 512, seed=int(qtype))
-    g4 = t.int4_groups()
-    if g4 is not None:
-        gemm = QGemm.int4(_lib(), g4.codes, g4.scale, g4.offset)
-    else:
-        g8 = t.int8_groups()
-        assert g8 is not None
-        gemm = QGemm.int8(_lib(), g8.codes, g8.scale)
-    assert gemm.fmt == fmt
-    assert gemm.nbytes == t.data.nbytes
+    g4, g8 = t.int4_groups(), t.int8_groups()
     # exactly the loader's values; gguf-py's decoding as test_layers_quantized_linear checks it
     if g4 is not None:
+        gemm = QGemm.int4(_lib(), g4.codes, g4.scale, g4.offset)
         exact = g4.codes.float() * g4.scale.repeat_interleave(32, 1)
         exact += g4.offset.repeat_interleave(32, 1)
     else:
+        assert g8 is not None
+        gemm = QGemm.int8(_lib(), g8.codes, g8.scale)
         group = g8.codes.shape[1] // g8.scale.shape[1]
         exact = g8.codes.float() * g8.scale.repeat_interleave(group, 1)
+    assert gemm.fmt == fmt
+    assert gemm.nbytes == t.data.nbytes
     assert torch.equal(gemm.dequantized(), exact)
     torch.testing.assert_close(gemm.dequantized(), t.dequantize(), rtol=0, atol=1e-7)

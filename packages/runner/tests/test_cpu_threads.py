@@ -117,7 +117,8 @@ def _qgemm_outputs(lib: Any) -> list[torch.Tensor]:
         (d * (sc - 32)).reshape(n, k // 16),
     )  # fmt: skip
     d0 = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
-    w40 = QGemm.int4(lib, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen), d0, -8 * d0)
+    codes4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    w40 = QGemm.int4(lib, codes4, d0, -8 * d0)
     w80 = QGemm.int8(lib, torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), d0)
     assert (w4k.fmt, w6k.fmt, w40.fmt, w80.fmt) == (5, 6, 7, 9)
     outs = []

@@ -119,7 +119,6 @@ def pack_q4k(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> 
 def pack_q40(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor | None:
     """w = codes * scale + offset per 32 with scale an f16 value and offset = -8 scale
     (Q4_0) -> FMT_Q40 bytes, or None."""
-    n, k = codes.shape
     scale = scale.float()
     d = scale.half()
     if not (torch.equal(d.float(), scale) and torch.equal(scale * -8.0, offset.float())):

@@ -9,7 +9,10 @@ import torch
 from paged.runner.cpu_kernels.build import QGemmLibrary
 from paged.runner.cpu_kernels.packing import pack_q4, pack_q8, unpack_q4, unpack_q8
 from paged.runner.cpu_kernels.packing_native import (
+    FMT_Q4K,
     FMT_Q6K,
+    FMT_Q40,
+    FMT_Q41,
     FMT_Q80,
     native_nbytes,
     pack_q4k,
@@ -18,9 +21,6 @@ from paged.runner.cpu_kernels.packing_native import (
     pack_q41,
     pack_q80,
 )
-from paged.runner.cpu_kernels.packing_native import FMT_Q4K as FMT_Q4K
-from paged.runner.cpu_kernels.packing_native import FMT_Q40 as FMT_Q40
-from paged.runner.cpu_kernels.packing_native import FMT_Q41 as FMT_Q41
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
