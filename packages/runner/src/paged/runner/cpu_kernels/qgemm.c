@@ -21,7 +21,9 @@
  *       512 B codes: byte (c * 64 + l * 4 + b) = q[row l][4c + b], c in 0..7, int8
  *       S x 64 B corr[16] int32 = -128 * (sum of the sub-group's codes)
  *       S x 64 B d[16] float32                           w = d q
- * so one 64-byte load holds 4 consecutive inputs of 16 rows: the shape of
+ * (qgemm_native.c keeps GGUF's own scales in these tiles instead: Q4_K, Q6_K, Q4_0,
+ * Q4_1 and Q8_0 at the file's byte count, the same values.)
+ * So one 64-byte load holds 4 consecutive inputs of 16 rows: the shape of
  * VNNI's vpdpbusd (16 int32 lanes, each a 4-long u8 x s8 dot), with the
  * activation's 4 bytes broadcast to every lane. One weight tile is loaded (and
  * unpacked) once per MB activation rows and stays in L1 for the other rows.
