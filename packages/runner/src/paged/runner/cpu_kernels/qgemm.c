@@ -609,7 +609,7 @@ static int tiles_task(void *ctx, int64_t task) {
         const uint8_t *wt = c->w + t * c->tile_bytes;
         const int64_t n0 = t * TILE, count = c->n - n0 < TILE ? c->n - n0 : TILE;
         if (expanded != NULL) {
-            expand_tile(c->fmt, wt, c->groups, expanded);
+            expand_tile_vnni(c->fmt, wt, c->groups, expanded);
             wt = expanded;
         }
         for (int64_t r0 = 0; r0 < c->mc; r0 += MB_ROWS) {

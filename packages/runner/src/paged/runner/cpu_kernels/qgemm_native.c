@@ -441,6 +441,91 @@ QG_INLINE void q80_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
     }
 }
 
+/* expand_tile with AVX-512 (the same values, bit for bit): with 3+ rows on the VNNI
+ * path every tile is expanded once per chunk of rows, and the scalar loops cost as
+ * much as the 64-row matmul itself (Q6_K: twice the float32-scale block's time). */
+static void expand_tile_vnni(int fmt, const uint8_t *wt, int64_t groups, uint8_t *out) {
+    const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8((char)0x80);
+    if (fmt == FMT_Q4K) {
+        uint8_t sc[128] __attribute__((aligned(64))), mins[128] __attribute__((aligned(64)));
+        for (int64_t sb = 0; sb < groups / SB_GROUPS; sb++) {
+            const uint8_t *s = wt + sb * Q4K_SB, *h = s + SB_GROUPS * 256;
+            const __m512 dv = f16x16(h), dm = f16x16(h + 32);
+            six_bits_sb(h + 64, h + 192, sc);
+            six_bits_sb(h + 128, h + 224, mins);
+            for (int j = 0; j < SB_GROUPS; j++) {
+                uint8_t *o = out + (sb * SB_GROUPS + j) * Q4_BLOCK;
+                memcpy(o, s + j * 256, 256);
+                _mm512_storeu_ps(o + 256, _mm512_mul_ps(dv, u8_to_ps(sc + 16 * j)));
+                _mm512_storeu_ps(o + 320, _mm512_mul_ps(dm, u8_to_ps(mins + 16 * j)));
+            }
+        }
+    } else if (fmt == FMT_Q6K) {
+        const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+        const __m512i bias = _mm512_set1_epi8(32);
+        for (int64_t sb = 0; sb < groups / SB_GROUPS; sb++) {
+            const uint8_t *s = wt + sb * Q6K_SB;
+            const int8_t *sc = (const int8_t *)(s + SB_GROUPS * Q6K_GROUP);
+            const __m512 dv = f16x16(s + SB_GROUPS * Q6K_GROUP + 256);
+            for (int j = 0; j < SB_GROUPS; j++) {
+                const uint8_t *blk = s + j * Q6K_GROUP;
+                uint8_t *o = out + (sb * SB_GROUPS + j) * Q8_SUB2_BLOCK;
+                __m512i w[8];
+                for (int c = 0; c < 4; c++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(blk + c * 64));
+                    w[c] = _mm512_and_si512(v, low4);
+                    w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+                for (int half = 0; half < 2; half++) {
+                    const __m512i hv = _mm512_loadu_si512((const void *)(blk + 256 + half * 64));
+                    const int c = 4 * half;
+                    w[c] = _mm512_ternarylogic_epi32(w[c], _mm512_slli_epi16(hv, 4), two, 0xF8);
+                    w[c + 1] = _mm512_ternarylogic_epi32(w[c + 1], _mm512_slli_epi16(hv, 2), two, 0xF8);
+                    w[c + 2] = _mm512_ternarylogic_epi32(w[c + 2], hv, two, 0xF8);
+                    w[c + 3] = _mm512_ternarylogic_epi32(w[c + 3], _mm512_srli_epi16(hv, 2), two, 0xF8);
+                }
+                for (int half = 0; half < 2; half++) {
+                    __m512i sum = _mm512_setzero_si512();
+                    for (int c = 4 * half; c < 4 * half + 4; c++) {
+                        const __m512i q = _mm512_sub_epi8(w[c], bias);
+                        _mm512_storeu_si512((void *)(o + c * 64), q);
+                        sum = _mm512_dpbusd_epi32(sum, ones, q); /* each row's 4 codes */
+                    }
+                    _mm512_storeu_si512((void *)(o + Q8_CODES + half * 64),
+                                        _mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
+                    const __m128i s8 = _mm_loadu_si128((const __m128i *)(sc + (j * 2 + half) * TILE));
+                    const __m512 d = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)));
+                    _mm512_storeu_ps(o + Q8_CODES + 128 + half * 64, d);
+                }
+            }
+        }
+    } else if (fmt == FMT_Q80) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *blk = wt + g * Q80_BLOCK;
+            uint8_t *o = out + g * Q8_SUB1_BLOCK;
+            __m512i sum = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) {
+                const __m512i q = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + c * 64)), flip);
+                _mm512_storeu_si512((void *)(o + c * 64), q);
+                sum = _mm512_dpbusd_epi32(sum, ones, q);
+            }
+            _mm512_storeu_si512((void *)(o + Q8_CODES), _mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
+            _mm512_storeu_ps(o + Q8_CODES + 64, f16x16(blk + Q8_CODES));
+        }
+    } else { /* FMT_Q40, FMT_Q41 */
+        const int64_t block = fmt == FMT_Q40 ? Q40_BLOCK : Q41_BLOCK;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *blk = wt + g * block;
+            uint8_t *o = out + g * Q4_BLOCK;
+            memcpy(o, blk, 256);
+            const __m512 d = f16x16(blk + 256);
+            _mm512_storeu_ps(o + 256, d);
+            _mm512_storeu_ps(o + 320, fmt == FMT_Q40 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
+                                                     : f16x16(blk + 288));
+        }
+    }
+}
+
 /* One tile of a native format for mb (1 or 2) rows read directly. */
 static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const QRows *o,
                              int64_t r0, const uint8_t *mask2, int mb, float acc[][TILE],
@@ -465,6 +550,7 @@ static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const Q
 #define QG_DIRECT_ROWS 2 /* calls of at most this many rows read native tiles directly */
 #else
 #define QG_DIRECT_ROWS 0
+#define expand_tile_vnni expand_tile /* the scalar expansion below VNNI */
 static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const QRows *o,
                              int64_t r0, const uint8_t *mask2, int mb, float acc[][TILE],
                              const uint8_t *pf, const int32_t *bias) {
