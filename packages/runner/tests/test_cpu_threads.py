@@ -105,11 +105,27 @@ def _qgemm_outputs(lib: Any) -> list[torch.Tensor]:
         lib, torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
         torch.rand(n, k // 16, generator=gen),
     )  # fmt: skip
+    # GGUF-native layouts (qgemm_native.c): f16 super-block scales times small integers
+    d = (torch.rand(n, k // 256, 1, generator=gen) * 0.01).half().float()
+    sc = torch.randint(0, 64, (n, k // 256, 16), generator=gen).float()
+    w4k = QGemm.int4(
+        lib, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
+        (d * sc[..., :8]).reshape(n, k // 32), (-(d * sc[..., 8:])).reshape(n, k // 32),
+    )  # fmt: skip
+    w6k = QGemm.int8(
+        lib, torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen),
+        (d * (sc - 32)).reshape(n, k // 16),
+    )  # fmt: skip
+    d0 = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    codes4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    w40 = QGemm.int4(lib, codes4, d0, -8 * d0)
+    w80 = QGemm.int8(lib, torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), d0)
+    assert (w4k.fmt, w6k.fmt, w40.fmt, w80.fmt) == (5, 6, 7, 9)
     outs = []
-    for m in (1, 3, 37, 300):  # decode, a few rows, prefill, more than one chunk of rows
+    for m in (1, 2, 3, 37, 300):  # decode, a few rows, prefill, more than one chunk of rows
         x = torch.randn(m, k, generator=gen)
         x[:, 5] *= 40  # outliers: the residual level's groups
-        for w in (w4, w8):
+        for w in (w4, w8, w4k, w6k, w40, w80):
             outs.append(w.matmul(x))
             outs.append(w.matmul(x.bfloat16(), torch.bfloat16, outlier_ratio=4.0))
     return outs

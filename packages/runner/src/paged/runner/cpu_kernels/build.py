@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 ISA_ENV = "PAGED_QGEMM_ISA"
 ISAS = ("native", "avx2", "scalar")
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
-_ABI = 5  # paged_qgemm_abi() of the source this module drives
+_ABI = 6  # paged_qgemm_abi() of the source this module drives
 _FORCE = {
     "native": [],
     "avx2": ["-DPAGED_QGEMM_FORCE_AVX2"],
@@ -72,6 +72,16 @@ class QGemmLibrary:
         y_bf16)."""
         return int(self.lib.paged_qgemm_q8(*args))
 
+    def native(self, *args: float) -> int:
+        """paged_qgemm_native(fmt, w, n, k, levels, ratio, x, m, x_stride, x_bf16, y, y_stride,
+        y_bf16): a weight in GGUF's own bytes (fmt 5 Q4_K, 6 Q6_K, 7 Q4_0; qgemm_native.c)."""
+        return int(self.lib.paged_qgemm_native(*args))
+
+    def expand(self, *args: float) -> int:
+        """paged_qgemm_expand(fmt, w, n, k, out): a native weight as qgemm.c's float32-scale
+        blocks (4-bit, or 8-bit with two scales per 32), for tests and reports."""
+        return int(self.lib.paged_qgemm_expand(*args))
+
     def quantize(self, *args: float) -> int:
         """paged_qgemm_quantize(x, x_bf16, m, k, levels, ratio, flip, scalar, q, xs, xsum,
         q2, xs2, xsum2, has2): the activations' codes, for tests (see qgemm_quantize.c)."""
@@ -83,7 +93,7 @@ class QGemmLibrary:
         self.lib.paged_qgemm_use_pool(run, pool, threads)
 
 
-_PART = re.compile(r'^#include "(qgemm_[a-z_]+\.c)".*$', re.MULTILINE)
+_PART = re.compile(r'^#include "(qgemm_[a-z0-9_]+\.c)".*$', re.MULTILINE)
 
 
 def inline_parts(text: str, read: Callable[[str], str]) -> str:
@@ -195,3 +205,11 @@ def _declare_test_hooks(lib: ctypes.CDLL) -> None:
     lib.paged_qgemm_quantize.argtypes = args + [ptr] * 7  # q, xs, xsum, q2, xs2, xsum2, has2
     lib.paged_qgemm_use_pool.restype = None  # ABI 5 on
     lib.paged_qgemm_use_pool.argtypes = [ptr, ptr, c_int]
+    f32 = ctypes.c_float
+    lib.paged_qgemm_native.restype = c_int  # ABI 6 on
+    native: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_int | ctypes.c_float]] = [
+        c_int, ptr, i64, i64, c_int, f32, ptr, i64, i64, c_int, ptr, i64, c_int,
+    ]  # fmt: skip
+    lib.paged_qgemm_native.argtypes = native
+    lib.paged_qgemm_expand.restype = c_int
+    lib.paged_qgemm_expand.argtypes = [c_int, ptr, i64, i64, ptr]

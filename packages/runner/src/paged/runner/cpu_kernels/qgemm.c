@@ -21,7 +21,9 @@
  *       512 B codes: byte (c * 64 + l * 4 + b) = q[row l][4c + b], c in 0..7, int8
  *       S x 64 B corr[16] int32 = -128 * (sum of the sub-group's codes)
  *       S x 64 B d[16] float32                           w = d q
- * so one 64-byte load holds 4 consecutive inputs of 16 rows: the shape of
+ * (qgemm_native.c keeps GGUF's own scales in these tiles instead: Q4_K, Q6_K, Q4_0,
+ * Q4_1 and Q8_0 at the file's byte count, the same values.)
+ * So one 64-byte load holds 4 consecutive inputs of 16 rows: the shape of
  * VNNI's vpdpbusd (16 int32 lanes, each a 4-long u8 x s8 dot), with the
  * activation's 4 bytes broadcast to every lane. One weight tile is loaded (and
  * unpacked) once per MB activation rows and stays in L1 for the other rows.
@@ -79,7 +81,7 @@ int paged_qgemm_isa(void) {
 #endif
 }
 
-int paged_qgemm_abi(void) { return 5; }
+int paged_qgemm_abi(void) { return 6; }
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -256,116 +258,7 @@ __attribute__((unused)) static void q8_tile_scalar(const uint8_t *wt, int64_t gr
             for (int l = 0; l < TILE; l++) acc[r][l] += res[r][l];
 }
 
-/* ------------------------------------------------------------- AVX2 path */
-#if defined(QG_AVX2)
-
-/* 8 chunks of a 4-bit group (one half of the tile) x one row: int16 sums, then int32. */
-QG_INLINE __m256 q4_dot_avx2(const __m256i *w, const int8_t *xr) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i s = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(ld32(xr)));
-    for (int c = 1; c < 8; c++)
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(ld32(xr + 4 * c))));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
-}
-
-QG_INLINE void q4_tile_avx2(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
-                            int64_t k, const uint8_t *mask2, const int MB, float acc[][TILE]) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    float res[MB_ROWS][TILE];
-    for (int r = 0; r < MB; r++)
-        for (int l = 0; l < TILE; l++) res[r][l] = 0.0f;
-    for (int h = 0; h < 2; h++) { /* rows 0-7, then 8-15 of the tile */
-        __m256 a[MB_ROWS];
-        for (int r = 0; r < MB; r++) a[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *blk = wt + g * Q4_BLOCK;
-            __m256i w[8];
-            for (int c = 0; c < 4; c++) {
-                __m256i p = _mm256_loadu_si256((const __m256i *)(blk + c * 64 + h * 32));
-                w[c] = _mm256_and_si256(p, low4);
-                w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
-            }
-            const __m256 d = _mm256_loadu_ps((const float *)(blk + 256) + h * 8);
-            const __m256 mn = _mm256_loadu_ps((const float *)(blk + 320) + h * 8);
-            for (int r = 0; r < MB; r++) {
-                const int64_t at = SOFF(r0 + r, g);
-                const __m256 f = q4_dot_avx2(w, QX(o, r0 + r, g));
-                a[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(o->xs[at])), a[r]);
-                a[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(o->xsum[at]), a[r]);
-            }
-            for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
-                const int r = __builtin_ctz(bits);
-                const int64_t at = SOFF(r0 + r, g);
-                const __m256 f = q4_dot_avx2(w, QX2(o, r0 + r, g));
-                __m256 v = _mm256_loadu_ps(res[r] + h * 8);
-                v = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(o->xs2[at])), v);
-                v = _mm256_fmadd_ps(mn, _mm256_set1_ps(o->xsum2[at]), v);
-                _mm256_storeu_ps(res[r] + h * 8, v);
-            }
-        }
-        for (int r = 0; r < MB; r++) {
-            if (mask2) a[r] = _mm256_add_ps(a[r], _mm256_loadu_ps(res[r] + h * 8));
-            _mm256_storeu_ps(acc[r] + h * 8, a[r]);
-        }
-    }
-}
-
-/* Chunks c0..c1 of an 8-bit group x one row: maddubs(|w|, sign(x, w)), int32 sums. */
-QG_INLINE __m256 q8_dot_avx2(const __m256i *w, const __m256i *aw, int c0, int c1,
-                             const int8_t *xr) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i i = _mm256_setzero_si256();
-    for (int c = c0; c < c1; c++) {
-        const __m256i xb = _mm256_set1_epi32(ld32(xr + 4 * c));
-        const __m256i p = _mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(xb, w[c]));
-        i = _mm256_add_epi32(i, _mm256_madd_epi16(p, ones));
-    }
-    return _mm256_cvtepi32_ps(i);
-}
-
-QG_INLINE void q8_tile_avx2(const uint8_t *wt, int64_t groups, const int sub, const QRows *o,
-                            int64_t r0, int64_t k, const uint8_t *mask2, const int MB,
-                            float acc[][TILE]) {
-    const int64_t block = Q8_CODES + sub * 128;
-    const int chunks = 8 / sub;
-    float res[MB_ROWS][TILE];
-    for (int r = 0; r < MB; r++)
-        for (int l = 0; l < TILE; l++) res[r][l] = 0.0f;
-    for (int h = 0; h < 2; h++) {
-        __m256 a[MB_ROWS];
-        for (int r = 0; r < MB; r++) a[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *blk = wt + g * block;
-            __m256i w[8], aw[8];
-            for (int c = 0; c < 8; c++) {
-                w[c] = _mm256_loadu_si256((const __m256i *)(blk + c * 64 + h * 32));
-                aw[c] = _mm256_abs_epi8(w[c]);
-            }
-            for (int s = 0; s < sub; s++) {
-                const __m256 d =
-                    _mm256_loadu_ps((const float *)(blk + Q8_CODES + sub * 64 + s * 64) + h * 8);
-                const int c0 = s * chunks, c1 = (s + 1) * chunks;
-                for (int r = 0; r < MB; r++) {
-                    const __m256 sx = _mm256_set1_ps(o->xs[SOFF(r0 + r, g)]);
-                    const __m256 f = q8_dot_avx2(w, aw, c0, c1, QX(o, r0 + r, g));
-                    a[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, sx), a[r]);
-                }
-                for (unsigned bits = mask2 ? mask2[g] : 0u; bits; bits &= bits - 1) {
-                    const int r = __builtin_ctz(bits);
-                    const __m256 sx = _mm256_set1_ps(o->xs2[SOFF(r0 + r, g)]);
-                    const __m256 f = q8_dot_avx2(w, aw, c0, c1, QX2(o, r0 + r, g));
-                    __m256 v = _mm256_loadu_ps(res[r] + h * 8);
-                    _mm256_storeu_ps(res[r] + h * 8, _mm256_fmadd_ps(f, _mm256_mul_ps(d, sx), v));
-                }
-            }
-        }
-        for (int r = 0; r < MB; r++) {
-            if (mask2) a[r] = _mm256_add_ps(a[r], _mm256_loadu_ps(res[r] + h * 8));
-            _mm256_storeu_ps(acc[r] + h * 8, a[r]);
-        }
-    }
-}
-#endif
+#include "qgemm_avx2.c" /* the AVX2 path (build.py inlines it) */
 
 /* ---------------------------------------------------------- AVX512-VNNI */
 #if defined(QG_VNNI)
@@ -577,6 +470,8 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
 }
 #endif
 
+#include "qgemm_native.c" /* GGUF's own layouts: Q4_K, Q6_K, Q4_0 (build.py inlines it) */
+
 /* --------------------------------------------------------------- drivers */
 
 #if defined(QG_VNNI)
@@ -662,6 +557,8 @@ static int qg_parallel(int64_t ntasks, pool_task_fn fn, void *ctx, int64_t work)
 
 typedef struct {
     int fmt, sub, levels, x_bf16, y_bf16, flip;
+    int direct; /* a native format read directly (VNNI, few rows), else expanded per tile */
+    int32_t *bias; /* direct Q6_K / Q8_0: each 16 activation codes' sum (x_sums16) */
     float ratio;
     const uint8_t *w;
     int64_t n, k, groups, tiles, tile_bytes, per_task, y_stride, x_stride, m0, mc;
@@ -698,20 +595,36 @@ static int tiles_task(void *ctx, int64_t task) {
     float acc[MB_ROWS][TILE];
     const int64_t t0 = task * c->per_task;
     const int64_t t1 = t0 + c->per_task < c->tiles ? t0 + c->per_task : c->tiles;
+    const int native = c->fmt != FMT_Q4 && c->fmt != FMT_Q8;
+    /* an expanded native tile is qgemm.c's 4-bit block, or its 8-bit one with 2 scales */
+    const int eight = c->fmt == FMT_Q6K || c->fmt == FMT_Q80;
+    const int run_fmt = native ? (eight ? FMT_Q8 : FMT_Q4) : c->fmt;
+    const int run_sub = native ? (c->fmt == FMT_Q6K ? 2 : 1) : c->sub;
+    uint8_t *expanded = NULL;
+    if (native && !c->direct) {
+        expanded = expand_buffer((size_t)(c->groups * Q8_SUB2_BLOCK));
+        if (expanded == NULL) return -2;
+    }
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *wt = c->w + t * c->tile_bytes;
         const int64_t n0 = t * TILE, count = c->n - n0 < TILE ? c->n - n0 : TILE;
+        if (expanded != NULL) {
+            expand_tile_vnni(c->fmt, wt, c->groups, expanded);
+            wt = expanded;
+        }
         for (int64_t r0 = 0; r0 < c->mc; r0 += MB_ROWS) {
             const int mb = (int)(c->mc - r0 < MB_ROWS ? c->mc - r0 : MB_ROWS);
             const uint8_t *mask2 = c->levels == 2 ? o->mask2 + (r0 / MB_ROWS) * c->groups : NULL;
             /* the next tile during the first block (see prefetch_block), else
              * this one (in L1: a no-op; a prefetch under a branch cost the 4-bit
              * kernel 15% at many rows, code generation) */
-            const uint8_t *pf = r0 == 0 && t + 1 < t1 ? wt + c->tile_bytes : wt;
-            if (c->fmt == 4)
+            const uint8_t *pf = r0 == 0 && t + 1 < t1 && expanded == NULL ? wt + c->tile_bytes : wt;
+            if (c->direct)
+                native_tile_rows(c->fmt, wt, c->groups, o, r0, mask2, mb, acc, pf, c->bias);
+            else if (run_fmt == FMT_Q4)
                 q4_tile_rows(wt, c->groups, o, r0, c->k, mask2, mb, acc, pf);
             else
-                q8_tile_rows(wt, c->groups, c->sub, o, r0, c->k, mask2, mb, acc, pf);
+                q8_tile_rows(wt, c->groups, run_sub, o, r0, c->k, mask2, mb, acc, pf);
             for (int r = 0; r < mb; r++)
                 store_row(acc[r], c->y, c->y_bf16, c->y_stride, c->m0 + r0 + r, n0, count);
         }
@@ -738,10 +651,15 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
                  int64_t y_stride, int y_bf16) {
     if (n <= 0 || k <= 0 || k % GROUP != 0 || m < 0 || x_stride < k || y_stride < n) return -1;
     if ((fmt == 8 && sub != 1 && sub != 2) || (levels != 1 && levels != 2)) return -1;
+    if ((fmt == FMT_Q4K || fmt == FMT_Q6K) && k % SB_INPUTS != 0) return -1;
     if (m == 0) return 0;
     const int64_t groups = k / GROUP;
     const int64_t tiles = (n + TILE - 1) / TILE;
-    const int64_t tile_bytes = groups * (fmt == 4 ? Q4_BLOCK : Q8_CODES + sub * 128);
+    const int64_t tile_bytes = fmt == FMT_Q4   ? groups * Q4_BLOCK
+                               : fmt == FMT_Q8 ? groups * (Q8_CODES + sub * 128)
+                                               : native_tile_bytes(fmt, groups);
+    /* native tiles: read directly by the VNNI kernels at decode's few rows */
+    const int direct = fmt != FMT_Q4 && fmt != FMT_Q8 && m <= QG_DIRECT_ROWS;
     const int64_t chunk = M_CHUNK / levels;    /* input rows per pass (a multiple of MB_ROWS) */
     const int64_t rows = m < chunk ? m : chunk;
     const int64_t blocks = (rows + MB_ROWS - 1) / MB_ROWS;
@@ -749,7 +667,10 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
     const size_t qbytes = (size_t)(((slots * k + 63) / 64) * 64);
     const size_t fbytes = (size_t)(slots * groups) * sizeof(float);
     const size_t mbytes = levels == 2 ? (size_t)(blocks * groups) : 0;
-    uint8_t *buf = (uint8_t *)scratch(qbytes * levels + fbytes * 2 * levels + mbytes + 64);
+    const int unsigned_w = fmt == FMT_Q6K || fmt == FMT_Q80; /* weights as u8 + bias */
+    const size_t bbytes = direct && unsigned_w ? (size_t)(4 * 2 * groups) * 4 : 0;
+    const size_t boff = (qbytes * levels + fbytes * 2 * levels + mbytes + 63) / 64 * 64;
+    uint8_t *buf = (uint8_t *)scratch(boff + bbytes + 64);
     if (buf == NULL) return -2;
     QRows o;
     o.bw = rows < MB_ROWS ? rows : MB_ROWS;
@@ -761,11 +682,13 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
     o.xsum2 = levels == 2 ? o.xs2 + slots * groups : NULL;
     o.mask2 = levels == 2 ? buf + qbytes * levels + fbytes * 2 * levels : NULL;
 #if defined(QG_VNNI)
-    const int flip = fmt == 8;
+    /* the 8-bit VNNI tiles take unsigned activations (Q6_K's direct kernel: signed) */
+    const int flip = fmt == FMT_Q8 || (unsigned_w && !direct);
 #else
     const int flip = 0;
 #endif
-    QCall c = {fmt, sub, levels, x_bf16, y_bf16, flip, ratio, w, n, k, groups, tiles,
+    int32_t *bias = bbytes ? (int32_t *)(buf + boff) : NULL;
+    QCall c = {fmt, sub, levels, x_bf16, y_bf16, flip, direct, bias, ratio, w, n, k, groups, tiles,
                tile_bytes, 1, y_stride, x_stride, 0, 0, NULL, y, &o};
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t mc = m - m0 < chunk ? m - m0 : chunk;
@@ -778,6 +701,7 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
         /* quantising reads the rows once: its work is the activations' bytes */
         int rc = qg_parallel(row_blocks, quantize_task, &c, mc * k * 4);
         if (rc != 0) return rc;
+        if (bias != NULL) x_sums16(&o, mc, groups, levels, bias);
         c.per_task = tiles_per_task(tiles, tile_bytes, row_blocks);
         rc = qg_parallel((tiles + c.per_task - 1) / c.per_task, tiles_task, &c,
                          tiles * tile_bytes * row_blocks);
@@ -796,4 +720,13 @@ int paged_qgemm_q8(const uint8_t *w, int64_t n, int64_t k, int sub, int levels, 
                    const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,
                    int64_t y_stride, int y_bf16) {
     return qgemm(8, w, n, k, sub, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
+}
+
+/* fmt FMT_Q4K, FMT_Q6K (k a multiple of 256), FMT_Q40, FMT_Q41 or FMT_Q80: see
+ * qgemm_native.c. */
+int paged_qgemm_native(int fmt, const uint8_t *w, int64_t n, int64_t k, int levels, float ratio,
+                       const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,
+                       int64_t y_stride, int y_bf16) {
+    if (!native_fmt(fmt)) return -1;
+    return qgemm(fmt, w, n, k, 1, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
 }

@@ -8,12 +8,30 @@ import torch
 
 from paged.runner.cpu_kernels.build import QGemmLibrary
 from paged.runner.cpu_kernels.packing import pack_q4, pack_q8, unpack_q4, unpack_q8
+from paged.runner.cpu_kernels.packing_native import (
+    FMT_Q4K,
+    FMT_Q6K,
+    FMT_Q40,
+    FMT_Q41,
+    FMT_Q80,
+    native_nbytes,
+    pack_q4k,
+    pack_q6k,
+    pack_q40,
+    pack_q41,
+    pack_q80,
+)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class QGemm:
     """A packed [out, in] weight: 4-bit (w = d q + m per 32) or 8-bit (w = d q per 32 or 16).
+
+    fmt 4 / 8: qgemm.c's blocks with float32 scales; FMT_Q4K / FMT_Q6K / FMT_Q40 /
+    FMT_Q41 / FMT_Q80: the same values in GGUF's own byte count (qgemm_native.c),
+    chosen by int4 / int8 whenever the scales have that form (native=False keeps
+    fmt 4 / 8).
 
     matmul takes float32 or bfloat16 activations [M, in] (rows contiguous) and
     returns float32 or bfloat16 [M, out]; the activations are quantised to
@@ -31,16 +49,42 @@ class QGemm:
 
     @classmethod
     def int4(
-        cls, lib: QGemmLibrary, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
-    ) -> QGemm:
-        """w = codes * scale + offset; codes uint8 [N, K] 0..15, scale/offset [N, K/32]."""
-        return cls(lib, pack_q4(codes, scale, offset), 4, tuple(codes.shape), 1)  # type: ignore[arg-type]
+        cls, lib: QGemmLibrary, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+        *, native: bool = True,
+    ) -> QGemm:  # fmt: skip
+        """w = codes * scale + offset; codes uint8 [N, K] 0..15, scale/offset [N, K/32].
+
+        native: Q4_0's form (f16 scale, offset -8 scale) or Q4_K's (f16 d and dmin per
+        256 inputs times 6-bit integers) packed at the file's 4.5 bits a weight, else
+        Q4_1's (f16 scale and offset) at 5.
+        """
+        shape = (codes.shape[0], codes.shape[1])
+        if native:
+            for fmt, pack in ((FMT_Q40, pack_q40), (FMT_Q4K, pack_q4k), (FMT_Q41, pack_q41)):
+                packed = pack(codes, scale, offset)
+                if packed is not None:
+                    return cls(lib, packed, fmt, shape, 1)
+        return cls(lib, pack_q4(codes, scale, offset), 4, shape, 1)
 
     @classmethod
-    def int8(cls, lib: QGemmLibrary, codes: torch.Tensor, scale: torch.Tensor) -> QGemm:
-        """w = codes * scale; codes int8 [N, K], scale [N, K/32] or [N, K/16]."""
+    def int8(
+        cls, lib: QGemmLibrary, codes: torch.Tensor, scale: torch.Tensor, *, native: bool = True
+    ) -> QGemm:
+        """w = codes * scale; codes int8 [N, K], scale [N, K/32] or [N, K/16].
+
+        native: Q6_K's form (codes -32..31, scale per 16 = f16 d per 256 times int8)
+        packed at the file's 6.5625 bits a weight; Q8_0's (f16 scale per 32) at 8.5.
+        """
+        shape = (codes.shape[0], codes.shape[1])
+        if native:
+            packed6 = pack_q6k(codes, scale)
+            if packed6 is not None:
+                return cls(lib, packed6, FMT_Q6K, shape, 2)
+            packed80 = pack_q80(codes, scale)
+            if packed80 is not None:
+                return cls(lib, packed80, FMT_Q80, shape, 1)
         packed, sub = pack_q8(codes, scale)
-        return cls(lib, packed, 8, tuple(codes.shape), sub)  # type: ignore[arg-type]
+        return cls(lib, packed, 8, shape, sub)
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +116,12 @@ class QGemm:
         x_stride = x.stride(0) if m > 1 else self.in_features
         n, k = self.out_features, self.in_features
         levels, ratio = (1, 0.0) if outlier_ratio is None else (2, float(outlier_ratio))
-        if self.fmt == 4:
+        if self.fmt not in (4, 8):
+            rc = self.lib.native(
+                self.fmt, self.packed.data_ptr(), n, k, levels, ratio, x.data_ptr(), m,
+                x_stride, x_bf16, y.data_ptr(), n, y_bf16,
+            )  # fmt: skip
+        elif self.fmt == 4:
             rc = self.lib.q4(
                 self.packed.data_ptr(), n, k, levels, ratio, x.data_ptr(), m, x_stride, x_bf16,
                 y.data_ptr(), n, y_bf16,
@@ -91,7 +140,22 @@ class QGemm:
         n, k = self.out_features, self.in_features
         if self.fmt == 4:
             return unpack_q4(self.packed, n, k)
-        return unpack_q8(self.packed, n, k, self.sub)
+        if self.fmt == 8:
+            return unpack_q8(self.packed, n, k, self.sub)
+        if self.fmt in (FMT_Q6K, FMT_Q80):
+            return unpack_q8(self._expanded(), n, k, self.sub)
+        return unpack_q4(self._expanded(), n, k)
+
+    def _expanded(self) -> torch.Tensor:
+        """A native weight as the C kernels expand it (qgemm.c's float32-scale blocks)."""
+        n, k = self.out_features, self.in_features
+        assert self.packed.numel() == native_nbytes(self.fmt, n, k)
+        per_group = {FMT_Q6K: 512 + 2 * 128, FMT_Q80: 512 + 128}.get(self.fmt, 384)
+        out = torch.empty(-(-n // 16) * (k // 32) * per_group, dtype=torch.uint8)
+        rc = self.lib.expand(self.fmt, self.packed.data_ptr(), n, k, out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"paged_qgemm_expand failed with code {rc} (W {n} x {k})")
+        return out
 
 
 class QuantizedActivations(NamedTuple):

@@ -63,7 +63,7 @@ _vp, _i64, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 class _Kernels(ctypes.Structure):
     _fields_ = [
         ("qgemm_q4", _vp), ("qgemm_q8", _vp), ("rms_norm", _vp), ("add_rms_norm", _vp),
-        ("gated_act", _vp), ("rotary_neox", _vp),
+        ("gated_act", _vp), ("rotary_neox", _vp), ("qgemm_native", _vp),
     ]  # fmt: skip
 
 
@@ -319,6 +319,7 @@ def _kernels(qgemm_lib: ctypes.CDLL, step_lib: ctypes.CDLL) -> _Kernels:
         ("qgemm_q4", qgemm_lib, "paged_qgemm_q4"), ("qgemm_q8", qgemm_lib, "paged_qgemm_q8"),
         ("rms_norm", step_lib, "paged_rms_norm"), ("add_rms_norm", step_lib, "paged_add_rms_norm"),
         ("gated_act", step_lib, "paged_gated_act"), ("rotary_neox", step_lib, "paged_rotary_neox"),
+        ("qgemm_native", qgemm_lib, "paged_qgemm_native"),
     ):  # fmt: skip
         setattr(k, field, address(lib, name))
     return k

@@ -20,7 +20,7 @@ from paged.runner.cpu_step import build
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "PAGED_CPU_FUSED_LAYERS"
-_ABI = 1  # paged_fused_abi() of the source this module drives
+_ABI = 2  # paged_fused_abi() of the source this module drives
 _FLAGS = [
     "-O3", "-march=native", "-shared", "-fPIC", "-std=c11",
     "-Werror=implicit-function-declaration", "-Wl,--no-undefined",

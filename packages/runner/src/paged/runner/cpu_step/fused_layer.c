@@ -24,12 +24,14 @@
 #include <stdint.h>
 #include <stddef.h>
 
-int paged_fused_abi(void) { return 1; }
+int paged_fused_abi(void) { return 2; }
 
 typedef int (*q4_fn)(const uint8_t *, int64_t, int64_t, int, float, const void *, int64_t,
                      int64_t, int, void *, int64_t, int);
 typedef int (*q8_fn)(const uint8_t *, int64_t, int64_t, int, int, float, const void *, int64_t,
                      int64_t, int, void *, int64_t, int);
+typedef int (*native_fn)(int, const uint8_t *, int64_t, int64_t, int, float, const void *,
+                         int64_t, int64_t, int, void *, int64_t, int);
 typedef int (*rms_norm_fn)(const void *, int, int64_t, const float *, float, uint16_t *, int64_t,
                            int64_t);
 typedef int (*add_rms_norm_fn)(const uint16_t *, int64_t, float *, const float *, float,
@@ -48,9 +50,11 @@ enum {
 
 typedef struct {
     void *qgemm_q4, *qgemm_q8, *rms_norm, *add_rms_norm, *gated_act, *rotary_neox;
+    void *qgemm_native;
 } Kernels;
 
-/* One quantised run of output rows: fmt 4 (paged_qgemm_q4) or 8 (paged_qgemm_q8). */
+/* One quantised run of output rows: fmt 4 (paged_qgemm_q4), 8 (paged_qgemm_q8) or a
+ * GGUF-native layout (paged_qgemm_native: qgemm_native.c's FMT_* numbers). */
 typedef struct {
     int64_t fmt, n, k, sub, levels;
     double ratio;
@@ -102,12 +106,17 @@ static int run_proj(const Kernels *kern, const Proj *proj, const uint16_t *x, in
     for (int64_t i = 0; i < proj->num_parts; i++) {
         const Part *p = &proj->parts[i];
         int64_t x_stride = p->k; /* qgemm.py passes k for one row and the row stride (k) else */
-        int rc = p->fmt == 4
-                     ? ((q4_fn)kern->qgemm_q4)(p->w, p->n, p->k, (int)p->levels, (float)p->ratio,
-                                               x, m, x_stride, 1, y + col, proj->n, 1)
-                     : ((q8_fn)kern->qgemm_q8)(p->w, p->n, p->k, (int)p->sub, (int)p->levels,
-                                               (float)p->ratio, x, m, x_stride, 1, y + col,
-                                               proj->n, 1);
+        int rc;
+        if (p->fmt == 4)
+            rc = ((q4_fn)kern->qgemm_q4)(p->w, p->n, p->k, (int)p->levels, (float)p->ratio, x, m,
+                                         x_stride, 1, y + col, proj->n, 1);
+        else if (p->fmt == 8)
+            rc = ((q8_fn)kern->qgemm_q8)(p->w, p->n, p->k, (int)p->sub, (int)p->levels,
+                                         (float)p->ratio, x, m, x_stride, 1, y + col, proj->n, 1);
+        else
+            rc = ((native_fn)kern->qgemm_native)((int)p->fmt, p->w, p->n, p->k, (int)p->levels,
+                                                 (float)p->ratio, x, m, x_stride, 1, y + col,
+                                                 proj->n, 1);
         if (rc != 0) return gemm_code(rc);
         col += p->n;
     }

@@ -171,7 +171,8 @@ def qgemm_available(dtype: torch.dtype) -> object | None:
 class QGemmMatmul:
     """A 4-bit or 8-bit group weight run by paged's C kernel (cpu_kernels/qgemm.c).
 
-    The weight is exact (codes and float32 scales as the checkpoint gives them);
+    The weight is exact (codes and float32 scales as the checkpoint gives them; GGUF's
+    Q4_K / Q6_K / Q4_0 / Q4_1 / Q8_0 packed at the file's byte count, qgemm_native.c);
     the kernel quantises each activation row to int8 per 32 inputs (two levels
     for outlier groups: OUTLIER_RATIO), sums the groups' integer dot products
     in float32 and writes the activation dtype.
