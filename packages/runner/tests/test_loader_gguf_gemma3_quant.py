@@ -110,7 +110,8 @@ def test_tiny_gemma3_gguf_loads_quantised_and_follows_its_float32_path(
         monkeypatch.setenv(ISA_ENV, "off")
     quant_config = ModelConfig.from_pretrained(str(tiny), max_model_len=64)
     assert (quant_config.quantization, quant_config.dtype) == ("gguf", torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="paged.runner.loader.quantized"):
+    # The per-kind lines are DEBUG (one INFO summary line is what `paged generate` shows).
+    with caplog.at_level(logging.DEBUG, logger="paged.runner.loader.quantized"):
         model: Any = load_model(quant_config, "cpu")
     log = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized")]
     # Layer 0's qkv (Q5_0 q/k, Q8_0 v) is exact; layer 1's carries its re-quantised Q5_1 v.
