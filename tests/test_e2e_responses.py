@@ -109,11 +109,14 @@ async def test_openai_agents_tool_round_trip(server: LiveServer) -> None:
         tools=[get_weather],
         model=OpenAIResponsesModel(model=MODEL, openai_client=aclient),
         # The 135M model would not choose the tool: force it for the first turn
-        # (the SDK resets tool_choice after a tool ran, so the second turn answers).
-        model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=32),
+        # (the SDK resets tool_choice after a tool ran, so the second turn answers,
+        # as `{"response": ...}` in the generic tool format: room for the JSON).
+        model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=128),
     )
-    result = await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
-    await aclient.close()
+    try:
+        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+    finally:
+        await aclient.close()
     assert len(calls) == 1 and calls[0]
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]

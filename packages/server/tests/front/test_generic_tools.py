@@ -244,3 +244,15 @@ def test_the_round_trip_renders_as_text_any_template_can_show() -> None:
     with pytest.raises(InvalidRequestError) as e:
         generic_messages(bad, None)
     assert e.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_a_named_choice_is_one_call_even_with_parallel_calls_asked() -> None:
+    # vLLM's named tool choice yields one call; the 135M model repeated it until
+    # max_output_tokens through /v1/responses, whose parallel_tool_calls defaults to true.
+    named = generic_tool_schema(_req("named", "get_weather", parallel_asked=True))
+    one = {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]}
+    jsonschema.validate(one, named)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"tool_calls": one["tool_calls"] * 2}, named)
+    auto = generic_tool_schema(_req("auto", parallel_asked=True))
+    jsonschema.validate({"tool_calls": one["tool_calls"] * 2}, auto)  # asked: several allowed

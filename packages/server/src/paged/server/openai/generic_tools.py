@@ -111,8 +111,8 @@ def _call_item(tool: FunctionTool) -> dict[str, Any]:
 def generic_tool_schema(req: ToolRequest) -> dict[str, Any]:
     """`{"tool_calls": [...]}`, or for "auto" that or `{"response": "..."}`.
 
-    "named": the array's items are that function's calls only. The array holds
-    one call (`maxItems`) unless the request asked for `parallel_tool_calls: true`
+    "named": the array holds one call of that function (vLLM's named choice). Otherwise
+    it holds one call (`maxItems`) unless the request asked for `parallel_tool_calls: true`
     (llama.cpp's default too): greedy small models otherwise repeat calls until
     `max_tokens` (measured: SmolLM2-135M wrote 4-6 calls where one was asked for).
     Argument objects allow no keys beyond their `properties`.
@@ -125,8 +125,8 @@ def generic_tool_schema(req: ToolRequest) -> dict[str, Any]:
         "items": items[0] if len(items) == 1 else {"anyOf": items},
         "minItems": 1,
     }
-    if not req.parallel_tool_calls_asked:
-        array["maxItems"] = 1
+    if req.mode == "named" or not req.parallel_tool_calls_asked:
+        array["maxItems"] = 1  # a named choice is one call of that function, as vLLM's
     calls = {
         "type": "object",
         "properties": {CALLS_KEY: array},

@@ -149,7 +149,10 @@ class OpenAIServingResponses:
         llm = self.serving.llm
         # The chat endpoint's choice: the generic format when the template ignores tools.
         tool_config = self.serving.request_tool_config(None, bool(req.tools))
-        tools = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_config)
+        # The field defaults to true here (OpenAI's Responses default); the generic tool
+        # format allows several calls only when a client asked for them in so many words.
+        asked = req.parallel_tool_calls if "parallel_tool_calls" in req.model_fields_set else None
+        tools = resolve_tools(req.tools, req.tool_choice, asked, tool_config)
         params = responses_sampling_params(
             req,
             chat_tools.structured_json(tools.request, tool_config),
