@@ -50,15 +50,23 @@ class _Output:
         raise AssertionError(f"{marker!r} not seen after {after} in:\n{self.text}")
 
 
+def _sigint(disposition: signal.Handlers) -> None:
+    signal.signal(signal.SIGINT, disposition)
+
+
 @pytest.mark.parametrize(
-    "engine_args",
+    ("engine_args", "inherited"),
     [
-        pytest.param([], id="in-process"),
+        # Started as a shell's background job (or by nohup): SIGINT comes in ignored,
+        # and Python then installs no KeyboardInterrupt handler of its own.
+        pytest.param([], signal.SIG_IGN, id="in-process-sigint-ignored"),
         # Worker processes share the terminal's process group: they must survive it too.
-        pytest.param(["--pipeline-parallel-size", "2"], id="mp-workers"),
+        pytest.param(["--pipeline-parallel-size", "2"], signal.SIG_DFL, id="mp-workers"),
     ],
 )
-def test_ctrl_c_stops_the_reply_then_ctrl_c_at_the_prompt_quits(engine_args: list[str]) -> None:
+def test_ctrl_c_stops_the_reply_then_ctrl_c_at_the_prompt_quits(
+    engine_args: list[str], inherited: signal.Handlers
+) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "paged.server.cli", "--log-level", "warning", "chat"]
     process = subprocess.Popen(
@@ -69,6 +77,7 @@ def test_ctrl_c_stops_the_reply_then_ctrl_c_at_the_prompt_quits(engine_args: lis
         text=True,
         env=env,
         start_new_session=True,
+        preexec_fn=lambda: _sigint(inherited),
     )
     assert process.stdin is not None
     out = _Output(process.stdout)

@@ -14,10 +14,10 @@ two steps, where closing the stream aborts the request cleanly.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from paged.scheduler import SamplingParams
@@ -39,8 +39,12 @@ class StopRequest:
         self.requested = True
 
 
+SigintHandler = Callable[[int, FrameType | None], Any]
+H = TypeVar("H", bound=SigintHandler)
+
+
 @contextmanager
-def sigint_handled_by(handler: StopRequest) -> Iterator[StopRequest]:
+def sigint_handled_by(handler: H) -> Iterator[H]:
     previous = signal.signal(signal.SIGINT, handler)
     try:
         yield handler
@@ -57,7 +61,11 @@ def run_chat(llm: LLM, params: SamplingParams, system: str | None) -> int:
     print(WELCOME)
     while True:
         try:
-            line = input("you> ").strip()
+            # Installed here, not inherited: a chat started from a shell's background job
+            # (or by nohup) inherits SIGINT ignored, and Python then raises no
+            # KeyboardInterrupt, so Ctrl-C at the prompt would do nothing.
+            with sigint_handled_by(signal.default_int_handler):
+                line = input("you> ").strip()
         except EOFError:
             print()
             return 0
