@@ -133,7 +133,9 @@ def test_tool_call_round_trip_with_the_openai_client(client: openai.OpenAI) -> N
         temperature=0,
     )  # fmt: skip
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
-    # Streamed with a named choice: the name first, then the arguments in pieces.
+    # Streamed with a named choice: the name first, then the arguments. How many
+    # pieces they come in depends on timing (the output collector merges deltas
+    # a slow reader has not taken yet); test_api_tools checks one piece per token.
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[question],
@@ -148,5 +150,5 @@ def test_tool_call_round_trip_with_the_openai_client(client: openai.OpenAI) -> N
     ]
     assert deltas[0].function is not None and deltas[0].function.name == "get_weather"
     pieces = [d.function.arguments for d in deltas[1:] if d.function and d.function.arguments]
-    assert len(pieces) > 1
+    assert pieces and all(d.function is None or not d.function.name for d in deltas[1:])
     jsonschema.validate(json.loads("".join(pieces)), CITY_ARGS)
