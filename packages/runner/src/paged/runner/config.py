@@ -15,6 +15,7 @@ from paged.kvcache import HASH_ALGOS
 from paged.runner.default_model import default_model_path
 from paged.runner.kv_cache_dtype import check_kv_cache_dtype
 from paged.runner.layers.head_partition import partition_heads
+from paged.runner.lora.config import LoRAConfig
 from paged.runner.model_config import CpuWeightPanels, ModelConfig, resolve_dtype
 from paged.runner.pipeline.partition import PIPELINE_ARCHITECTURES, layer_partition
 from paged.runner.spec_decode.config import SpeculativeConfig
@@ -29,6 +30,7 @@ __all__ = [
     "CpuWeightPanels",
     "EngineConfig",
     "ExecutorBackend",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "RayPlacementStrategy",
@@ -253,6 +255,9 @@ class EngineConfig:
     # The scheduler's encoder_cache_size (embeddings); None: its default. Sizes the
     # worker's preallocated encoder cache so both sides count the same capacity.
     encoder_cache_size: int | None = None
+    # `--enable-lora` and its limits; None: LoRA off (a request naming an
+    # adapter is refused).
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         limits = self.scheduler_limits

@@ -102,6 +102,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     lora_request: str | None = None
     # Set for pooling requests: the runner keeps their hidden states and pools them.
     pooling_params: PoolingParams | None = None
+    # Where `lora_request`'s weights are (a PEFT directory or a GGUF LoRA file):
+    # the runner reloads an adapter it evicted from host memory from here.
+    lora_path: str | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

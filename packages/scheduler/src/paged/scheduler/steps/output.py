@@ -27,6 +27,7 @@ def build_scheduler_output(state: SchedulerState, plan: StepPlan) -> SchedulerOu
             mm_features=r.mm_features or None,
             lora_request=r.lora_name,
             pooling_params=r.pooling_params,
+            lora_path=r.lora_path,
         )
         for r in plan.scheduled_new
     ]
