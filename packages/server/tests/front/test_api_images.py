@@ -28,6 +28,8 @@ from paged.server.mm_frontend import MultiModalFrontend, build_mm_frontend
 from paged.server.mm_testing import png_data_url, random_png, save_tiny_gemma3_processor
 from paged.server.openai.api_server import build_app
 
+from .asgi_clients import asgi_client, openai_client
+
 MODEL = "tiny-gemma3"
 N = 4  # image tokens per image
 
@@ -93,12 +95,7 @@ async def client(mm_llm: tuple[AsyncLLM, Any]) -> AsyncIterator[openai.AsyncOpen
     app = build_app(mm_llm[0], model_name=MODEL)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-        yield openai.AsyncOpenAI(
-            api_key="unused",
-            base_url="http://test/v1",
-            http_client=http,  # type: ignore[arg-type]
-            max_retries=0,
-        )
+        yield openai_client(http)
 
 
 def _text(text: str) -> dict[str, Any]:
@@ -195,9 +192,7 @@ async def test_bad_image_inputs_are_400_and_the_engine_keeps_serving(
 
 async def test_image_for_a_text_only_model_is_400(llm: AsyncLLM) -> None:
     app = build_app(llm, model_name="text-only")
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://test"
-    ) as http:
+    async with asgi_client(app) as http:
         body = {
             "model": "text-only",
             "messages": [{"role": "user", "content": [_image(png_data_url(1))]}],
@@ -245,9 +240,7 @@ def test_llm_generate_and_chat_with_multi_modal_data(proc_dir: Path, engine_cls:
 
 async def test_tokenize_with_images_is_a_clear_400(mm_llm: tuple[AsyncLLM, Any]) -> None:
     app = build_app(mm_llm[0], model_name=MODEL)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://test"
-    ) as http:
+    async with asgi_client(app) as http:
         body = {"messages": [{"role": "user", "content": [_image(png_data_url(1))]}]}
         resp = await http.post("/tokenize", json=body)
         assert resp.status_code == 400 and "does not process images" in resp.text

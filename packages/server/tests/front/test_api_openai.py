@@ -15,6 +15,8 @@ from paged.server.async_llm import AsyncLLM
 from paged.server.metrics import PrometheusStatLogger
 from paged.server.openai.api_server import build_app
 
+from .asgi_clients import openai_client
+
 MODEL = "tiny"
 
 
@@ -34,12 +36,7 @@ async def http(llm: AsyncLLM, stats: PrometheusStatLogger) -> AsyncIterator[http
 
 @pytest.fixture
 def client(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        api_key="unused",
-        base_url="http://test/v1",
-        http_client=http,  # type: ignore[arg-type]
-        max_retries=0,
-    )
+    return openai_client(http)
 
 
 def _echo(tokenizer: Any, prompt_ids: list[int], n: int) -> str:

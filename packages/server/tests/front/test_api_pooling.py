@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-import openai
 import pytest
 import torch
 from prometheus_client import generate_latest
@@ -19,6 +18,7 @@ from paged.server.metrics import PrometheusStatLogger
 from paged.server.openai.api_server import build_app
 from paged.server.openai.pooling_tasks import ModelTasks
 
+from .asgi_clients import asgi_client, openai_client
 from .pooling_fakes import FakePoolingEngine, fake_embedding
 
 MODEL = "tiny-pool"
@@ -27,7 +27,7 @@ CLASSIFY = ModelTasks(("classify",), id2label={0: "neg", 1: "neutral", 2: "pos"}
 
 
 def _http(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return asgi_client(app)
 
 
 @pytest.fixture
@@ -102,12 +102,7 @@ async def test_openai_client_embeddings_create(tokenizer: Any, gen_llm: AsyncLLM
     """The openai client asks for base64 by default and decodes it itself."""
     engine = FakePoolingEngine(tokenizer)
     app = _app(gen_llm, engine, EMBED)
-    client = openai.AsyncOpenAI(
-        api_key="x",
-        base_url="http://test/v1",
-        http_client=_http(app),  # type: ignore[arg-type]  # an httpx client (openai's is httpx2)
-        max_retries=0,
-    )
+    client = openai_client(_http(app))
     default = await client.embeddings.create(model=MODEL, input=["hello", "world"])
     floats = await client.embeddings.create(model=MODEL, input="hello", encoding_format="float")
     await client.close()

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from paged.scheduler import EngineCoreRequest
@@ -15,6 +14,8 @@ from paged.server.async_llm import AsyncLLM
 from paged.server.openai.api_server import build_app
 from paged.server.openai.tools import ToolCallingConfig
 from paged.server.structured_output import GrammarCompiler, load_ll_tokenizer
+
+from .asgi_clients import asgi_client, openai_client
 
 MODEL = "tiny"
 USER = [{"role": "user", "content": "hello"}]
@@ -63,7 +64,7 @@ def _http(llm: AsyncLLM, parser: str | None = "deepseek_r1") -> httpx.AsyncClien
         tool_config=ToolCallingConfig(True, "hermes"),
         reasoning_parser=parser,
     )
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return asgi_client(app)
 
 
 @pytest.fixture
@@ -86,12 +87,7 @@ def _join(chunks: list[dict[str, Any]], key: str) -> str:
 
 async def test_message_carries_reasoning_and_answer(http: httpx.AsyncClient, reply: Reply) -> None:
     reply.text = "<think>Two plus two.</think>It is 4."
-    client = openai.AsyncOpenAI(
-        api_key="x",
-        base_url="http://test/v1",
-        http_client=http,  # type: ignore[arg-type]
-        max_retries=0,
-    )
+    client = openai_client(http)
     resp = await client.chat.completions.create(model=MODEL, messages=USER)  # type: ignore[arg-type]
     message = resp.choices[0].message
     assert message.content == "It is 4."

@@ -15,11 +15,13 @@ import httpx
 from paged.server.async_llm import AsyncLLM
 from paged.server.openai.api_server import build_app
 
+from .asgi_clients import asgi_client
+
 MODEL = "tiny"
 
 
 def _client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return asgi_client(app)
 
 
 async def test_response_id_is_the_prefix_and_the_clients_id(

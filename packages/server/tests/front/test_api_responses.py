@@ -18,6 +18,8 @@ from paged.server.openai.responses import ResponseStore
 from paged.server.openai.tools import ToolCallingConfig
 from paged.server.structured_output import GrammarCompiler, load_ll_tokenizer
 
+from .asgi_clients import asgi_client, openai_client
+
 MODEL = "tiny"
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -89,7 +91,7 @@ def _http(
         reasoning_parser=reasoning,
         responses_store=ResponseStore(enabled=store),
     )
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return asgi_client(app)
 
 
 @pytest.fixture
@@ -105,12 +107,7 @@ async def stored(llm: AsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
 
 
 def _client(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        api_key="unused",
-        base_url="http://test/v1",
-        http_client=http,  # type: ignore[arg-type]
-        max_retries=0,
-    )
+    return openai_client(http)
 
 
 async def _create(client: openai.AsyncOpenAI, **kwargs: Any) -> Any:

@@ -16,6 +16,8 @@ from paged.server.openai.api_server import build_app
 from paged.server.openai.tools import ToolCallingConfig
 from paged.server.structured_output import GrammarCompiler, load_ll_tokenizer
 
+from .asgi_clients import asgi_client, openai_client
+
 MODEL = "tiny"
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -94,7 +96,7 @@ async def llm(tokenizer: Any, fake_engine: Any) -> AsyncIterator[AsyncLLM]:
 
 async def _http(llm: AsyncLLM, config: ToolCallingConfig) -> httpx.AsyncClient:
     app = build_app(llm, model_name=MODEL, tool_config=config)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return asgi_client(app)
 
 
 @pytest.fixture
@@ -105,12 +107,7 @@ async def http(llm: AsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
 
 @pytest.fixture
 def client(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        api_key="unused",
-        base_url="http://test/v1",
-        http_client=http,  # type: ignore[arg-type]
-        max_retries=0,
-    )
+    return openai_client(http)
 
 
 async def test_auto_tool_calls_non_streaming(client: openai.AsyncOpenAI, reply: Reply) -> None:

@@ -14,6 +14,7 @@ Python headers are needed: a compile takes about a second.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -70,6 +71,20 @@ def compiled_library(cc: str, source: str, filename: str, stem: str, flags: list
         os.replace(out, target)  # atomic: a concurrent build's rename just wins or loses
     logger.info("compiled %s", target)
     return target
+
+
+def open_checked(path: Path, abi_function: str, abi: int) -> ctypes.CDLL:
+    """Load the shared object at `path`; OSError unless its `abi_function()` returns `abi`.
+
+    The ABI number guards against a stale cached build of an older source.
+    """
+    lib = ctypes.CDLL(str(path))
+    check = getattr(lib, abi_function)
+    check.restype = ctypes.c_int
+    found = check()
+    if found != abi:
+        raise OSError(f"{path} has ABI {found}, expected {abi}")
+    return lib
 
 
 @functools.cache

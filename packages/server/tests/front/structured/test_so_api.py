@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import jsonschema
-import openai
 import pydantic
 import pytest
 
@@ -23,6 +22,8 @@ from paged.scheduler import EngineCoreOutputs, EngineCoreRequest
 from paged.server.async_llm import AsyncLLM
 from paged.server.engine.errors import EngineDeadError
 from paged.server.openai.api_server import build_app
+
+from ..asgi_clients import openai_client
 
 MODEL = "tiny"
 SCHEMA = {
@@ -194,12 +195,7 @@ class Person(pydantic.BaseModel):
 
 
 async def test_openai_client_parse_with_a_pydantic_model(http: httpx.AsyncClient) -> None:
-    client = openai.AsyncOpenAI(
-        api_key="unused",
-        base_url="http://test/v1",
-        http_client=http,  # type: ignore[arg-type]
-        max_retries=0,
-    )
+    client = openai_client(http)
     completion = await client.chat.completions.parse(
         model=MODEL,
         messages=[{"role": "user", "content": "a person"}],

@@ -20,6 +20,7 @@ from paged.server.async_llm import AsyncLLM
 from paged.server.openai.api_server import build_app
 from paged.server.openai.tools import ToolCallingConfig
 
+from ..asgi_clients import asgi_client
 from .test_so_api import _AsyncInproc
 
 MODEL = "tiny"
@@ -128,9 +129,7 @@ async def test_streamed_required_call_arguments_arrive_in_pieces(
         grammar_compiler=tiny_llm.grammar_compiler,
     )
     app = build_app(llm, model_name=MODEL, tool_config=ToolCallingConfig(True, "hermes"))
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://test"
-    ) as http:
+    async with asgi_client(app) as http:
         await _stream_required_call(http)
     llm.shutdown()
 
@@ -190,9 +189,7 @@ async def test_tokenize_renders_tools_in_the_chat_form(tiny_llm: Any, tokenizer:
         grammar_compiler=tiny_llm.grammar_compiler,
     )
     app = build_app(llm, model_name=MODEL)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://test"
-    ) as http:
+    async with asgi_client(app) as http:
         messages = [{"role": "user", "content": "hi"}]
         plain = await http.post("/tokenize", json={"messages": messages})
         with_tools = await http.post("/tokenize", json={"messages": messages, "tools": TOOLS})

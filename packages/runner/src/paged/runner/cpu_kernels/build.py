@@ -26,6 +26,7 @@ from paged.runner.c_compile import cache_dir as cache_dir
 from paged.runner.c_compile import (
     compiled_library,
     first_line,
+    open_checked,
     package_source,
 )
 
@@ -147,10 +148,8 @@ def load_qgemm(isa: str | None = None, compiler: str | None = None) -> QGemmLibr
 def _build_and_load(isa: str, cc: str) -> QGemmLibrary | None:
     try:
         path = _compiled(isa, cc)
-        lib = ctypes.CDLL(str(path))
+        lib = open_checked(path, "paged_qgemm_abi", _ABI)
         _declare(lib)
-        if lib.paged_qgemm_abi() != _ABI:
-            raise OSError(f"{path} has ABI {lib.paged_qgemm_abi()}, expected {_ABI}")
         _declare_test_hooks(lib)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         logger.warning(

@@ -22,7 +22,7 @@ import subprocess
 from collections.abc import Callable
 from types import TracebackType
 
-from paged.runner.c_compile import compiled_library, first_line, package_source
+from paged.runner.c_compile import compiled_library, first_line, open_checked, package_source
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,7 @@ def _build_and_load(cc: str) -> ctypes.CDLL | None:
     try:
         source = package_source("paged.runner.cpu_kernels", "pool.c")
         path = compiled_library(cc, source, "pool.c", "pool", _FLAGS)
-        lib = ctypes.CDLL(str(path))
-        lib.paged_pool_abi.restype = ctypes.c_int
-        if lib.paged_pool_abi() != _ABI:
-            raise OSError(f"{path} has ABI {lib.paged_pool_abi()}, expected {_ABI}")
+        lib = open_checked(path, "paged_pool_abi", _ABI)
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning(
             "CPU kernel pool unavailable (%s); kernels run on one thread", first_line(exc)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from paged.runner.c_compile import compiled_library, first_line, package_source
+from paged.runner.c_compile import compiled_library, first_line, open_checked, package_source
 from paged.runner.cpu_step import build
 
 logger = logging.getLogger(__name__)
@@ -70,10 +70,7 @@ def _build_and_load(cc: str, flags: list[str] | None = None) -> ctypes.CDLL | No
     """Compile (cached) and load; `flags` replaces the defaults (tests: -mno-avx512f)."""
     try:
         path = _compiled(cc, _FLAGS if flags is None else flags)
-        lib = ctypes.CDLL(str(path))
-        lib.paged_attention_abi.restype = ctypes.c_int
-        if lib.paged_attention_abi() != _ABI:
-            raise OSError(f"{path} has ABI {lib.paged_attention_abi()}, expected {_ABI}")
+        lib = open_checked(path, "paged_attention_abi", _ABI)
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         fn = lib.paged_attention_rows
         fn.restype = ctypes.c_int

@@ -17,7 +17,13 @@ import os
 import subprocess
 from pathlib import Path
 
-from paged.runner.c_compile import CACHE_ENV, compiled_library, first_line, package_source
+from paged.runner.c_compile import (
+    CACHE_ENV,
+    compiled_library,
+    first_line,
+    open_checked,
+    package_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +82,8 @@ def _load(cc: str) -> ctypes.CDLL | None:
 def _build_and_load(cc: str) -> ctypes.CDLL | None:
     try:
         path = _compiled(cc)
-        lib = ctypes.CDLL(str(path))
+        lib = open_checked(path, "paged_step_ops_abi", _ABI)
         _declare(lib)
-        if lib.paged_step_ops_abi() != _ABI:
-            raise OSError(f"{path} has ABI {lib.paged_step_ops_abi()}, expected {_ABI}")
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("CPU step ops unavailable (%s); using torch ops", first_line(exc))
         return None

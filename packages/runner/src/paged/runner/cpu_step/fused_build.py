@@ -14,7 +14,7 @@ import logging
 import os
 import subprocess
 
-from paged.runner.c_compile import compiled_library, first_line, package_source
+from paged.runner.c_compile import compiled_library, first_line, open_checked, package_source
 from paged.runner.cpu_step import build
 
 logger = logging.getLogger(__name__)
@@ -54,10 +54,7 @@ def _build_and_load(cc: str) -> ctypes.CDLL | None:
     try:
         source = package_source("paged.runner.cpu_step", "fused_layer.c")
         path = compiled_library(cc, source, "fused_layer.c", "fused_layer", _FLAGS)
-        lib = ctypes.CDLL(str(path))
-        lib.paged_fused_abi.restype = ctypes.c_int
-        if lib.paged_fused_abi() != _ABI:
-            raise OSError(f"{path} has ABI {lib.paged_fused_abi()}, expected {_ABI}")
+        lib = open_checked(path, "paged_fused_abi", _ABI)
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("fused CPU layers unavailable (%s); using the per-op path", first_line(exc))
         return None
