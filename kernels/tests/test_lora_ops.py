@@ -311,3 +311,19 @@ def test_groups_on_another_device_are_refused(gen: torch.Generator) -> None:
     with pytest.raises(ValueError, match="groups are on meta"):
         reference.lora_shrink(_randn(gen, 2, 8), _randn(gen, 2, 4, 8), torch.tensor([0, 1]),
                               groups=groups)  # fmt: skip
+
+
+def test_empty_step(triton_device: str) -> None:
+    dev = triton_device
+    slots = torch.zeros(0, dtype=torch.int64, device=dev)
+    g = group_lora_rows(slots)
+    assert g.num_tokens == 0 and g.slots == () and g.num_blocks == 0
+    for impl in (reference, triton_ops):
+        y = impl.lora_shrink(
+            torch.zeros(0, 16, device=dev), torch.ones(2, 16, 16, device=dev), slots
+        )
+        assert y.shape == (0, 16)
+        out = torch.zeros(0, 16, device=dev)
+        impl.lora_expand(y, torch.ones(2, 16, 16, device=dev), slots, out, 0,
+                         torch.ones(2, device=dev), groups=g)  # fmt: skip
+        assert out.shape == (0, 16)
