@@ -259,8 +259,11 @@ class PoolingServing:
         if task == "embed":
             return await self._bi_encoder(req, left, right, base_id, limits, size)
         pairs = left * len(right) if len(left) == 1 else left
+        template = inputs.ScoreTemplate(
+            self.tasks.use_sep_token, self.tasks.score_template, req.chat_template_kwargs
+        )
         pair_tokens = await self.engine.offload.run(
-            size, _encode_pairs, tok, pairs, right, req, self.tasks.use_sep_token, limits
+            size, _encode_pairs, tok, pairs, right, req, template, limits
         )
         params = PoolingParams(task="classify", use_activation=req.use_activation)
         submitted = [
@@ -395,7 +398,7 @@ def _encode_pairs(
     queries: list[str],
     docs: list[str],
     req: ScoringFields,
-    use_sep_token: bool,
+    template: inputs.ScoreTemplate,
     limits: inputs.TokenLimits,
 ) -> list[inputs.PairTokens]:
     return [
@@ -403,7 +406,7 @@ def _encode_pairs(
             tok,
             inputs.truncate_text(tok, q, req.max_tokens_per_query),
             inputs.truncate_text(tok, d, req.max_tokens_per_doc),
-            use_sep_token,
+            template,
             limits,
         )
         for q, d in zip(queries, docs, strict=True)
