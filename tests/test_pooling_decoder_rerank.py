@@ -94,7 +94,9 @@ def test_qwen3_seq_cls_checkpoint_matches_transformers(tmp_path: Path) -> None:
     with torch.no_grad():
         # vLLM's pair encoding for a cross-encoder (use_sep_token: true by default).
         want = [
-            float(torch.sigmoid(model(input_ids=torch.tensor([tok(_QUERY, d)["input_ids"]])).logits))
+            float(
+                torch.sigmoid(model(input_ids=torch.tensor([tok(_QUERY, d)["input_ids"]])).logits)
+            )
             for d in _DOCS
         ]
         single = float(torch.sigmoid(model(input_ids=torch.tensor([tok.encode(_QUERY)])).logits))

@@ -169,6 +169,11 @@ class PoolingServing:
             raise InvalidRequestError("dimensions", "dimensions is currently not supported")
         default = self.tasks.pooling_task
         task = req.task or default or "embed"  # "embed" only to word a generative model's 400
+        if default is not None and task not in self.tasks.supported_tasks:
+            # vllm/entrypoints/pooling/pooling/serving.py:73-80
+            raise InvalidRequestError(
+                "task", f"Unsupported task: {task!r} Supported tasks: {self.tasks.supported_tasks}"
+            )
         self.tasks.require_pooling("Pooling API", task)
         if task != default:
             # vllm/entrypoints/pooling/pooling/serving.py:76-88
