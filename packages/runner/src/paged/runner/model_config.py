@@ -373,8 +373,8 @@ def _resolve_quantization(
 def _check_architecture(architecture: str) -> None:
     """Generative architectures, the encoder-only (BERT-family) pooling models, and the
     decoder classifiers run on a generative body."""
-    from paged.runner.models.bert import ENCODER_ONLY_ARCHITECTURES
     from paged.runner.models.architectures import is_decoder_seq_cls
+    from paged.runner.models.bert import ENCODER_ONLY_ARCHITECTURES
 
     if architecture not in ENCODER_ONLY_ARCHITECTURES and not is_decoder_seq_cls(architecture):
         check_architecture(architecture)
