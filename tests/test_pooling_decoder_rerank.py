@@ -115,7 +115,8 @@ def test_original_qwen3_reranker_with_hf_overrides_matches_transformers(tmp_path
 
     path = tmp_path / "qwen3-reranker"
     torch.manual_seed(1)
-    causal: Any = AutoModelForCausalLM.from_config(
+    auto_causal: Any = AutoModelForCausalLM
+    causal: Any = auto_causal.from_config(
         _qwen3_config(tie_word_embeddings=False), dtype=torch.float32
     ).eval()
     causal.save_pretrained(str(path))
@@ -124,7 +125,8 @@ def test_original_qwen3_reranker_with_hf_overrides_matches_transformers(tmp_path
     no_id, yes_id = tok.convert_tokens_to_ids([_NO, _YES])
     # transformers' sequence classifier holding the converted head (what vLLM's
     # convert_model_to_seq_cls produces): score = lm_head[yes] - lm_head[no].
-    seq_cls: Any = Qwen3ForSequenceClassification(_qwen3_config(num_labels=1)).eval()
+    seq_cls_class: Any = Qwen3ForSequenceClassification
+    seq_cls: Any = seq_cls_class(_qwen3_config(num_labels=1)).eval()
     state = {k: v for k, v in causal.state_dict().items() if k.startswith("model.")}
     lm_head = causal.lm_head.weight.detach()
     state["score.weight"] = lm_head[[yes_id]] - lm_head[[no_id]]

@@ -255,8 +255,13 @@ class ModelConfig:
         else:
             fields = _hf_dir_fields(path, hf_overrides)
         hf_config = fields["hf_config"]
+        gguf_pooling = fields.pop("gguf_pooling_type", None)
+        if gguf_pooling is not None and runner == "auto" and convert in ("auto", "none"):
+            # A GGUF converted as an embedding model (llama.cpp's `{arch}.pooling_type`)
+            # pools, as a directory with sentence-transformers files does.
+            runner = "pooling"
         runner_type, convert_type, resolved_pooler = _resolve_pooling(
-            fields["architecture"], path, runner, convert, pooler_config, hf_config
+            fields["architecture"], path, runner, convert, pooler_config, hf_config, gguf_pooling
         )
         quantization, torch_dtype = _resolve_quantization(
             quantization, dtype, torch_dtype, device, fields.pop("quantized_gguf", False)
@@ -296,8 +301,13 @@ def _resolve_pooling(
     convert: str,
     override: PoolerConfig | None,
     hf_config: Any,
+    gguf_pooling: str | None = None,
 ) -> tuple[str, str, PoolerConfig | None]:
-    """(runner_type, convert_type, pooler config) from the flags and the files alone."""
+    """(runner_type, convert_type, pooler config) from the flags and the files alone.
+
+    `gguf_pooling`: a GGUF's declared sequence pooling, the default under the user's
+    --pooler-config (as the sentence-transformers files are for a directory).
+    """
     from paged.runner.pooling.seq_cls import (
         apply_seq_cls_conversion,
         conversion_tokens,
@@ -330,8 +340,10 @@ def _resolve_pooling(
         return runner_type, convert_type, None
     # A generate runner with an explicit --pooler-config is paged's extension: the
     # same engine then serves generate and embed requests, in mixed batches.
-    from paged.runner.pooling import load_pooler_config
+    from paged.runner.pooling import PoolerConfig, load_pooler_config
 
+    if gguf_pooling is not None:
+        override = (override or PoolerConfig()).with_defaults(seq_pooling_type=gguf_pooling)
     hf_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     pooler_convert = convert_type if runner_type == "pooling" else "embed"
     resolved = load_pooler_config(model_dir, hf_dict, override, pooler_convert)
@@ -390,11 +402,12 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 def _gguf_fields(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     from paged.runner.hf_overrides import apply_hf_overrides
-    from paged.runner.loader.gguf_config import gguf_to_hf_config, open_gguf
+    from paged.runner.loader.gguf_config import gguf_pooling_type, gguf_to_hf_config, open_gguf
     from paged.runner.loader.gguf_weights import is_quantized_type
 
     reader = open_gguf(path)
     hf_config = gguf_to_hf_config(reader, path)
+    pooling_type = gguf_pooling_type(reader, path)
     apply_hf_overrides(hf_config, overrides)
     architecture = hf_config.architectures[0]
     # A GGUF holds an LM's tensors only: no score head to classify with.
@@ -410,6 +423,7 @@ def _gguf_fields(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, A
         "gguf_file": path.name,
         "weights_format": "gguf",
         "quantized_gguf": any(is_quantized_type(t.tensor_type) for t in reader.tensors),
+        "gguf_pooling_type": pooling_type,
     }
 
 
