@@ -67,7 +67,7 @@ def test_gguf_pooling_type_picks_the_runner_and_the_pooling(tmp_path: Path) -> N
 
 def test_gguf_reranker_is_refused_before_loading(tmp_path: Path) -> None:
     rank = _gguf(tmp_path, gguf.PoolingType.RANK, "rank.gguf")
-    with pytest.raises(ValueError, match="llama.cpp reranker \\(pooling_type RANK"):
+    with pytest.raises(ValueError, match=r"llama\.cpp reranker \(pooling_type RANK"):
         ModelConfig.from_pretrained(str(rank), runner="pooling")
 
 
