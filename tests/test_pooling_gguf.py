@@ -75,6 +75,7 @@ def test_gguf_reranker_is_refused_before_loading(tmp_path: Path) -> None:
 def test_gguf_mean_embedding_matches_transformers(tmp_path: Path) -> None:
     from transformers import AutoModel
 
+    from paged.server.input_processor import TokensPrompt
     from paged.server.llm import LLM
 
     path = _gguf(tmp_path, gguf.PoolingType.MEAN, "mean.gguf")
@@ -92,7 +93,7 @@ def test_gguf_mean_embedding_matches_transformers(tmp_path: Path) -> None:
         ]
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=64)
     try:
-        outs = llm.embed([{"prompt_token_ids": ids} for ids in prompts], use_tqdm=False)
+        outs = llm.embed([TokensPrompt(prompt_token_ids=ids) for ids in prompts], use_tqdm=False)
     finally:
         llm.shutdown()
     for out, ref in zip(outs, want, strict=True):
