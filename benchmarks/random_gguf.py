@@ -288,9 +288,12 @@ def _encode(values: np.ndarray[Any, Any], qtype: Q) -> np.ndarray[Any, Any]:
 
 def write_random_gguf(
     path: Path, shape: Shape, type_name: str = "F16", *, tokenizer: Path | None = None,
-    seed: int = 0, name: str = "random",
+    seed: int = 0, name: str = "random", pooling_type: gguf.PoolingType | None = None,
 ) -> Path:  # fmt: skip
-    """Write a random-weight GGUF of `shape` in a gguf-native type (see GGUF_NATIVE)."""
+    """Write a random-weight GGUF of `shape` in a gguf-native type (see GGUF_NATIVE).
+
+    `pooling_type`: llama.cpp's `{arch}.pooling_type` key, as an embedding model's file has.
+    """
     if type_name not in GGUF_NATIVE:
         raise ValueError(f"type: {type_name!r} is not one of {sorted(GGUF_NATIVE)}")
     qtype = GGUF_NATIVE[type_name]
@@ -309,6 +312,8 @@ def write_random_gguf(
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if pooling_type is not None:
+        writer.add_pooling_type(pooling_type)
     writer.add_file_type(_FILE_TYPE[type_name])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab = _copy_tokenizer(writer, tokenizer or default_tokenizer(shape), shape.vocab)

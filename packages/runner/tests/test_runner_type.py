@@ -56,4 +56,7 @@ def test_bad_flags_are_named() -> None:
     with pytest.raises(ValueError, match="needs --runner pooling"):
         check_runner_supported("LlamaForCausalLM", "generate", "embed")
     with pytest.raises(ValueError, match="not supported by paged as a pooling model"):
-        check_runner_supported("Qwen3ForSequenceClassification", "pooling", "none")
+        check_runner_supported("GemmaForSequenceClassification", "pooling", "none")
+    # Decoder classifiers run on their causal-LM body (before: refused at load).
+    check_runner_supported("Qwen3ForSequenceClassification", "pooling", "classify")
+    check_runner_supported("LlamaForSequenceClassification", "pooling", "classify")

@@ -5,7 +5,8 @@
 ValueError, as the engine does), then pools deterministically: an embedding
 is a bag of the token ids hashed into `hidden` slots (L2-normalised unless
 `use_activation` is False, first `dimensions` slots if asked); a
-classification is a softmax over `num_labels` logits drawn from the ids.
+classification is a softmax over `num_labels` logits drawn from the ids; a
+token task (`token_embed`, `token_classify`) one row per prompt token.
 """
 
 from __future__ import annotations
@@ -91,7 +92,11 @@ class FakePoolingEngine:
         self.calls.append((ids, pooling_params, request_id))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        if params.task == "classify":
+        if params.task in ("token_embed", "token_classify"):
+            # One row per prompt token (vLLM's ALL pooling): the token's own vector.
+            width = self.hidden if params.task == "token_embed" else self.num_labels
+            data = torch.stack([fake_embedding([t], width) for t in ids])
+        elif params.task == "classify":
             logits = torch.tensor([float((sum(ids) * (k + 1)) % 5) for k in range(self.num_labels)])
             data = logits.softmax(-1) if params.use_activation else logits
         else:

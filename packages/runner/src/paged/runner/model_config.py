@@ -19,6 +19,7 @@ speculative config, so the two cannot share a module without an import cycle.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -142,6 +143,14 @@ class ModelConfig:
         return tasks
 
     @property
+    def needs_lm_head(self) -> bool:
+        """False for a decoder `*ForSequenceClassification`: its checkpoint has no LM head
+        (a `score` head instead, read by the pooler), so the body is built without one."""
+        from paged.runner.models.architectures import is_decoder_seq_cls
+
+        return not is_decoder_seq_cls(self.architecture)
+
+    @property
     def keeps_weights_quantized(self) -> bool:
         """Whether the loader keeps quantised checkpoint tensors quantised on this device."""
         return self.quantization == "gguf" and torch.device(self.device).type == "cpu"
@@ -197,8 +206,13 @@ class ModelConfig:
         runner: str = "auto",
         convert: str = "auto",
         pooler_config: PoolerConfig | None = None,
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> ModelConfig:
         """Resolve `model` (None = the default SmolLM2 GGUF) and validate the settings.
+
+        `hf_overrides` (vLLM's `--hf-overrides`, parsed by
+        `paged.runner.hf_overrides.parse_hf_overrides`) is set on the Hugging Face
+        config before anything reads it, `architectures` included.
 
         Quantised GGUF files on CPU keep their weights quantised by default
         (quantization "gguf", bfloat16 activations); `dtype="float32"` without
@@ -237,12 +251,17 @@ class ModelConfig:
                     f"model: {str(path)!r} is a file but not a .gguf; pass a GGUF file or a "
                     "Hugging Face model directory"
                 )
-            fields = _gguf_fields(path)
+            fields = _gguf_fields(path, hf_overrides)
         else:
-            fields = _hf_dir_fields(path)
+            fields = _hf_dir_fields(path, hf_overrides)
         hf_config = fields["hf_config"]
+        gguf_pooling = fields.pop("gguf_pooling_type", None)
+        if gguf_pooling is not None and runner == "auto" and convert in ("auto", "none"):
+            # A GGUF converted as an embedding model (llama.cpp's `{arch}.pooling_type`)
+            # pools, as a directory with sentence-transformers files does.
+            runner = "pooling"
         runner_type, convert_type, resolved_pooler = _resolve_pooling(
-            fields["architecture"], path, runner, convert, pooler_config, hf_config
+            fields["architecture"], path, runner, convert, pooler_config, hf_config, gguf_pooling
         )
         quantization, torch_dtype = _resolve_quantization(
             quantization, dtype, torch_dtype, device, fields.pop("quantized_gguf", False)
@@ -282,8 +301,19 @@ def _resolve_pooling(
     convert: str,
     override: PoolerConfig | None,
     hf_config: Any,
+    gguf_pooling: str | None = None,
 ) -> tuple[str, str, PoolerConfig | None]:
-    """(runner_type, convert_type, pooler config) from the flags and the files alone."""
+    """(runner_type, convert_type, pooler config) from the flags and the files alone.
+
+    `gguf_pooling`: a GGUF's declared sequence pooling, the default under the user's
+    --pooler-config (as the sentence-transformers files are for a directory).
+    """
+    from paged.runner.pooling.seq_cls import (
+        apply_seq_cls_conversion,
+        conversion_tokens,
+        is_decoder_seq_cls,
+        token_ids_for,
+    )
     from paged.runner.runner_type import (
         check_runner_supported,
         resolve_convert_type,
@@ -294,12 +324,26 @@ def _resolve_pooling(
     runner_type = resolve_runner_type(architecture, model_dir, runner, convert)
     convert_type = resolve_convert_type(architecture, runner_type, convert)
     check_runner_supported(architecture, runner_type, convert_type)
+    if runner_type == "pooling" and (
+        is_decoder_seq_cls(architecture) or convert_type == "classify"
+    ):
+        apply_seq_cls_conversion(hf_config, architecture)
+        tokens = conversion_tokens(hf_config)
+        if tokens is not None:
+            if model_dir is None:
+                raise ValueError(
+                    "classifier_from_token: deriving a score head from the LM head needs a "
+                    "Hugging Face (safetensors) directory; this model is a GGUF"
+                )
+            token_ids_for(model_dir, tokens)  # an unknown token fails before the model loads
     if runner_type != "pooling" and override is None:
         return runner_type, convert_type, None
     # A generate runner with an explicit --pooler-config is paged's extension: the
     # same engine then serves generate and embed requests, in mixed batches.
-    from paged.runner.pooling import load_pooler_config
+    from paged.runner.pooling import PoolerConfig, load_pooler_config
 
+    if gguf_pooling is not None:
+        override = (override or PoolerConfig()).with_defaults(seq_pooling_type=gguf_pooling)
     hf_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     pooler_convert = convert_type if runner_type == "pooling" else "embed"
     resolved = load_pooler_config(model_dir, hf_dict, override, pooler_convert)
@@ -339,10 +383,12 @@ def _resolve_quantization(
 
 
 def _check_architecture(architecture: str) -> None:
-    """Generative architectures, plus the encoder-only (BERT-family) pooling models."""
+    """Generative architectures, the encoder-only (BERT-family) pooling models, and the
+    decoder classifiers run on a generative body."""
+    from paged.runner.models.architectures import is_decoder_seq_cls
     from paged.runner.models.bert import ENCODER_ONLY_ARCHITECTURES
 
-    if architecture not in ENCODER_ONLY_ARCHITECTURES:
+    if architecture not in ENCODER_ONLY_ARCHITECTURES and not is_decoder_seq_cls(architecture):
         check_architecture(architecture)
 
 
@@ -354,13 +400,17 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _gguf_fields(path: Path) -> dict[str, Any]:
-    from paged.runner.loader.gguf_config import gguf_to_hf_config, open_gguf
+def _gguf_fields(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    from paged.runner.hf_overrides import apply_hf_overrides
+    from paged.runner.loader.gguf_config import gguf_pooling_type, gguf_to_hf_config, open_gguf
     from paged.runner.loader.gguf_weights import is_quantized_type
 
     reader = open_gguf(path)
     hf_config = gguf_to_hf_config(reader, path)
+    pooling_type = gguf_pooling_type(reader, path)
+    apply_hf_overrides(hf_config, overrides)
     architecture = hf_config.architectures[0]
+    # A GGUF holds an LM's tensors only: no score head to classify with.
     check_architecture(architecture)
     return {
         "model": str(path),
@@ -373,6 +423,7 @@ def _gguf_fields(path: Path) -> dict[str, Any]:
         "gguf_file": path.name,
         "weights_format": "gguf",
         "quantized_gguf": any(is_quantized_type(t.tensor_type) for t in reader.tensors),
+        "gguf_pooling_type": pooling_type,
     }
 
 
@@ -390,7 +441,9 @@ def _gguf_extra_eos(reader: Any) -> tuple[int, ...]:
     return (106,) if len(tokens) > 106 and tokens[106] == "<end_of_turn>" else ()
 
 
-def _hf_dir_fields(path: Path) -> dict[str, Any]:
+def _hf_dir_fields(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    from paged.runner.hf_overrides import apply_hf_overrides, overridden_architecture
+
     config_path = path / "config.json"
     try:
         raw = json.loads(config_path.read_text())
@@ -399,7 +452,7 @@ def _hf_dir_fields(path: Path) -> dict[str, Any]:
     architectures = raw.get("architectures") if isinstance(raw, dict) else None
     if not architectures:
         raise ValueError(f"model: {str(config_path)!r} has no 'architectures' list")
-    architecture = str(architectures[0])
+    architecture = overridden_architecture(str(architectures[0]), overrides)
     _check_architecture(architecture)
     if not any(path.glob("*.safetensors")):
         raise ValueError(
@@ -412,6 +465,7 @@ def _hf_dir_fields(path: Path) -> dict[str, Any]:
         hf_config = AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"model: transformers cannot read {str(config_path)!r}: {exc}") from exc
+    apply_hf_overrides(hf_config, overrides)
     text_config = _text_config(hf_config)
     eos: Any = getattr(text_config, "eos_token_id", None)
     gen_path = path / "generation_config.json"

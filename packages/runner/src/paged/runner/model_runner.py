@@ -260,6 +260,8 @@ class ModelRunner:
             hidden = stage_hidden
         else:
             hidden = model.forward(ids, positions, ForwardContext(attn_metadata=None))
+        if not self.model_config.needs_lm_head:
+            return  # a decoder classifier: no LM head, nothing samples
         rows = min(self.max_num_reqs, n)
         model.compute_logits(hidden[:rows]).softmax(dim=-1)
 

@@ -4,7 +4,9 @@ The head tensors (a classifier's `score.weight` / `classifier.*`, a
 sentence-transformers directory's Dense modules) are read straight from the
 checkpoint files: the model class loads the body only. A GGUF has no
 sentence-transformers files and no head, so its pooler pools the body's
-hidden states (LAST unless `--pooler-config` says otherwise).
+hidden states (LAST unless `--pooler-config` says otherwise). An LM served as
+a reranker (`classifier_from_token` + `method`, pooling/seq_cls.py) gets a
+`score` head built from its LM head rows.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from paged.runner.model_config import ModelConfig
 from paged.runner.pooling import (
     Pooler,
     build_pooler,
+    load_converted_score_head,
     load_head_state_dict,
     load_st_dense_layers,
 )
+from paged.runner.pooling.seq_cls import conversion_tokens, token_ids_for
 
 
 def hf_config_dict(model_config: ModelConfig) -> dict[str, Any]:
@@ -37,15 +41,28 @@ def build_model_pooler(model_config: ModelConfig) -> Pooler:
         raise ValueError("pooler_config: the model was not configured as a pooling model")
     head: dict[str, torch.Tensor] = {}
     model_dir = None
+    convert = model_config.convert_type if model_config.runner_type == "pooling" else "embed"
+    hf_dict = hf_config_dict(model_config)
+    tokens = conversion_tokens(model_config.hf_config)
     if model_config.weights_format == "safetensors":
         model_dir = model_config.model
-        head = load_head_state_dict(model_dir, model_config.architecture)
-    convert = model_config.convert_type if model_config.runner_type == "pooling" else "embed"
+        if tokens is not None and model_config.runner_type == "pooling":
+            # An LM served as a reranker: `score` from its LM head rows (vLLM's
+            # seq_cls_model_loader, adapters.py:516-680); the checkpoint has no score.*.
+            token_ids = token_ids_for(model_config.tokenizer, tokens)
+            head = load_converted_score_head(model_dir, hf_dict, token_ids)
+        else:
+            head = load_head_state_dict(model_dir, model_config.architecture)
+    elif tokens is not None:
+        raise ValueError(
+            "classifier_from_token: deriving a score head from the LM head needs a "
+            "safetensors checkpoint; this model is a GGUF"
+        )
     return build_pooler(
         config,
         model_config.hidden_size,
         head,
-        hf_config_dict(model_config),
+        hf_dict,
         dense_layers=load_st_dense_layers(model_dir),
         convert=None if convert == "none" else convert,
     )

@@ -58,7 +58,8 @@ def is_pooling_architecture(architecture: str) -> bool:
     """An architecture paged runs whose own class pools (the BERT family's encoders).
 
     Decoder `*ForSequenceClassification` checkpoints (no LM head, a `score`
-    head) are not loaded yet; `check_runner_supported` says so.
+    head) run on their causal-LM body (pooling/seq_cls.py); the suffix table
+    makes them pooling/classify.
     """
     from paged.runner.models.bert import ENCODER_ONLY_ARCHITECTURES
 
@@ -124,10 +125,15 @@ def check_runner_supported(architecture: str, runner_type: str, convert_type: st
         return
     if is_pooling_architecture(architecture) or is_generative_architecture(architecture):
         return
+    from paged.runner.models.architectures import is_decoder_seq_cls
+
+    if is_decoder_seq_cls(architecture):
+        return
     raise ValueError(
         f"model architecture {architecture!r} is not supported by paged as a pooling model; "
-        "supported: the BERT-family encoders and the generative architectures "
-        "(converted with --convert embed or classify)"
+        "supported: the BERT-family encoders, the decoder *ForSequenceClassification "
+        "architectures and the generative architectures (converted with --convert embed "
+        "or classify)"
     )
 
 

@@ -109,6 +109,16 @@ def _reasoning_parser(text: str) -> str | None:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--reasoning-parser: ")) from None
 
 
+def _hf_overrides(text: str) -> str:
+    from paged.runner.hf_overrides import parse_hf_overrides
+
+    try:
+        parse_hf_overrides(text)  # not a JSON object: exit 2 before anything loads
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _pooler_config(text: str) -> str:
     from paged.server.pooling_config import parse_pooler_config
 
@@ -452,6 +462,17 @@ def _add_pooling_args(parser: argparse.ArgumentParser) -> None:
         help='the pooler, e.g. \'{"pooling_type":"MEAN","use_activation":true}\' '
         "(keys of vLLM's PoolerConfig; the model's sentence-transformers files give the rest)",
     )
+    p.add_argument(
+        "--hf-overrides",
+        "--hf_overrides",
+        dest="hf_overrides",
+        type=_hf_overrides,
+        default=None,
+        metavar="JSON",
+        help="keys set on the model's Hugging Face config before it is read, e.g. "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true}\' for an original Qwen3-Reranker',
+    )
 
 
 def _add_multimodal_args(parser: argparse.ArgumentParser) -> None:
@@ -558,6 +579,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         runner=ns.runner,
         convert=ns.convert,
         pooler_config=ns.pooler_config,
+        hf_overrides=ns.hf_overrides,
     )
 
 

@@ -205,6 +205,8 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: str | dict[str, Any] | None = None
+    # vLLM's --hf-overrides (JSON text or a dict): set on the HF config before it is read.
+    hf_overrides: str | dict[str, Any] | None = None
     _shm_prefix: str | None = field(default=None, repr=False)
 
     def check_compat_options(self) -> None:
@@ -295,9 +297,11 @@ class EngineArgs:
             raise ValueError(
                 f"attention_backend: {self.attention_backend!r} is unknown; use auto, torch, triton"
             )
+        from paged.runner.hf_overrides import parse_hf_overrides
         from paged.server.pooling_config import parse_pooler_config
 
         pooler_override = parse_pooler_config(self.pooler_config)  # before the model loads
+        hf_overrides = parse_hf_overrides(self.hf_overrides)
         model_config = ModelConfig.from_pretrained(
             self.model,
             dtype=self.dtype,
@@ -310,6 +314,7 @@ class EngineArgs:
             runner=self.runner,
             convert=self.convert,
             pooler_config=pooler_override,
+            hf_overrides=hf_overrides,
         )
         from paged.server.pooling_config import pooling_scheduler_settings
         from paged.server.speculative import resolve_speculative_config

@@ -386,8 +386,13 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
         truncate_prompt_tokens: int | None = None,
+        chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
-        """Scores of text pairs, 1:1, 1:N or N:N (vLLM's `LLM.score`)."""
+        """Scores of text pairs, 1:1, 1:N or N:N (vLLM's `LLM.score`).
+
+        `chat_template`: a cross-encoder's score template (e.g. Qwen3-Reranker's),
+        rendered with the messages `query` and `document` (paged.server.score_prompt).
+        """
         from paged.server.pooling_offline import run_score
 
         return run_score(
@@ -398,6 +403,7 @@ class LLM:
             use_tqdm,
             pooling_params,
             truncate_prompt_tokens,
+            chat_template,
         )
 
     def _require_pooling(self) -> PoolingFrontend:

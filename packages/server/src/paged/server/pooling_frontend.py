@@ -43,6 +43,11 @@ def default_pooling_task(supported: Sequence[str], configured: str | None) -> st
     return next((t for t in _TASK_PRIORITY if t in supported), None)
 
 
+def _use_sep_token(hf_config: object) -> bool:
+    use_pad = getattr(hf_config, "use_pad_token", None)  # vLLM's deprecated spelling
+    return bool(getattr(hf_config, "use_sep_token", True) if use_pad is None else use_pad)
+
+
 def generate_unsupported_message(api: str = "LLM.generate()") -> str:
     """vLLM's message for generation on a pooling model (llm.py:461-467)."""
     return (
@@ -61,6 +66,9 @@ class PoolingFrontend:
     model_info: PoolingModelInfo
     num_labels: int
     is_cross_encoder: bool
+    # vLLM's ModelConfig.use_sep_token (config/model.py:2094-2105): False for an LLM
+    # used as a reranker, whose query and document are concatenated.
+    use_sep_token: bool = True
 
     @classmethod
     def from_model_config(
@@ -80,6 +88,7 @@ class PoolingFrontend:
             model_info=pooling_model_info(model_config, served_model_name),
             num_labels=int(getattr(hf, "num_labels", 0) or 0),
             is_cross_encoder="classify" in tasks,
+            use_sep_token=_use_sep_token(hf),
         )
 
     @property

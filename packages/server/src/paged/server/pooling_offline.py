@@ -57,6 +57,7 @@ def run_score(
     use_tqdm: bool,
     pooling_params: PoolingParams | None,
     truncate_prompt_tokens: int | None,
+    chat_template: str | None = None,
 ) -> list[ScoringRequestOutput]:
     if pooling.runner_type != "pooling":
         raise ValueError(
@@ -70,7 +71,9 @@ def run_score(
         raise ValueError("This model does not support the Scoring API.")
     pairs = score_pairs(data_1, data_2)
     if task == "classify":
-        return _cross_encode(llm, pooling, pairs, use_tqdm, pooling_params, truncate_prompt_tokens)
+        return _cross_encode(
+            llm, pooling, pairs, use_tqdm, pooling_params, truncate_prompt_tokens, chat_template
+        )
     return _bi_encode(llm, pairs, use_tqdm, pooling_params, truncate_prompt_tokens)
 
 
@@ -81,12 +84,19 @@ def _cross_encode(
     use_tqdm: bool,
     pooling_params: PoolingParams | None,
     truncate_prompt_tokens: int | None,
+    chat_template: str | None,
 ) -> list[ScoringRequestOutput]:
     params = pooling.resolve_params(pooling_params, "classify")
     ids: list[str] = []
     try:
         for text_1, text_2 in pairs:
-            prompt, span = cross_encoder_prompt(llm.tokenizer, text_1, text_2)
+            prompt, span = cross_encoder_prompt(
+                llm.tokenizer,
+                text_1,
+                text_2,
+                use_sep_token=pooling.use_sep_token,
+                chat_template=chat_template,
+            )
             p = params
             if span is not None:
                 extra = {**(params.extra_kwargs or {}), "compressed_token_type_ids": list(span)}

@@ -10,12 +10,12 @@ vllm/entrypoints/pooling/offline.py:292-330, scoring/utils.py:265-300.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import ProcessedPrompt
+from paged.server.score_prompt import render_score_pair
 from paged.server.tokenizer import TokenizerLike
 
 
@@ -53,16 +53,23 @@ def compress_token_type_ids(token_type_ids: Sequence[int]) -> tuple[int, int]:
 
 
 def cross_encoder_prompt(
-    tokenizer: TokenizerLike, text_1: str, text_2: str
+    tokenizer: TokenizerLike,
+    text_1: str,
+    text_2: str,
+    *,
+    use_sep_token: bool = True,
+    chat_template: str | None = None,
 ) -> tuple[ProcessedPrompt, tuple[int, int] | None]:
-    """The tokenizer's pair encoding and its segment-1 range (None if it has no types)."""
-    encoded: Any = tokenizer(text_1, text_pair=text_2)  # type: ignore[operator]
-    ids = [int(t) for t in encoded["input_ids"]]
-    types = encoded.get("token_type_ids")
-    span = compress_token_type_ids([int(t) for t in types]) if types else None
+    """The pair's prompt (paged.server.score_prompt) and its segment-1 range (None if the
+    prompt has no token types)."""
+    prompt = render_score_pair(
+        tokenizer, text_1, text_2, use_sep_token=use_sep_token, chat_template=chat_template
+    )
+    types = prompt.token_types
+    span = compress_token_type_ids(types) if types else None
     if span is not None and span[0] >= span[1]:
         span = None  # no type-1 segment: the model does not use token types
-    return ProcessedPrompt(ids, None), span
+    return ProcessedPrompt(prompt.token_ids, None), span
 
 
 def cosine_score(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

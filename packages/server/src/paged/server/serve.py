@@ -148,6 +148,7 @@ def run_server(
                 mc.hf_config,
                 llm.supported_tasks,
                 None if mc.pooler_config is None else mc.pooler_config.task,
+                score_template=front.chat_template,
             ),
         )
         logger.info(

@@ -47,6 +47,36 @@ def field_value(reader: gguf.GGUFReader, key: str) -> Any:
     return field.contents()
 
 
+# llama.cpp's `enum llama_pooling_type` (gguf.PoolingType), the value of the
+# `{arch}.pooling_type` key an embedding model is converted with.
+_GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
+_GGUF_POOLING_NONE, _GGUF_POOLING_RANK = 0, 4
+
+
+def gguf_pooling_type(reader: gguf.GGUFReader, path: Path) -> str | None:
+    """The sequence pooling a GGUF embedding model declares (MEAN, CLS, LAST), else None.
+
+    llama.cpp pools `--embedding` requests with `{arch}.pooling_type`; NONE (0) is
+    per-token output (no sequence default). RANK (4) is llama.cpp's reranker, whose
+    `cls.output` head paged does not read: a ValueError, before any weight loads.
+    """
+    arch = field_value(reader, "general.architecture")
+    value = field_value(reader, f"{arch}.pooling_type")
+    if value is None or int(value) == _GGUF_POOLING_NONE:
+        return None
+    if int(value) == _GGUF_POOLING_RANK:
+        raise ValueError(
+            f"model: GGUF file {str(path)!r} is a llama.cpp reranker (pooling_type RANK, a "
+            "cls.output head), which paged does not load; serve the Hugging Face checkpoint "
+            "(a *ForSequenceClassification directory, or --hf-overrides for an LM reranker)"
+        )
+    if int(value) not in _GGUF_POOLING_TYPES:
+        raise ValueError(
+            f"model: GGUF file {str(path)!r} has an unknown {arch}.pooling_type {value!r}"
+        )
+    return _GGUF_POOLING_TYPES[int(value)]
+
+
 def gguf_architecture(reader: gguf.GGUFReader, path: Path) -> str:
     """The HF architecture name for the file (ValueError naming the supported ones)."""
     arch = field_value(reader, "general.architecture")

@@ -15,6 +15,7 @@ from paged.runner.layers.vocab_embedding import ParallelLMHead
 from paged.runner.loader.gguf_weights import iterate_gguf
 from paged.runner.loader.quantized import finish_quantized_load, prepare_quantized_load
 from paged.runner.loader.safetensors_weights import iterate_safetensors
+from paged.runner.models.architectures import body_architecture
 from paged.runner.models.interface import LoadableCausalLM
 from paged.runner.models.registry import resolve_model_class
 from paged.runner.pipeline.partition import PIPELINE_ARCHITECTURES
@@ -54,7 +55,8 @@ def load_model(
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was requested but no CUDA device is available")
-    model_class = resolve_model_class(model_config.architecture)
+    # A decoder *ForSequenceClassification runs on its causal-LM class (pooling/seq_cls.py).
+    model_class = resolve_model_class(body_architecture(model_config.architecture))
     keep_quantized = model_config.keeps_weights_quantized
     if keep_quantized and tp_size != 1:
         raise ValueError(
@@ -94,7 +96,7 @@ def load_model(
 
 def _build_stage(model_config: ModelConfig, setup: StageSetup) -> LoadableCausalLM:
     """A pipeline stage of a model whose class builds stages (the Llama family)."""
-    if model_config.architecture not in PIPELINE_ARCHITECTURES:
+    if body_architecture(model_config.architecture) not in PIPELINE_ARCHITECTURES:
         raise ValueError(
             f"pipeline_parallel_size: {model_config.architecture} has no pipeline-parallel "
             "implementation"

@@ -24,6 +24,26 @@ MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+# Decoder classification architectures -> the causal-LM class that runs their body
+# (built without an LM head; the pooler reads the `score` head: pooling/seq_cls.py).
+DECODER_SEQ_CLS_ARCHITECTURES: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+
+
+def is_decoder_seq_cls(architecture: str) -> bool:
+    """A decoder classifier architecture paged runs on its causal-LM body."""
+    return architecture in DECODER_SEQ_CLS_ARCHITECTURES
+
+
+def body_architecture(architecture: str) -> str:
+    """The causal-LM architecture whose model class runs `architecture`'s body."""
+    return DECODER_SEQ_CLS_ARCHITECTURES.get(architecture, architecture)
+
+
 # Architectures whose model takes encoder inputs (images) and implements
 # `paged.runner.models.interface.SupportsMultiModal`.
 _MULTIMODAL = frozenset({"Gemma3ForConditionalGeneration"})

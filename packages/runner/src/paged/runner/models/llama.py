@@ -308,8 +308,10 @@ class LlamaForCausalLM(nn.Module):
             pp_layer_partition,
         )
         self.model = LlamaModel(self.config, self.tp, model_config, self.stage, layers)
+        # A *ForSequenceClassification checkpoint has no LM head (its `score` head is
+        # the pooler's): no vocab x hidden matrix is allocated for it.
         self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
-        if self.stage.is_last:
+        if self.stage.is_last and model_config.needs_lm_head:
             self.lm_head = ParallelLMHead(
                 self.config.vocab_size,
                 self.config.hidden_size,
@@ -382,11 +384,15 @@ class LlamaForCausalLM(nn.Module):
             f"{name}." for name, m in self.named_modules() if isinstance(m, PPMissingLayer)
         )
 
+        # Head tensors of a classifier checkpoint are read by the pooler, not the body.
+        head = ("score.",) if not self.model_config.needs_lm_head else ()
+
         def kept() -> Iterator[tuple[str, CheckpointTensor]]:
             for name, tensor in weights:
                 # Derived from the config; some old checkpoints store it.
-                if "rotary_emb.inv_freq" not in name and not name.startswith(elsewhere):
-                    yield name, tensor
+                if "rotary_emb.inv_freq" in name or name.startswith(elsewhere + head):
+                    continue
+                yield name, tensor
 
         return load_named_weights(self, kept(), skip=skip)
 

@@ -24,16 +24,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from paged.runner.loader.safetensors_weights import safetensors_files
+from paged.runner.models.architectures import DECODER_SEQ_CLS_ARCHITECTURES
+
+__all__ = ["DECODER_SEQ_CLS_ARCHITECTURES"]  # re-exported by paged.runner.pooling
 
 Classifier = Callable[[torch.Tensor], torch.Tensor]
 
-# Decoder classification architectures -> the causal-LM body paged runs for them.
-DECODER_SEQ_CLS_ARCHITECTURES: dict[str, str] = {
-    "LlamaForSequenceClassification": "LlamaForCausalLM",
-    "MistralForSequenceClassification": "MistralForCausalLM",
-    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
-    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
-}
 BERT_SEQ_CLS_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
 ROBERTA_SEQ_CLS_ARCHITECTURES = frozenset(
     {"RobertaForSequenceClassification", "XLMRobertaForSequenceClassification"}

@@ -104,6 +104,7 @@ def batch_serving(
         mc.hf_config,
         llm.supported_tasks,
         None if mc.pooler_config is None else mc.pooler_config.task,
+        score_template=chat_template,
     )
     try:
         yield BatchServing(

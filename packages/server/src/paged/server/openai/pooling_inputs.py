@@ -17,6 +17,7 @@ from typing import Any
 from paged.server.chat_utils import apply_chat_template
 from paged.server.errors import ContextLengthError, InvalidRequestError
 from paged.server.pooling_score import compress_token_type_ids
+from paged.server.score_prompt import render_score_pair
 from paged.server.tokenizer import TokenizerLike
 
 # Checks a token list against the vocabulary (InputProcessor.check_token_ids).
@@ -168,6 +169,16 @@ def truncate_text(tokenizer: TokenizerLike, text: str, max_tokens: int) -> str:
 
 
 @dataclass(frozen=True)
+class ScoreTemplate:
+    """How a cross-encoder's pairs become prompts: the explicit score template (None:
+    none), the request's kwargs for it, and whether pairs get the tokenizer's separator."""
+
+    use_sep_token: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class PairTokens:
     """A cross-encoder pair as the engine gets it."""
 
@@ -181,23 +192,24 @@ def encode_pair(
     tokenizer: TokenizerLike,
     query: str,
     document: str,
-    use_sep_token: bool,
+    template: ScoreTemplate,
     limits: TokenLimits,
 ) -> PairTokens:
-    """One (query, document) pair tokenized for a cross-encoder.
+    """One (query, document) pair tokenized for a cross-encoder, then fitted.
 
-    BERT-style cross-encoders (`use_sep_token`, the default) get the tokenizer's
-    pair encoding ([CLS] q [SEP] d [SEP] and token types); an LLM used as a
-    reranker gets the two texts concatenated (scoring/io_processor.py:750-784).
+    The pair's prompt follows vLLM's rule (paged.server.score_prompt): a score
+    template when one was given, else the tokenizer's pair encoding for BERT-style
+    cross-encoders, else the two texts concatenated (an LLM used as a reranker).
     """
-    types: list[int] | None = None
-    if use_sep_token and callable(tokenizer):
-        encoded: Mapping[str, Any] = tokenizer(text=query, text_pair=document)
-        ids = list(encoded["input_ids"])
-        raw_types = encoded.get("token_type_ids")
-        types = list(raw_types) if raw_types is not None else None
-    else:
-        ids = tokenizer.encode(query + document, add_special_tokens=True)
+    prompt = render_score_pair(
+        tokenizer,
+        query,
+        document,
+        use_sep_token=template.use_sep_token,
+        chat_template=template.chat_template,
+        chat_template_kwargs=template.chat_template_kwargs,
+    )
+    ids, types = prompt.token_ids, prompt.token_types
     fitted = limits.fit(ids, tokenizer)
     if types is None:
         return PairTokens(fitted, None)

@@ -158,6 +158,19 @@ class ScoringFields(PoolingBasicFields):
     use_activation: bool | None = None
     max_tokens_per_query: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     max_tokens_per_doc: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    # Read by the server's score template (--chat-template), e.g. Qwen3-Reranker's
+    # `instruction`; `instruction` is folded into chat_template_kwargs, which wins
+    # (vllm/entrypoints/pooling/scoring/protocol.py:38-67).
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _merge_instruction(self) -> ScoringFields:
+        if self.instruction is not None:
+            merged = dict(self.chat_template_kwargs or {})
+            merged.setdefault("instruction", self.instruction)
+            self.chat_template_kwargs = merged
+        return self
 
 
 class ScoreRequest(ScoringFields):

@@ -11,11 +11,14 @@ vllm/entrypoints/pooling/offline.py:136-186,344-359).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from paged.server.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 GENERATE = "generate"
 # vllm/config/model.py:1940-1951: the order in which the model's pooling task is picked.
@@ -31,7 +34,10 @@ class ModelTasks:
     config fixes (`--pooler-config '{"task": ...}'`), if any; `id2label` and
     `num_labels` from the Hugging Face config (classification heads);
     `use_sep_token`: whether a cross-encoder's pair gets the tokenizer's
-    separator (False for an LLM used as a reranker, vLLM's hf_config flag).
+    separator (False for an LLM used as a reranker, vLLM's hf_config flag);
+    `score_template`: the server's `--chat-template`, which cross-encoder pairs are
+    rendered through (vLLM uses only an explicit template for scoring, never the
+    tokenizer's own).
     """
 
     supported_tasks: tuple[str, ...] = (GENERATE,)
@@ -39,17 +45,36 @@ class ModelTasks:
     id2label: Mapping[int, str] = field(default_factory=dict)
     num_labels: int = 0
     use_sep_token: bool = True
+    score_template: str | None = None
 
     @classmethod
     def from_hf_config(
-        cls, hf_config: Any, supported_tasks: tuple[str, ...], pooler_task: str | None = None
+        cls,
+        hf_config: Any,
+        supported_tasks: tuple[str, ...],
+        pooler_task: str | None = None,
+        score_template: str | None = None,
     ) -> ModelTasks:
         raw = getattr(hf_config, "id2label", None) or {}
         id2label = {int(k): str(v) for k, v in dict(raw).items()}
         num_labels = int(getattr(hf_config, "num_labels", len(id2label)) or 0)
         use_pad = getattr(hf_config, "use_pad_token", None)  # vLLM's deprecated spelling
         use_sep = getattr(hf_config, "use_sep_token", True) if use_pad is None else use_pad
-        return cls(supported_tasks, pooler_task, id2label, num_labels, bool(use_sep))
+        if (
+            getattr(hf_config, "is_original_qwen3_reranker", False)
+            and score_template is None
+            and "classify" in supported_tasks
+        ):
+            # vllm/entrypoints/pooling/scoring/io_processor.py:477-493
+            logger.warning(
+                "Serving an original Qwen3 reranker without a --chat-template. The model was "
+                "trained with a specific prompt template; running without it may produce "
+                "inaccurate relevance scores. Consider specifying `--chat-template "
+                "qwen3_reranker.jinja` (vLLM's examples/pooling/score/template/)."
+            )
+        return cls(
+            supported_tasks, pooler_task, id2label, num_labels, bool(use_sep), score_template
+        )
 
     @property
     def pooling_task(self) -> str | None:

@@ -169,6 +169,11 @@ class PoolingServing:
             raise InvalidRequestError("dimensions", "dimensions is currently not supported")
         default = self.tasks.pooling_task
         task = req.task or default or "embed"  # "embed" only to word a generative model's 400
+        if default is not None and task not in self.tasks.supported_tasks:
+            # vllm/entrypoints/pooling/pooling/serving.py:73-80
+            raise InvalidRequestError(
+                "task", f"Unsupported task: {task!r} Supported tasks: {self.tasks.supported_tasks}"
+            )
         self.tasks.require_pooling("Pooling API", task)
         if task != default:
             # vllm/entrypoints/pooling/pooling/serving.py:76-88
@@ -259,8 +264,11 @@ class PoolingServing:
         if task == "embed":
             return await self._bi_encoder(req, left, right, base_id, limits, size)
         pairs = left * len(right) if len(left) == 1 else left
+        template = inputs.ScoreTemplate(
+            self.tasks.use_sep_token, self.tasks.score_template, req.chat_template_kwargs
+        )
         pair_tokens = await self.engine.offload.run(
-            size, _encode_pairs, tok, pairs, right, req, self.tasks.use_sep_token, limits
+            size, _encode_pairs, tok, pairs, right, req, template, limits
         )
         params = PoolingParams(task="classify", use_activation=req.use_activation)
         submitted = [
@@ -395,7 +403,7 @@ def _encode_pairs(
     queries: list[str],
     docs: list[str],
     req: ScoringFields,
-    use_sep_token: bool,
+    template: inputs.ScoreTemplate,
     limits: inputs.TokenLimits,
 ) -> list[inputs.PairTokens]:
     return [
@@ -403,7 +411,7 @@ def _encode_pairs(
             tok,
             inputs.truncate_text(tok, q, req.max_tokens_per_query),
             inputs.truncate_text(tok, d, req.max_tokens_per_doc),
-            use_sep_token,
+            template,
             limits,
         )
         for q, d in zip(queries, docs, strict=True)
