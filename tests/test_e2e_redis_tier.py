@@ -23,8 +23,8 @@ import pytest
 import redis
 
 from paged.connectors.events import KVEventSubscriber
+from paged.connectors.events.wire import BlockStored
 from paged.connectors.kv.offloading.redis_server import RedisServer
-from paged.kvcache.events import BlockStored
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
