@@ -11,6 +11,15 @@ token prompts (`--reps` distinct random prompts, medians):
 - `disk_tier`: in a new `LLM` on the same disk directory (the index rebuilt
   from the files; host memory empty), i.e. after a restart.
 
+Two engines on one Redis (`--skip-redis` to leave out; a private
+redis-server is started unless `--redis-url` names one): engines A and B,
+each with only the Redis tier (`secondary_tiers: [{"type": "redis"}]`). A
+computes a prompt and writes its chunks; then on B:
+
+- `redis_tier`: that prompt, loaded from Redis (B never saw it);
+- `redis_b_computed`: a prompt nobody saw, computed by B (and written to Redis),
+  interleaved with `redis_tier`.
+
 Decode: `--streams` greedy streams of `--decode-prompt-len` prompt tokens
 generating `--decode-tokens` each; tokens per second counted from the
 moment every stream has its first token (steady-state decode), with the
@@ -19,6 +28,7 @@ every prompt saves one chunk) versus no connector, the two engines alternating.
 
 torch runs on `--threads` CPU threads (set before torch is imported).
 Run: .venvs/all/bin/python benchmarks/connectors_bench.py [--threads 1]
+(the Redis case alone: --skip-ttft --skip-decode)
 Prints one JSON line.
 """
 
@@ -131,6 +141,74 @@ def bench_ttft(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _redis_config(url: str) -> dict[str, Any]:
+    return _offload_config(
+        {
+            "spec_name": "TieringOffloadingSpec",
+            "block_size": 256,
+            "secondary_tiers": [{"type": "redis", "url": url, "read_timeout_s": 5.0}],
+        }
+    )
+
+
+def _wait_for_keys(client: Any, n: int) -> None:
+    deadline = time.monotonic() + 120
+    while len(client.keys("paged:kv:*")) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engine A's chunks never reached Redis ({n} keys expected)")
+        time.sleep(0.05)
+
+
+def bench_redis(args: argparse.Namespace) -> dict[str, Any]:
+    import redis
+
+    from paged.connectors.kv.offloading.redis_server import RedisServer
+
+    server = None if args.redis_url else RedisServer().start()
+    url = args.redis_url or (server.url if server is not None else "")
+    try:
+        client = redis.Redis.from_url(url)
+        client.flushall()
+        prompts = _prompts(args.reps, args.prompt_len, seed=3)
+        fresh = _prompts(args.reps, args.prompt_len, seed=4)
+        a = _llm(args, _redis_config(url))
+        b = _llm(args, _redis_config(url))
+        for i, engine in enumerate((a, b)):
+            _ttft(engine, _prompts(1, 64, seed=97 - i)[0])  # warm-up (short: no chunk)
+        chunks = args.prompt_len // 256
+        phases: dict[str, list[float]] = {"redis_a_computed": [], "redis_tier": []}
+        phases["redis_b_computed"] = []
+        cached: dict[str, list[int]] = {name: [] for name in phases}
+        stored = 0
+        for p, q in zip(prompts, fresh, strict=True):
+            for phase, engine, prompt in (
+                ("redis_a_computed", a, p),
+                ("redis_tier", b, p),
+                ("redis_b_computed", b, q),
+            ):
+                t, c = _ttft(engine, prompt)
+                phases[phase].append(t)
+                cached[phase].append(c)
+                if phase != "redis_tier":
+                    stored += chunks
+                    _wait_for_keys(client, stored)  # the writes run in the background
+        for engine in (a, b):
+            engine.engine_client.shutdown()
+        value_bytes = sum(client.memory_usage(k) or 0 for k in client.keys("paged:kv:*"))
+    finally:
+        if server is not None:
+            server.stop()
+    out: dict[str, Any] = {f"ttft_{phase}_s": _median(t) for phase, t in phases.items()}
+    for phase, counts in cached.items():
+        out[f"cached_tokens_{phase}"] = statistics.median(counts)
+    out["redis_chunks"] = stored
+    out["redis_bytes_per_chunk"] = value_bytes // max(stored, 1)
+    out["speedup_redis_tier_vs_b_computed"] = round(
+        out["ttft_redis_b_computed_s"] / out["ttft_redis_tier_s"], 1
+    )
+    return out
+
+
 def _decode_tokens_per_s(llm: LLM, args: argparse.Namespace, seed: int) -> float:
     client: Any = llm.engine_client
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
@@ -198,6 +276,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--skip-redis", action="store_true")
+    parser.add_argument("--redis-url", default="", help="default: a private redis-server")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {
@@ -215,6 +295,8 @@ def main() -> None:
     }
     if not args.skip_ttft:
         result.update(bench_ttft(args))
+    if not args.skip_redis:
+        result.update(bench_redis(args))
     if not args.skip_decode:
         result.update(bench_decode(args))
     result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]

@@ -92,6 +92,19 @@ def test_connector_stats_become_per_tier_prometheus_counters() -> None:
     assert 'tier="x"' not in text
 
 
+def test_redis_tier_traffic_and_faults_become_counters() -> None:
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger("m", registry, kv_connector_metrics=True)
+    stats = {"redis.hits": 256.0, "redis.write_oom": 2.0, "redis.lookup_timeout": 1.0}
+    logger.record(SchedulerStats(kv_connector_stats=stats), None)
+    logger.record(SchedulerStats(kv_connector_stats={"redis.write_oom": 1.0}), None)
+    text = generate_latest(registry).decode()
+    assert 'paged:kv_offload_hits_tokens_total{model_name="m",tier="redis"} 256.0' in text
+    fault = 'paged:kv_offload_remote_faults_total{model_name="m",op="%s",reason="%s",tier="redis"}'
+    assert f"{fault % ('write', 'oom')} 3.0" in text
+    assert f"{fault % ('lookup', 'timeout')} 1.0" in text
+
+
 def test_no_connector_counters_without_a_connector() -> None:
     registry = CollectorRegistry()
     logger = PrometheusStatLogger("m", registry)

@@ -34,9 +34,10 @@ class BlockStored:
     The fields after `group_idx` are vLLM 0.33.0's (vllm/distributed/kv_events.py:83-98).
     `kv_cache_spec_kind` / `kv_cache_spec_sliding_window` describe the group's
     spec; the block pool does not know it, so `KVCacheManager.take_events`
-    fills them in (as vLLM's kv_cache_manager.py:705-730 does). `locality`,
-    `ownership`, `session_id` and `lookahead_token_ids` stay None: paged has
-    no remote tiers, sessions or lookahead hashing.
+    fills them in (as vLLM's kv_cache_manager.py:705-730 does). `locality` and
+    `ownership` are set only by the OffloadingConnector's Redis tier ("REMOTE",
+    "redis"); `session_id` and `lookahead_token_ids` stay None: paged has no
+    sessions or lookahead hashing.
     """
 
     block_hashes: list[BlockHash]

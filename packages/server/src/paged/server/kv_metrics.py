@@ -1,7 +1,7 @@
 """Prometheus counters for KV connector stats (`SchedulerStats.kv_connector_stats`).
 
 Connectors report flat increments, `"{tier}.{counter}"` (the OffloadingConnector:
-tiers host and disk). Each known counter becomes one Prometheus counter with
+tiers host, disk and redis). Each known counter becomes one Prometheus counter with
 a `tier` label, e.g. `paged:kv_offload_hits_tokens_total{tier="disk"}`; unknown
 names are ignored (a connector may report more than the server exports).
 """
@@ -24,7 +24,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "seconds_loaded": ("paged:kv_offload_load_seconds", "Seconds spent loading from a tier"),
     "evictions": ("paged:kv_offload_evictions", "Chunks evicted from an offloading tier"),
 }
-TIERS = ("host", "disk")
+TIERS = ("host", "disk", "redis")
+# The Redis tier's faults, `"redis.{op}_{reason}"` (connectors' redis_tier.py): each
+# one a lookup or load that recomputed, or a write that was dropped.
+_FAULT_OPS = ("lookup", "read", "write")
 
 
 class KVConnectorMetrics:
@@ -46,6 +49,13 @@ class KVConnectorMetrics:
             for tier in TIERS:
                 counter.labels(model_name, tier)
         self.load_errors.labels(model_name)
+        self.remote_faults = Counter(
+            "paged:kv_offload_remote_faults",
+            "Redis tier calls that failed or were skipped (op: lookup, read, write; reason: "
+            "down, timeout, oom, garbage, error, backoff, miss, corrupt, queue_full)",
+            ["model_name", "tier", "op", "reason"],
+            registry=registry,
+        )
         self.transfer = KVTransferMetrics(model_name, registry)  # P/D (PagedZmqConnector)
 
     def record(self, stats: Mapping[str, float]) -> None:
@@ -55,6 +65,10 @@ class KVConnectorMetrics:
                 self.load_errors.labels(self._m).inc(value)
                 continue
             tier, _, counter = name.partition(".")
+            op, _, reason = counter.partition("_")
+            if tier == "redis" and op in _FAULT_OPS and value > 0:
+                self.remote_faults.labels(self._m, tier, op, reason).inc(value)
+                continue
             metric = self._counters.get(counter)
             if metric is not None and tier in TIERS and value > 0:
                 metric.labels(self._m, tier).inc(value)

@@ -91,7 +91,7 @@ class BlockStored(KVCacheEvent):
     kv_cache_spec_sliding_window: int | None = None
     # LOCAL or REMOTE relative to the publisher; an offload tier's id; the
     # session behind a store; tokens past each block used in its hash.
-    # paged sets none of them (no remote tiers, sessions or lookahead hashing).
+    # paged sets locality/ownership for its Redis tier ("REMOTE", "redis") only.
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None

@@ -51,6 +51,9 @@ class _Req:
     tokens: list[int]
     blocks: list[int]
     num_computed: int
+    # Tokens sampled so far; a step whose load failed has its sample discarded by the
+    # scheduler, so a rewind drops the samples made past the rewind point.
+    sampled_at: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -78,8 +81,13 @@ class KVWorkerSim:
             ids = cached.new_block_ids[i]
             if ids is not None:
                 self.reqs[rid].blocks.extend(ids[0])
-            # After a load error the scheduler rewinds to the first bad block.
-            self.reqs[rid].num_computed = cached.num_computed_tokens[i]
+            # After a load error the scheduler rewinds to the first bad block and
+            # drops what that step sampled.
+            req = self.reqs[rid]
+            req.num_computed = cached.num_computed_tokens[i]
+            while req.sampled_at and req.sampled_at[-1] > req.num_computed:
+                req.sampled_at.pop()
+                req.tokens.pop()
         if so.kv_connector_metadata is not None:
             self.connector.bind_connector_metadata(so.kv_connector_metadata)
             self.connector.start_load_kv()
@@ -122,6 +130,7 @@ class KVWorkerSim:
             if req.num_computed >= len(req.tokens):
                 token = (sum(req.tokens[-3:]) % 50) + 1
                 req.tokens.append(token)
+                req.sampled_at.append(req.num_computed)
                 sampled.append([token])
             else:
                 sampled.append([])

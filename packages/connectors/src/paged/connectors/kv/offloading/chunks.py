@@ -63,10 +63,15 @@ class Fingerprint:
     layer_names: tuple[str, ...]
     rank: int = 0
     world_size: int = 1
+    # The model's name; set for the Redis tier, shared by engines of several models
+    # (left out of the encoding when empty, so disk chunks keep their bytes).
+    model: str = ""
 
     def encode(self) -> bytes:
         data = asdict(self)
         data["layer_names"] = list(self.layer_names)
+        if not self.model:
+            del data["model"]
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     @property

@@ -9,7 +9,8 @@ vLLM 0.33's keys (docs/features/kv_offloading_usage.md, v1/kv_offload/):
      "store_threshold": 2,                   store a chunk once it was offered this many times
      "max_tracker_size": 64000,              chunks the store_threshold tracker remembers
      "offload_prompt_only": true,            false: decode chunks are offloaded too
-     "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/kv"}]}   paged's disk tier
+     "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/kv"},   paged's disk tier
+                         {"type": "redis", "url": "redis://HOST:PORT"}]}   paged's addition
 
 paged's own keys stay accepted: `chunk_size` (= vLLM's `block_size`),
 `kv_bytes_per_rank` (host bytes per rank), `disk_path` (= an fs tier's
@@ -26,11 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paged.connectors.kv.offloading.redis_client import RedisTierConfig
 from paged.connectors.kv.offloading.vllm_keys import (
     check_refused_keys,
     fs_tier_events,
     fs_tier_root_dir,
     number,
+    redis_tier_config,
 )
 
 DEFAULT_CHUNK_SIZE = 256  # LMCache's default chunk, in tokens
@@ -54,6 +57,8 @@ class OffloadingConfig:
     disk_events: bool = True
     # The host tier's policy (vLLM's primary tier); the disk tier is always LRU.
     eviction_policy: str = "lru"
+    # The shared tier below host and disk (redis_tier.py); None without one.
+    redis: RedisTierConfig | None = None
 
     @property
     def has_host(self) -> bool:
@@ -88,10 +93,12 @@ class OffloadingConfig:
                 "OffloadingConnector: cpu_bytes_to_use / kv_bytes_per_rank must be >= 0 and "
                 "disk_bytes_per_rank > 0"
             )
-        if host == 0 and disk_path is None:
+        redis = redis_tier_config(extra)
+        if host == 0 and disk_path is None and redis is None:
             raise ValueError(
                 "OffloadingConnector: no tier configured; set cpu_bytes_to_use (host memory) "
-                'and/or secondary_tiers [{"type": "fs", "root_dir": ...}]'
+                'and/or secondary_tiers [{"type": "fs", "root_dir": ...}, '
+                '{"type": "redis", "url": "redis://HOST:PORT"}]'
             )
         threshold = number(extra, "store_threshold", 0)
         tracker = number(extra, "max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)
@@ -115,6 +122,7 @@ class OffloadingConfig:
             prompt_only,
             disk_events=fs_tier_events(extra),
             eviction_policy=str(extra.get("eviction_policy", "lru")),
+            redis=redis,
         )
 
 

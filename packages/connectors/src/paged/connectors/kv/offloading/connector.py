@@ -54,6 +54,7 @@ class OffloadingConnector(KVConnectorBase):
                 can_load=config.is_kv_consumer,
                 can_save=config.is_kv_producer,
                 world_size=context.world_size,
+                model_name=context.model_name,
             )
 
     @property
@@ -101,6 +102,7 @@ class OffloadingConnector(KVConnectorBase):
             self.offload_config.chunk_size // self.context.block_size,
             self.context.rank,
             self.context.world_size,
+            model_name=self.context.model_name,
         )
 
     def _metadata(self) -> OffloadingMetadata:
@@ -140,3 +142,5 @@ class OffloadingConnector(KVConnectorBase):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()

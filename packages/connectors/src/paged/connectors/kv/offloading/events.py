@@ -38,7 +38,11 @@ from paged.kvcache import (
 from paged.scheduler.request import Request
 
 # vLLM 0.33.0's names (kv_events.py:51-53; offloading/events.py:58-61).
-TIER_MEDIUM = {Tier.HOST: MEDIUM_CPU, Tier.DISK: MEDIUM_STORAGE}
+TIER_MEDIUM = {Tier.HOST: MEDIUM_CPU, Tier.DISK: MEDIUM_STORAGE, Tier.REDIS: MEDIUM_STORAGE}
+# vLLM 0.33's `locality` / `ownership` of a secondary tier's events (kv_events.py:88-91):
+# the Redis tier is remote storage, owned by "redis". Its chunks are not tracked in
+# `announced`: Redis evicts on its own and other engines write it, so no removal is known.
+_REMOTE_TIERS = {Tier.REDIS: ("REMOTE", "redis")}
 
 # The offloading connector serves a single KV cache group (hybrid models are rejected).
 _GROUP_IDX = 0
@@ -69,7 +73,9 @@ class TierEvents:
         first = chunk_idx * bpc
         hashes = [BlockHash(h) for h in request.block_hashes[first : first + bpc]]
         start, end = first * bs, (first + bpc) * bs
-        self._announced[tier][key] = hashes
+        locality, ownership = _REMOTE_TIERS.get(tier, (None, None))
+        if locality is None:
+            self._announced[tier][key] = hashes
         self._publish(
             tier,
             BlockStored(
@@ -81,6 +87,8 @@ class TierEvents:
                 lora_name=request.lora_name,
                 extra_keys=self._extra_keys(request, start),
                 group_idx=_GROUP_IDX,
+                locality=locality,
+                ownership=ownership,
             ),
         )
 

@@ -10,6 +10,7 @@ import msgspec
 class Tier(enum.IntEnum):
     HOST = 0
     DISK = 1
+    REDIS = 2  # shared by engines (redis_tier.py)
 
 
 class ChunkLoad(msgspec.Struct, array_like=True, frozen=True):
@@ -17,8 +18,8 @@ class ChunkLoad(msgspec.Struct, array_like=True, frozen=True):
 
     `first_block` > 0 when the request's local prefix-cache hit ends inside
     the chunk: those blocks are already in the paged cache (possibly shared
-    with running requests) and are not written again. `promote`: a disk hit
-    that also goes into host memory.
+    with running requests) and are not written again. `promote`: a disk or
+    Redis hit that also goes into host memory.
     """
 
     key: str
@@ -35,6 +36,7 @@ class ChunkSave(msgspec.Struct, array_like=True, frozen=True):
     block_ids: list[int]
     to_host: bool
     to_disk: bool
+    to_redis: bool = False
 
 
 class OffloadingMetadata(msgspec.Struct, array_like=True, frozen=True):

@@ -39,6 +39,7 @@ from paged.connectors.kv.offloading.metadata import (
     OffloadingMetadata,
     Tier,
 )
+from paged.connectors.kv.offloading.redis_tier import RedisKeyspace, RemoteLookup
 from paged.connectors.kv.offloading.stats import OffloadingStats
 from paged.connectors.kv.offloading.storage import scan_disk
 from paged.kvcache import BlockHash, KVCacheEvent
@@ -77,6 +78,7 @@ class OffloadingScheduler:
         can_load: bool,
         can_save: bool,
         world_size: int = 1,
+        model_name: str = "",
     ) -> None:
         if block_bytes <= 0:
             raise ValueError(
@@ -95,6 +97,16 @@ class OffloadingScheduler:
         self._evict_host: list[ChunkKey] = []
         self._evict_disk: list[ChunkKey] = []
         quiet = frozenset() if config.disk_events else frozenset({Tier.DISK})
+        # The shared tier: not indexed here (other engines write it, Redis evicts on
+        # its own), asked at lookup time; see redis_tier.py.
+        self.redis: RemoteLookup | None = None
+        if config.redis is not None:
+            keyspace = RedisKeyspace.of(
+                config.redis, model_name, block_size, config.chunk_size, world_size
+            )
+            self.redis = RemoteLookup(config.redis, keyspace)
+            if not config.redis.enable_kv_events:
+                quiet = quiet | {Tier.REDIS}
         self.events = TierEvents(block_size, self.blocks_per_chunk, quiet)
         disk_path = config.rank_disk_path(0, world_size)  # rank 0 speaks for all ranks
         if disk_path is not None:
@@ -132,6 +144,12 @@ class OffloadingScheduler:
             sources.append((key, tier))
         # One token must be left to compute (the logits of the last prompt token).
         cap = (request.num_tokens - 1) // self.block_size * self.block_size
+        if self.redis is not None:
+            # Below host and disk: the chunks after the local hits, up to the cap.
+            start = first + len(sources)
+            wanted = keys[start : max(-(-cap // chunk), start)]
+            found = self.redis.present_prefix(wanted)
+            sources.extend((key, Tier.REDIS) for key in wanted[:found])
         end = min((first + len(sources)) * chunk, cap)
         self._count_lookup(len(keys) * chunk - num_computed_tokens, sources, first, end)
         if end <= num_computed_tokens:
@@ -155,20 +173,25 @@ class OffloadingScheduler:
         if queried <= 0:
             return
         chunk = self.config.chunk_size
-        host_hits = disk_hits = 0
+        host_hits = disk_hits = redis_hits = 0
         for i, (_, tier) in enumerate(sources):
             start = (first + i) * chunk
             tokens = max(min(start + chunk, end) - start, 0)
             if tier is Tier.HOST:
                 host_hits += tokens
-            else:
+            elif tier is Tier.DISK:
                 disk_hits += tokens
+            else:
+                redis_hits += tokens
         if self.host is not None:
             self.stats.host.queries += queried
             self.stats.host.hits += host_hits
         if self.disk is not None:
             self.stats.disk.queries += queried - host_hits
             self.stats.disk.hits += disk_hits
+        if self.redis is not None:
+            self.stats.redis.queries += queried - host_hits - disk_hits
+            self.stats.redis.hits += redis_hits
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         plan = self._plans.pop(request.request_id, None)
@@ -246,8 +269,12 @@ class OffloadingScheduler:
             first = max(local_blocks - base, 0)
             last = min(end_blocks - base, bpc)
             promote = False
-            if tier is Tier.DISK and self.host is not None:
+            if tier is not Tier.HOST and self.host is not None:
                 promote = self._insert(Tier.HOST, key, state.request, plan.first_chunk + j)
+            if tier is Tier.REDIS:
+                # Which tier served it: a reuse report of the Redis tier (medium STORAGE,
+                # locality REMOTE, ownership "redis").
+                self.events.stored(Tier.REDIS, key, state.request, plan.first_chunk + j)
             ids = state.block_ids[base + first : base + last]
             out.append(ChunkLoad(key, tier, ids, first, promote))
         return out
@@ -273,10 +300,12 @@ class OffloadingScheduler:
                 continue  # store_threshold: not offered often enough yet
             to_host = self._insert(Tier.HOST, key, request, i, touch=True)
             to_disk = self._insert(Tier.DISK, key, request, i, touch=True)
-            if to_host or to_disk:
-                saves.append(
-                    ChunkSave(key, state.block_ids[i * bpc : (i + 1) * bpc], to_host, to_disk)
-                )
+            to_redis = self.redis is not None and self.redis.should_write(key)
+            if to_redis:
+                self.events.stored(Tier.REDIS, key, request, i)
+            if to_host or to_disk or to_redis:
+                blocks = state.block_ids[i * bpc : (i + 1) * bpc]
+                saves.append(ChunkSave(key, blocks, to_host, to_disk, to_redis))
         state.next_save_chunk = max(state.next_save_chunk, min(limit, len(keys)))
 
     def _insert(
@@ -319,8 +348,8 @@ class OffloadingScheduler:
             key = ChunkKey(save.key)
             to_host = save.to_host and self.host is not None and key in self.host
             to_disk = save.to_disk and self.disk is not None and key in self.disk
-            if to_host or to_disk:
-                kept.append(ChunkSave(save.key, save.block_ids, to_host, to_disk))
+            if to_host or to_disk or save.to_redis:
+                kept.append(ChunkSave(save.key, save.block_ids, to_host, to_disk, save.to_redis))
         return kept
 
     # ------------------------------------------------------------ feedback
@@ -347,6 +376,8 @@ class OffloadingScheduler:
             if self.disk is not None and self.disk.remove(key):
                 self._evict_disk.append(key)
                 self.events.removed(Tier.DISK, [key])
+            if self.redis is not None:
+                self.redis.forget(key)  # the recomputed chunk overwrites a bad value
 
     def take_stats(self) -> dict[str, float]:
         """Lookup, eviction and load-error counters since the last call (flat deltas)."""
@@ -357,7 +388,10 @@ class OffloadingScheduler:
         if self.disk is not None:
             stats.disk.evictions = self.disk.num_evictions - self._reported_evictions[1]
             self._reported_evictions[1] = self.disk.num_evictions
-        return stats.to_dict()
+        out = stats.to_dict()
+        if self.redis is not None:
+            out.update(self.redis.counters.take())
+        return out
 
     def take_events(self) -> Sequence[KVCacheEvent]:
         """`BlockStored` / `BlockRemoved` of the tiers since the last call (CPU / STORAGE)."""
@@ -382,3 +416,7 @@ class OffloadingScheduler:
     def request_finished(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
+
+    def close(self) -> None:
+        if self.redis is not None:
+            self.redis.close()

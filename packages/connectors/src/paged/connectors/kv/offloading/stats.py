@@ -1,6 +1,7 @@
 """Per-tier counters of the offloading connector, as flat deltas for the metrics path.
 
-Keys are `"{tier}.{counter}"` (tier: host, disk); values are increments since
+Keys are `"{tier}.{counter}"` (tier: host, disk, redis; the Redis tier also
+reports its faults as `"redis.{op}_{reason}"`, see redis_tier.py); values are increments since
 the last report, so the server adds them to Prometheus counters as they come.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-TIERS = ("host", "disk")
+TIERS = ("host", "disk", "redis")
 COUNTERS = (
     "queries",  # tokens looked up in the tier (beyond the device prefix-cache hit)
     "hits",  # tokens found (and loaded)
@@ -35,6 +36,7 @@ class TierStats:
 class OffloadingStats:
     host: TierStats = field(default_factory=TierStats)
     disk: TierStats = field(default_factory=TierStats)
+    redis: TierStats = field(default_factory=TierStats)
     load_errors: int = 0  # chunks
 
     def to_dict(self) -> dict[str, float]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from paged.connectors.kv.offloading.redis_client import RedisTierConfig, parse_redis_tier
+
 _PAGED_KEYS = frozenset({"chunk_size", "kv_bytes_per_rank", "disk_path", "disk_bytes_per_rank"})
 _VLLM_KEYS = frozenset(
     {
@@ -52,7 +54,6 @@ _TIER_TYPES_REFUSED = {
     "p2p": "a peer-to-peer tier",
     "kvcr": "a KV cache registry tier",
     "example": "vLLM's example tier",
-    "redis": "a Redis tier (not built yet)",
 }
 
 
@@ -143,17 +144,34 @@ def _check_tiers(extra: Mapping[str, Any], spec: str) -> None:
             'OffloadingConnector: secondary_tiers needs "spec_name": "TieringOffloadingSpec" '
             "(vLLM's CPUOffloadingSpec ignores it)"
         )
-    if len(tiers) > 1:
-        raise ValueError(
-            f"OffloadingConnector: secondary_tiers has {len(tiers)} tiers; paged has one "
-            'secondary tier, the local disk: one {"type": "fs", "root_dir": ...}'
-        )
     for tier in tiers:
         if not isinstance(tier, Mapping):
             raise ValueError(
                 f"OffloadingConnector: a secondary tier must be an object, got {tier!r}"
             )
-        _check_fs_tier(tier)
+        if tier.get("type") == "redis":
+            parse_redis_tier(tier)
+        else:
+            _check_fs_tier(tier)
+    kinds = [tier.get("type") for tier in tiers]
+    if any(kinds.count(kind) > 1 for kind in kinds) or kinds not in (
+        ["fs"],
+        ["redis"],
+        ["fs", "redis"],
+    ):
+        raise ValueError(
+            f"OffloadingConnector: secondary_tiers {kinds} is not supported; paged has at "
+            'most one {"type": "fs"} (local disk) then one {"type": "redis"} (shared), '
+            "in that order"
+        )
+
+
+def redis_tier_config(extra: Mapping[str, Any]) -> RedisTierConfig | None:
+    """The redis secondary tier's settings, or None without one (validated)."""
+    for tier in extra.get("secondary_tiers") or []:
+        if isinstance(tier, Mapping) and tier.get("type") == "redis":
+            return parse_redis_tier(tier)
+    return None
 
 
 def _check_fs_tier(tier: Mapping[str, Any]) -> None:
@@ -162,7 +180,8 @@ def _check_fs_tier(tier: Mapping[str, Any]) -> None:
         what = _TIER_TYPES_REFUSED.get(str(kind), "an unknown tier type")
         raise ValueError(
             f"OffloadingConnector: secondary tier type {kind!r} ({what}) is not supported; "
-            'paged offers {"type": "fs", "root_dir": ...} (local disk)'
+            'paged offers {"type": "fs", "root_dir": ...} (local disk) and '
+            '{"type": "redis", "url": "redis://HOST:PORT"} (shared)'
         )
     unknown = sorted(set(tier) - _FS_KEYS)
     if unknown:

@@ -21,6 +21,13 @@ import torch
 from paged.connectors.kv.offloading.chunks import ChunkError, ChunkKey, Fingerprint
 from paged.connectors.kv.offloading.config import OffloadingConfig
 from paged.connectors.kv.offloading.metadata import ChunkLoad, OffloadingMetadata, Tier
+from paged.connectors.kv.offloading.redis_tier import (
+    FaultCounters,
+    RedisKeyspace,
+    RedisStore,
+    RedisWriter,
+    redis_fingerprint,
+)
 from paged.connectors.kv.offloading.stats import OffloadingStats
 from paged.connectors.kv.offloading.storage import ChunkWriter, DiskStore, HostStore
 
@@ -62,6 +69,7 @@ class OffloadingWorker:
         blocks_per_chunk: int,
         rank: int,
         world_size: int,
+        model_name: str = "",
     ) -> None:
         self.fingerprint = fingerprint_of(kv_caches, rank, world_size)
         self.layers = list(kv_caches.values())
@@ -73,6 +81,20 @@ class OffloadingWorker:
         disk_path = config.rank_disk_path(rank, world_size)
         self.disk = DiskStore(disk_path, self.fingerprint) if disk_path is not None else None
         self.writer = ChunkWriter(self.host, self.disk)
+        self.redis: RedisStore | None = None
+        self.redis_writer: RedisWriter | None = None
+        self.redis_counters = FaultCounters()
+        if config.redis is not None:
+            keyspace = RedisKeyspace.of(
+                config.redis,
+                model_name,
+                config.chunk_size // blocks_per_chunk,
+                config.chunk_size,
+                world_size,
+            )
+            fp = redis_fingerprint(self.fingerprint, model_name)
+            self.redis = RedisStore(config.redis, keyspace, fp, self.redis_counters)
+            self.redis_writer = RedisWriter(config.redis, keyspace, fp, self.redis_counters)
         self.stats = OffloadingStats()
         self._load_errors: set[int] = set()
 
@@ -95,6 +117,10 @@ class OffloadingWorker:
             if self.host is None:
                 raise ChunkError("host tier is off")
             chunk, stats = self.host.get(key), self.stats.host
+        elif load.source is Tier.REDIS:
+            if self.redis is None:
+                raise ChunkError("redis tier is off")
+            chunk, stats = self.redis.get(key, self.chunk_shape, self.dtype), self.stats.redis
         else:
             if self.disk is None:
                 raise ChunkError("disk tier is off")
@@ -128,7 +154,13 @@ class OffloadingWorker:
             start = time.perf_counter()
             chunk = self._gather(save.block_ids)
             self.stats.host.seconds_saved += time.perf_counter() - start
-            self.writer.put(ChunkKey(save.key), chunk, to_host=save.to_host, to_disk=save.to_disk)
+            if save.to_host or save.to_disk:
+                self.writer.put(
+                    ChunkKey(save.key), chunk, to_host=save.to_host, to_disk=save.to_disk
+                )
+            if save.to_redis and self.redis_writer is not None:
+                # Never waits: a full queue drops the chunk (counted as write_queue_full).
+                self.redis_writer.offer(ChunkKey(save.key), chunk)
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """The blocks across all layers, copied to host memory in the cross-layer layout."""
@@ -150,8 +182,14 @@ class OffloadingWorker:
         self.stats.disk.seconds_saved += disk.seconds_saved
         out = self.stats.to_dict()
         self.stats = OffloadingStats()
+        for name, value in self.redis_counters.take().items():
+            out[name] = out.get(name, 0.0) + value
         return out
 
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
+        if self.redis_writer is not None:
+            self.redis_writer.close()
+        if self.redis is not None:
+            self.redis.close()
