@@ -14,8 +14,13 @@ from pathlib import Path
 import safetensors
 import torch
 
+import msgspec
+
 from paged.connectors.kv import KVConnectorRole, KVTransferConfig
 from paged.connectors.kv.groups import window_start_block
+from paged.connectors.kv.offloading import OffloadingConnector
+from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys, group_chunk_key
+from paged.connectors.kv.offloading.metadata import OffloadingMetadata
 from paged.connectors.kv.shared_storage import SharedStorageConnector, prefix_key
 from paged.connectors.kv.testing import (
     HYBRID_LAYER_GROUPS,
@@ -26,7 +31,9 @@ from paged.connectors.kv.testing import (
     layer_name,
     make_kv_caches,
 )
+from paged.kvcache import get_request_block_hasher, sha256
 from paged.scheduler.config import SchedulerConfig
+from paged.scheduler.request import Request
 from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.testing import BLOCK_SIZE, make_request
 
@@ -119,3 +126,101 @@ def test_shared_storage_round_trips_both_groups_and_the_window_only(tmp_path: Pa
     _assert_window_kv(sim, "b", prompt, 20)
     assert sim.computed_positions["b"] == [20]
     sched.update_from_output(so, out)
+
+
+# ------------------------------------------------------------------ offloading
+CHUNK = 8  # two blocks
+PROMPT = list(range(10, 37))  # 27 tokens: chunks 0..2 full, a hit ends at token 24
+
+
+class _OffloadEngine:
+    def __init__(self) -> None:
+        cfg = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"chunk_size": CHUNK, "kv_bytes_per_rank": 1 << 20},
+        )
+        ctx = hybrid_context(BLOCK_SIZE, WINDOW)
+        self.sched_side = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, ctx)
+        self.worker_side = OffloadingConnector(cfg, KVConnectorRole.WORKER, ctx)
+        self.sched = _scheduler(self.sched_side)
+        self.sim = KVWorkerSim(
+            self.worker_side,
+            make_kv_caches(NUM_BLOCKS, BLOCK_SIZE),
+            BLOCK_SIZE,
+            layer_groups=HYBRID_LAYER_GROUPS,
+        )
+
+    def run(self, rid: str, prompt: list[int]) -> None:
+        self.sched.add_request(make_request(rid, prompt, max_tokens=1))
+        _run(self.sched, self.sim)
+        self.worker_side.worker_side.writer.flush()
+
+    def forget_device_cache(self) -> None:
+        assert self.sched.reset_prefix_cache()
+        for cache in self.sim.kv_caches.values():
+            cache.zero_()
+
+    def host_keys(self) -> set[str]:
+        host = self.sched_side.scheduler_side.host
+        assert host is not None
+        return set(host.keys_lru_first())
+
+
+def _chunk_keys(prompt: list[int]) -> list[ChunkKey]:
+    """The chunk keys the engines compute for `prompt` (hash seed 0, as `_scheduler`)."""
+    _scheduler(None)  # sets this process's NONE_HASH from hash_seed 0
+    req = Request.from_engine_core_request(
+        make_request("probe", prompt),
+        max_model_len=256,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+    return chunk_keys(req.block_hashes, CHUNK // BLOCK_SIZE)
+
+
+def test_offloading_serves_both_groups_from_the_host_tier_after_eviction() -> None:
+    engine = _OffloadEngine()
+    engine.run("a", PROMPT)
+    keys = _chunk_keys(PROMPT)
+    full = {group_chunk_key(k, 0) for k in keys}
+    # The sliding group stores only the chunks near the prompt's end (window + one chunk):
+    # chunk 0 (tokens 0..7) can serve no resume of this prompt.
+    sliding = {group_chunk_key(k, 1) for k in keys[1:]}
+    assert engine.host_keys() == full | sliding
+
+    engine.forget_device_cache()
+    engine.sched.add_request(make_request("b", PROMPT, max_tokens=1))
+    so = engine.sched.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 24
+    assert so.kv_connector_metadata is not None
+    meta = msgspec.msgpack.decode(so.kv_connector_metadata, type=OffloadingMetadata)
+    loaded = {(load.group, load.key, len(load.block_ids)) for load in meta.loads}
+    # Full group: every block of chunks 0..2; sliding group: blocks 4 and 5 (tokens
+    # 16..23 hold the window 19..23 of token 24), i.e. chunk 2 only.
+    assert loaded == {(0, keys[0], 2), (0, keys[1], 2), (0, keys[2], 2), (1, keys[2] + "_g1", 2)}
+    out = engine.sim.execute(so)
+    assert out.kv_connector_output is not None
+    assert out.kv_connector_output.invalid_block_ids == []
+    _assert_window_kv(engine.sim, "b", PROMPT, 24)
+    assert engine.sim.computed_positions["b"] == [24, 25, 26]
+    engine.sched.update_from_output(so, out)
+    engine.worker_side.shutdown()
+
+
+def test_offloading_hit_ends_where_every_group_holds_its_chunks() -> None:
+    engine = _OffloadEngine()
+    engine.run("a", PROMPT)
+    keys = _chunk_keys(PROMPT)
+    # The sliding group's window chunk for a resume at 24 is gone: 16 is the longest
+    # end whose window (blocks 2..3, chunk 1) the sliding group still holds.
+    host = engine.sched_side.scheduler_side.host
+    assert host is not None and host.remove(group_chunk_key(keys[2], 1))
+    engine.forget_device_cache()
+    engine.sched.add_request(make_request("b", PROMPT, max_tokens=1))
+    so = engine.sched.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 16
+    out = engine.sim.execute(so)
+    _assert_window_kv(engine.sim, "b", PROMPT, 16)
+    assert engine.sim.computed_positions["b"] == list(range(16, 27))
+    engine.sched.update_from_output(so, out)
+    engine.worker_side.shutdown()
