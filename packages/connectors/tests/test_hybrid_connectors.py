@@ -9,18 +9,20 @@ group needs only the blocks of the window before the resume point
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
+import msgspec
 import safetensors
 import torch
-
-import msgspec
 
 from paged.connectors.kv import KVConnectorRole, KVTransferConfig
 from paged.connectors.kv.groups import window_start_block
 from paged.connectors.kv.offloading import OffloadingConnector
 from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys, group_chunk_key
 from paged.connectors.kv.offloading.metadata import OffloadingMetadata
+from paged.connectors.kv.p2p import PagedZmqConnector
 from paged.connectors.kv.shared_storage import SharedStorageConnector, prefix_key
 from paged.connectors.kv.testing import (
     HYBRID_LAYER_GROUPS,
@@ -32,7 +34,9 @@ from paged.connectors.kv.testing import (
     make_kv_caches,
 )
 from paged.kvcache import get_request_block_hasher, sha256
+from paged.scheduler.boundary import EngineCoreOutput, KVTransferParams
 from paged.scheduler.config import SchedulerConfig
+from paged.scheduler.connectors import KVConnectorScheduler
 from paged.scheduler.request import Request
 from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.testing import BLOCK_SIZE, make_request
@@ -42,7 +46,7 @@ WINDOW = 6  # a resume at token t needs blocks from (t - 5) // 4 on
 WINDOWS = (None, WINDOW)
 
 
-def _scheduler(connector: object) -> Scheduler:
+def _scheduler(connector: KVConnectorScheduler | None) -> Scheduler:
     config = SchedulerConfig(max_model_len=256, max_num_seqs=8)
     return Scheduler(
         config,
@@ -64,9 +68,7 @@ def _run(sched: Scheduler, sim: KVWorkerSim) -> None:
 
 def _firsts(num_tokens: int) -> list[int]:
     """Per layer, the first token a resume at `num_tokens` needs (layer 1 is sliding)."""
-    return [
-        window_start_block(w, num_tokens, BLOCK_SIZE) * BLOCK_SIZE for w in WINDOWS
-    ]
+    return [window_start_block(w, num_tokens, BLOCK_SIZE) * BLOCK_SIZE for w in WINDOWS]
 
 
 def _assert_window_kv(sim: KVWorkerSim, rid: str, prompt: list[int], n: int) -> None:
@@ -224,3 +226,98 @@ def test_offloading_hit_ends_where_every_group_holds_its_chunks() -> None:
     assert engine.sim.computed_positions["b"] == list(range(16, 27))
     engine.sched.update_from_output(so, out)
     engine.worker_side.shutdown()
+
+
+# ------------------------------------------------------------------ P/D (kv/p2p)
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _PDEngine:
+    def __init__(self, role: str) -> None:
+        cfg = KVTransferConfig(
+            kv_connector="PagedZmqConnector",
+            kv_role=role,  # type: ignore[arg-type]
+            kv_connector_extra_config={
+                "side_channel_host": "127.0.0.1",
+                "side_channel_port": _free_port(),
+                "transfer_timeout": 5.0,
+            },
+        )
+        ctx = hybrid_context(BLOCK_SIZE, WINDOW, model_name="m")
+        self.sched_side = PagedZmqConnector(cfg, KVConnectorRole.SCHEDULER, ctx)
+        self.worker_side = PagedZmqConnector(cfg, KVConnectorRole.WORKER, ctx)
+        self.sched = _scheduler(self.sched_side)
+        self.sim = KVWorkerSim(
+            self.worker_side,
+            make_kv_caches(NUM_BLOCKS, BLOCK_SIZE),
+            BLOCK_SIZE,
+            layer_groups=HYBRID_LAYER_GROUPS,
+        )
+        self.outputs: dict[str, list[EngineCoreOutput]] = {}
+        self.stats: dict[str, float] = {}
+
+    def step(self) -> None:
+        so = self.sched.schedule()
+        for per_client in self.sched.update_from_output(so, self.sim.execute(so)).values():
+            if per_client.scheduler_stats is not None:
+                for k, v in per_client.scheduler_stats.kv_connector_stats.items():
+                    self.stats[k] = self.stats.get(k, 0.0) + v
+            for out in per_client.outputs:
+                self.outputs.setdefault(out.request_id, []).append(out)
+
+    def finished(self, rid: str) -> EngineCoreOutput | None:
+        done = [o for o in self.outputs.get(rid, []) if o.finish_reason is not None]
+        return done[-1] if done else None
+
+
+def _run_until(engines: list[_PDEngine], done: object, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for engine in engines:
+            engine.step()
+        if callable(done) and done():
+            return
+    raise AssertionError("timed out")
+
+
+def test_pd_decoder_pulls_every_group_and_only_the_sliding_window() -> None:
+    p, d = _PDEngine("kv_producer"), _PDEngine("kv_consumer")
+    try:
+        req = make_request("p1", PROMPT, max_tokens=1)
+        p.sched.add_request(
+            msgspec.structs.replace(req, kv_transfer_params=KVTransferParams(do_remote_decode=True))
+        )
+        _run_until([p], lambda: p.finished("p1") is not None)
+        out = p.finished("p1")
+        assert out is not None and out.kv_transfer_params is not None
+        params = out.kv_transfer_params
+        # vLLM's hybrid form: one block list per group (7 blocks cover 27 tokens).
+        assert params.remote_block_ids is None and params.extra is not None
+        groups = params.extra["remote_block_ids"]
+        assert [len(ids) for ids in groups] == [7, 7]
+
+        d.sched.add_request(
+            msgspec.structs.replace(
+                make_request("d1", PROMPT, max_tokens=4), kv_transfer_params=params
+            )
+        )
+        _run_until([p, d], lambda: d.finished("d1") is not None and p.sched.state.kv.usage == 0.0)
+        n = len(PROMPT)
+        # Only the last prompt token and the decoded ones were computed on the decoder.
+        assert d.sim.computed_positions["d1"] == list(range(n - 1, n + 3))
+        _assert_window_kv(d.sim, "d1", PROMPT, n - 1)
+        final = d.sched.make_stats()
+        if final is not None:
+            for k, v in final.kv_connector_stats.items():
+                d.stats[k] = d.stats.get(k, 0.0) + v
+        # Full group: blocks 0..6; sliding group: blocks 5 and 6 (the window of token 26).
+        layer_block_bytes = 2 * BLOCK_SIZE * 2 * 4 * 4
+        assert d.stats["p2p.recv_bytes"] == (7 + 2) * layer_block_bytes
+        d.sched.check_integrity()
+        p.sched.check_integrity()
+    finally:
+        p.worker_side.shutdown()
+        d.worker_side.shutdown()

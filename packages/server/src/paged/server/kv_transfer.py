@@ -255,6 +255,17 @@ def parse_request_kv_transfer_params(raw: object) -> KVTransferParams | None:
     # open dict that routers and connectors extend), never a 400.
     known = {k: v for k, v in raw.items() if k in _TYPED_KEYS}
     extra = {str(k): v for k, v in raw.items() if k not in _TYPED_KEYS}
+    grouped = known.get("remote_block_ids")
+    if isinstance(grouped, list) and grouped and all(isinstance(g, list) for g in grouped):
+        # A hybrid model's prefill answers one list per KV cache group (vLLM's form);
+        # the typed field is flat, so the per-group lists travel in `extra`.
+        try:
+            extra["remote_block_ids"] = msgspec.convert(grouped, type=list[list[int]])
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(
+                "kv_transfer_params", f"kv_transfer_params is invalid: remote_block_ids: {exc}"
+            ) from None
+        del known["remote_block_ids"]
     try:
         parsed = msgspec.convert(known, type=_KVTransferParamsIn)
     except msgspec.ValidationError as exc:

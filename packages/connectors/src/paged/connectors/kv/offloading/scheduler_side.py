@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from paged.connectors.kv.groups import GroupLayout, window_start_block
 from paged.connectors.kv.offloading.admission import StoreAdmission
 from paged.connectors.kv.offloading.arc import ArcTierIndex
-from paged.connectors.kv.groups import GroupLayout, window_start_block
 from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys, group_chunk_key
 from paged.connectors.kv.offloading.config import OffloadingConfig
 from paged.connectors.kv.offloading.events import TierEvents
@@ -348,7 +348,9 @@ class OffloadingScheduler:
         offered = range(state.next_save_chunk, min(limit, len(keys)))
         self.admission.record([keys[i] for i in offered])
         for i in offered:
-            groups = [g for g in range(len(self.groups)) if self._saves(g, i, state, computed_start)]
+            groups = [
+                g for g in range(len(self.groups)) if self._saves(g, i, state, computed_start)
+            ]
             group_keys = [(g, group_chunk_key(keys[i], g)) for g in groups]
             held = any(self._held(key) for _, key in group_keys)
             if not held and not self.admission.admit(keys[i]):
