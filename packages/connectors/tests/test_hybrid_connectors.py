@@ -33,7 +33,7 @@ from paged.connectors.kv.testing import (
     layer_name,
     make_kv_caches,
 )
-from paged.kvcache import get_request_block_hasher, sha256
+from paged.kvcache import BlockStored, get_request_block_hasher, sha256
 from paged.scheduler.boundary import EngineCoreOutput, KVTransferParams
 from paged.scheduler.config import SchedulerConfig
 from paged.scheduler.connectors import KVConnectorScheduler
@@ -189,6 +189,9 @@ def test_offloading_serves_both_groups_from_the_host_tier_after_eviction() -> No
     # chunk 0 (tokens 0..7) can serve no resume of this prompt.
     sliding = {group_chunk_key(k, 1) for k in keys[1:]}
     assert engine.host_keys() == full | sliding
+    # Each group's chunks are announced with its group index (CPU medium).
+    stored = [e for e in engine.sched_side.take_events() if isinstance(e, BlockStored)]
+    assert sorted(e.group_idx or 0 for e in stored) == [0, 0, 0, 1, 1]
 
     engine.forget_device_cache()
     engine.sched.add_request(make_request("b", PROMPT, max_tokens=1))
