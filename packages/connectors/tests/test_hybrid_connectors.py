@@ -14,11 +14,17 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 import safetensors
 import torch
 
-from paged.connectors.kv import KVConnectorRole, KVTransferConfig
-from paged.connectors.kv.groups import window_start_block
+from paged.connectors.kv import KVConnectorContext, KVConnectorRole, KVTransferConfig
+from paged.connectors.kv.groups import (
+    GroupLayout,
+    check_layer_groups,
+    group_layouts,
+    window_start_block,
+)
 from paged.connectors.kv.offloading import OffloadingConnector
 from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys, group_chunk_key
 from paged.connectors.kv.offloading.metadata import OffloadingMetadata
@@ -33,7 +39,15 @@ from paged.connectors.kv.testing import (
     layer_name,
     make_kv_caches,
 )
-from paged.kvcache import BlockStored, get_request_block_hasher, sha256
+from paged.kvcache import (
+    BlockStored,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    get_request_block_hasher,
+    sha256,
+)
 from paged.scheduler.boundary import EngineCoreOutput, KVTransferParams
 from paged.scheduler.config import SchedulerConfig
 from paged.scheduler.connectors import KVConnectorScheduler
@@ -75,6 +89,46 @@ def _assert_window_kv(sim: KVWorkerSim, rid: str, prompt: list[int], n: int) -> 
     loaded = sim.window_kv_of(rid, n, WINDOWS)
     for name, kv in expected_kv(prompt, n, _firsts(n)).items():
         torch.testing.assert_close(loaded[name], kv, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ group layouts
+def test_window_start_block_matches_the_managers_skipped_blocks() -> None:
+    assert window_start_block(None, 100, 4) == 0
+    assert window_start_block(6, 5, 4) == 0
+    assert window_start_block(6, 16, 4) == 2  # tokens 11..15: blocks 2 and 3
+    assert window_start_block(6, 24, 4) == 4
+
+
+def test_group_layouts_of_an_engine_and_what_connectors_refuse() -> None:
+    layouts = group_layouts(hybrid_kv_config(8, BLOCK_SIZE, WINDOW), BLOCK_SIZE)
+    block_bytes = 2 * BLOCK_SIZE * 2 * 4 * 4
+    assert layouts == (
+        GroupLayout((layer_name(0),), None, block_bytes),
+        GroupLayout((layer_name(1),), WINDOW, block_bytes),
+    )
+    with pytest.raises(ValueError, match=r"one block size .* group 0 has 4, the engine 8"):
+        group_layouts(hybrid_kv_config(8, BLOCK_SIZE, WINDOW), 8)
+    full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")
+    mamba = MambaSpec(block_size=4, shapes=((4,),), dtypes=("float32",))
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["m"], mamba)],
+    )
+    with pytest.raises(ValueError, match="group 1 is MambaSpec"):
+        group_layouts(config, 4)
+
+
+def test_layer_groups_must_name_every_layer_once() -> None:
+    assert check_layer_groups(["a", "b"], [["b"], [], ["a"]]) == [["b"], [], ["a"]]
+    with pytest.raises(ValueError, match="in KV cache groups 0 and 1"):
+        check_layer_groups(["a"], [["a"], ["a"]])
+    with pytest.raises(ValueError, match=r"missing \['b'\], unknown \['c'\]"):
+        check_layer_groups(["a", "b"], [["a", "c"]])
+    with pytest.raises(ValueError, match="kv_cache_groups has 1 layouts"):
+        KVConnectorContext(
+            block_size=BLOCK_SIZE, num_kv_cache_groups=2, kv_cache_groups=(GroupLayout(("a",)),)
+        )
 
 
 # ------------------------------------------------------------------ shared storage
