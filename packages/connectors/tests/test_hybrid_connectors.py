@@ -51,7 +51,7 @@ from paged.kvcache import (
 from paged.scheduler.boundary import EngineCoreOutput, KVTransferParams
 from paged.scheduler.config import SchedulerConfig
 from paged.scheduler.connectors import KVConnectorScheduler
-from paged.scheduler.request import Request
+from paged.scheduler.request import Request, RequestStatus
 from paged.scheduler.scheduler import Scheduler
 from paged.scheduler.testing import BLOCK_SIZE, make_request
 
@@ -60,8 +60,10 @@ WINDOW = 6  # a resume at token t needs blocks from (t - 5) // 4 on
 WINDOWS = (None, WINDOW)
 
 
-def _scheduler(connector: KVConnectorScheduler | None) -> Scheduler:
-    config = SchedulerConfig(max_model_len=256, max_num_seqs=8)
+def _scheduler(connector: KVConnectorScheduler | None, budget: int = 2048) -> Scheduler:
+    config = SchedulerConfig(
+        max_model_len=256, max_num_seqs=min(8, budget), max_num_batched_tokens=budget
+    )
     return Scheduler(
         config,
         hybrid_kv_config(NUM_BLOCKS, BLOCK_SIZE, WINDOW),
@@ -190,16 +192,16 @@ PROMPT = list(range(10, 37))  # 27 tokens: chunks 0..2 full, a hit ends at token
 
 
 class _OffloadEngine:
-    def __init__(self) -> None:
+    def __init__(self, budget: int = 2048, chunk: int = CHUNK) -> None:
         cfg = KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"chunk_size": CHUNK, "kv_bytes_per_rank": 1 << 20},
+            kv_connector_extra_config={"chunk_size": chunk, "kv_bytes_per_rank": 1 << 20},
         )
         ctx = hybrid_context(BLOCK_SIZE, WINDOW)
         self.sched_side = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, ctx)
         self.worker_side = OffloadingConnector(cfg, KVConnectorRole.WORKER, ctx)
-        self.sched = _scheduler(self.sched_side)
+        self.sched = _scheduler(self.sched_side, budget)
         self.sim = KVWorkerSim(
             self.worker_side,
             make_kv_caches(NUM_BLOCKS, BLOCK_SIZE),
@@ -263,6 +265,41 @@ def test_offloading_serves_both_groups_from_the_host_tier_after_eviction() -> No
     _assert_window_kv(engine.sim, "b", PROMPT, 24)
     assert engine.sim.computed_positions["b"] == [24, 25, 26]
     engine.sched.update_from_output(so, out)
+    engine.worker_side.shutdown()
+
+
+def test_offloading_a_chunked_prefill_saves_the_sliding_window_as_it_is_computed() -> None:
+    # 3 tokens a step: the sliding group's older blocks are freed while the prompt is
+    # still being computed; the chunks it saves must hold the KV of their tokens.
+    engine = _OffloadEngine(budget=3)
+    engine.run("a", PROMPT)
+    keys = _chunk_keys(PROMPT)
+    assert group_chunk_key(keys[2], 1) in engine.host_keys()
+    engine.forget_device_cache()
+    engine.sched.add_request(make_request("b", PROMPT, max_tokens=1))
+    so = engine.sched.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 24
+    out = engine.sim.execute(so)
+    assert out.kv_connector_output is not None
+    assert out.kv_connector_output.invalid_block_ids == []
+    _assert_window_kv(engine.sim, "b", PROMPT, 24)
+    engine.sched.update_from_output(so, out)
+    engine.worker_side.shutdown()
+
+
+def test_offloading_never_saves_sliding_blocks_freed_during_the_prefill() -> None:
+    # Chunk 16 (4 blocks), 3 tokens a step: when chunk 0's last token is computed (step
+    # starting at token 15), its blocks 0 and 1 already left the 6-token window and were
+    # freed (maybe reused): the sliding group must not save chunk 0 (the full one does).
+    engine = _OffloadEngine(budget=3, chunk=16)
+    engine.run("a", PROMPT)
+    req = Request.from_engine_core_request(
+        make_request("probe", PROMPT),
+        max_model_len=256,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+    (key,) = chunk_keys(req.block_hashes, 4)
+    assert engine.host_keys() == {key}
     engine.worker_side.shutdown()
 
 
@@ -377,4 +414,30 @@ def test_pd_decoder_pulls_every_group_and_only_the_sliding_window() -> None:
         p.sched.check_integrity()
     finally:
         p.worker_side.shutdown()
+        d.worker_side.shutdown()
+
+
+def test_pd_decoder_computes_locally_when_the_prefill_lost_the_window() -> None:
+    # A prefill that decoded past its prompt freed its oldest window blocks (the null
+    # block, id 0, in its table): pulling them would load garbage, so no pull.
+    d = _PDEngine("kv_consumer")
+    try:
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id="e",
+            remote_request_id="x",
+            remote_host="127.0.0.1",
+            remote_port=_free_port(),
+            extra={"remote_block_ids": [[1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 0, 0, 8]]},
+        )
+        d.sched.add_request(
+            msgspec.structs.replace(
+                make_request("d1", PROMPT, max_tokens=2), kv_transfer_params=params
+            )
+        )
+        d.step()
+        assert d.sched.state.requests["d1"].status is not RequestStatus.WAITING_FOR_REMOTE_KVS
+        _run_until([d], lambda: d.finished("d1") is not None)
+        assert d.sim.computed_positions["d1"] == list(range(len(PROMPT) + 1))
+    finally:
         d.worker_side.shutdown()

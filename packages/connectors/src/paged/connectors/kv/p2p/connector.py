@@ -161,6 +161,13 @@ class PagedZmqConnector(KVConnectorBase):
         remote_tokens = min(len(ids) for ids in remote_groups) * self.block_size
         available = min(request.num_prompt_tokens - 1, remote_tokens)
         count = available - num_computed_tokens
+        if count > 0 and not self._window_held(remote_groups, available):
+            logger.warning(
+                "request %s: the prefill no longer holds a sliding window's blocks; "
+                "computing the prompt locally",
+                request.request_id,
+            )
+            count = 0
         if count <= 0:
             self._handled.add(request.request_id)
             self._releases.append(_release_spec(params))
@@ -169,6 +176,21 @@ class PagedZmqConnector(KVConnectorBase):
             params, num_computed_tokens, count, remote_groups
         )
         return count, True
+
+    def _window_held(self, remote_groups: list[list[int]], resume: int) -> bool:
+        """Whether every sliding-window group's blocks before `resume` are real on the prefill.
+
+        A prefill that decoded past its prompt has freed the oldest window blocks:
+        its block table then holds the null block (id 0, the pool's first) there.
+        """
+        end = -(-resume // self.block_size)
+        for layout, ids in zip(self.groups, remote_groups, strict=True):
+            if layout.sliding_window is None:
+                continue
+            first = window_start_block(layout.sliding_window, resume, self.block_size)
+            if 0 in ids[first:end]:
+                return False
+        return True
 
     def _remote_groups(self, params: KVTransferParams) -> list[list[int]] | None:
         """The prefill's block ids per KV cache group, or None if absent or not ours.
