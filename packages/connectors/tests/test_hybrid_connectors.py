@@ -192,11 +192,14 @@ PROMPT = list(range(10, 37))  # 27 tokens: chunks 0..2 full, a hit ends at token
 
 
 class _OffloadEngine:
-    def __init__(self, budget: int = 2048, chunk: int = CHUNK) -> None:
+    def __init__(
+        self, budget: int = 2048, chunk: int = CHUNK, extra: dict[str, object] | None = None
+    ) -> None:
+        tiers = extra if extra is not None else {"kv_bytes_per_rank": 1 << 20}
         cfg = KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"chunk_size": chunk, "kv_bytes_per_rank": 1 << 20},
+            kv_connector_extra_config={"chunk_size": chunk, **tiers},
         )
         ctx = hybrid_context(BLOCK_SIZE, WINDOW)
         self.sched_side = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, ctx)
@@ -301,6 +304,28 @@ def test_offloading_never_saves_sliding_blocks_freed_during_the_prefill() -> Non
     (key,) = chunk_keys(req.block_hashes, 4)
     assert engine.host_keys() == {key}
     engine.worker_side.shutdown()
+
+
+def test_offloading_disk_tier_finds_every_groups_chunks_after_a_restart(tmp_path: Path) -> None:
+    first = _OffloadEngine(extra={"disk_path": str(tmp_path)})
+    first.run("a", PROMPT)
+    first.worker_side.shutdown()
+    keys = _chunk_keys(PROMPT)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == {f"{k}.kvchunk" for k in keys} | {f"{k}_g1.kvchunk" for k in keys[1:]}
+    # A new engine on the same directory announces what it found, per group.
+    second = _OffloadEngine(extra={"disk_path": str(tmp_path)})
+    found = [e for e in second.sched_side.take_events() if isinstance(e, BlockStored)]
+    assert sorted(e.group_idx or 0 for e in found) == [0, 0, 0, 1, 1]
+    second.sched.add_request(make_request("b", PROMPT, max_tokens=1))
+    so = second.sched.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 24
+    out = second.sim.execute(so)
+    assert out.kv_connector_output is not None
+    assert out.kv_connector_output.invalid_block_ids == []
+    _assert_window_kv(second.sim, "b", PROMPT, 24)
+    second.sched.update_from_output(so, out)
+    second.worker_side.shutdown()
 
 
 def test_offloading_hit_ends_where_every_group_holds_its_chunks() -> None:
