@@ -361,10 +361,10 @@ def test_the_factory_builds_it_and_bad_configs_are_named(tmp_path: Path) -> None
             KVConnectorRole.SCHEDULER,
             KVConnectorContext(block_size=BLOCK_SIZE),
         )
-    with pytest.raises(ValueError, match="one KV cache group"):
+    with pytest.raises(ValueError, match="no kv_cache_groups layouts"):
         OffloadingConnector(
             _config({"kv_bytes_per_rank": 1 << 20}),
-            KVConnectorRole.WORKER,
+            KVConnectorRole.SCHEDULER,
             KVConnectorContext(block_size=BLOCK_SIZE, num_kv_cache_groups=2),
         )
     with pytest.raises(ValueError, match="multiple of the block size"):

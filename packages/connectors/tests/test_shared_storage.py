@@ -200,8 +200,8 @@ def test_bad_storage_path_is_rejected(tmp_path: Path) -> None:
         SharedStorageConnector(cfg, KVConnectorRole.WORKER, KVConnectorContext(block_size=4))
 
 
-def test_hybrid_models_are_rejected(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="one KV cache group"):
+def test_a_hybrid_model_without_group_layouts_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no kv_cache_groups layouts"):
         SharedStorageConnector(
             _config(tmp_path),
             KVConnectorRole.SCHEDULER,

@@ -10,7 +10,7 @@ step with nothing scheduled still drives the connector.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -42,10 +42,16 @@ class RecordingConnector:
         self.save_slots: list[int] = []
         self.finished_recving: set[str] = set()
         self.invalid: set[int] = set()
+        self.layer_groups: list[list[str]] = []
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
         self.calls.append(f"register:{len(kv_caches)}")
         self.kv_caches = dict(kv_caches)
+        self.layer_groups = [list(g) for g in layer_groups or ()]
 
     def bind_connector_metadata(self, metadata: bytes) -> None:
         self.calls.append(f"bind:{metadata.decode()}")
@@ -117,6 +123,22 @@ def _step(runner: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
     return out if out is not None else runner.sample_tokens(None)
 
 
+def test_a_hybrid_model_registers_each_groups_layers(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    # Full + sliding-window layers: a connector indexes each layer with its group's blocks.
+    path = tiny_checkpoint(
+        "qwen2", num_hidden_layers=2, use_sliding_window=True, sliding_window=8,
+        max_window_layers=1,
+    )  # fmt: skip
+    conn = RecordingConnector()
+    runner = _runner(path, conn)
+    names = list(runner.get_kv_cache_spec())
+    assert len(conn.layer_groups) == 2
+    assert sorted(n for g in conn.layer_groups for n in g) == sorted(names)
+    assert all(len(g) == 1 for g in conn.layer_groups)
+
+
 def _new_request_step(meta: bytes | None) -> SchedulerOutput:
     new = NewRequestData(
         req_id="r",
@@ -140,6 +162,7 @@ def test_step_calls_the_connector_in_the_seed_order(
     runner = _runner(tiny_checkpoint("llama", num_hidden_layers=2), conn)
     names = list(runner.get_kv_cache_spec())
     assert conn.calls == ["register:2"] and list(conn.kv_caches) == names
+    assert conn.layer_groups == [names]  # one group: every layer
     conn.calls.clear()
     conn.save_slots = [3 * BLOCK + i for i in range(4)] + [7 * BLOCK, 7 * BLOCK + 1]
     conn.finished_recving = {"x"}

@@ -65,6 +65,25 @@ def test_keys_outside_the_typed_set_are_kept_not_refused() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=KVTransferParams) == params
 
 
+def test_per_group_remote_block_ids_of_a_hybrid_prefill_round_trip() -> None:
+    # A hybrid model's prefill answers one list per KV cache group (vLLM's form); the
+    # decoder's request carries it back unchanged.
+    raw = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3], [0, 5, 6]]}
+    params = parse_request_kv_transfer_params(raw)
+    assert params == KVTransferParams(
+        do_remote_prefill=True, extra={"remote_block_ids": [[1, 2, 3], [0, 5, 6]]}
+    )
+    assert kv_transfer_params_to_dict(params) == {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_block_ids": [[1, 2, 3], [0, 5, 6]],
+    }
+    with pytest.raises(InvalidRequestError, match="remote_block_ids"):
+        parse_request_kv_transfer_params({"remote_block_ids": [[1], ["x"]]})
+    with pytest.raises(InvalidRequestError, match="remote_block_ids"):
+        parse_request_kv_transfer_params({"remote_block_ids": [[1], 2]})
+
+
 @pytest.mark.parametrize(
     ("raw", "fragment"),
     [

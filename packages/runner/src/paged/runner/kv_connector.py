@@ -19,7 +19,7 @@ One step with a connector (`KVConnectorStep`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -31,7 +31,11 @@ from paged.scheduler.boundary import KVConnectorOutput, SchedulerOutput
 class KVConnectorWorker(KVLayerHooks, Protocol):
     """What the runner calls on a worker-side KV connector; contracts in paged.connectors."""
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None: ...
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None: ...
 
     def bind_connector_metadata(self, metadata: bytes) -> None: ...
 

@@ -287,8 +287,14 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(kv_cache_config, specs, self.device)
         self.layer_names = list(specs)
         if self.kv_connector is not None:
+            # Each group's layers, in the scheduler's group order (hybrid models index a
+            # layer's cache with its group's block ids); a pipeline stage keeps its own.
+            layer_groups = [
+                [name for name in group.layer_names if name in specs]
+                for group in kv_cache_config.kv_cache_groups
+            ]
             self.kv_connector.register_kv_caches(
-                dict(zip(self.layer_names, self.kv_caches, strict=True))
+                dict(zip(self.layer_names, self.kv_caches, strict=True)), layer_groups
             )
         if self.spec_decoder is not None and self.spec_decoder.draft is not None:
             self.spec_decoder.draft.initialize_kv_cache(

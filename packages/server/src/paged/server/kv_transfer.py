@@ -26,6 +26,7 @@ from paged.server.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from paged.connectors.kv import KVConnectorBase, KVTransferConfig
+    from paged.connectors.kv.groups import GroupLayout
     from paged.kvcache import KVCacheConfig
     from paged.runner.config import EngineConfig
     from paged.scheduler.config import KVLoadFailurePolicy
@@ -53,6 +54,7 @@ class KVConnectorBuilder:
         world_size: int,
         num_groups: int,
         kv_bytes_per_block: int = 0,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> KVConnectorBase:
         from paged.connectors.kv import KVConnectorContext, KVConnectorFactory, KVConnectorRole
 
@@ -63,17 +65,40 @@ class KVConnectorBuilder:
             num_kv_cache_groups=num_groups,
             kv_bytes_per_block=kv_bytes_per_block,
             model_name=self.model_name,
+            kv_cache_groups=self._layouts(kv_cache_config),
         )
         role = KVConnectorRole[role_name]
         return KVConnectorFactory.with_builtins().create_connector(self.config(), role, context)
+
+    def _layouts(self, kv_cache_config: KVCacheConfig | None) -> tuple[GroupLayout, ...]:
+        """Each group's window and bytes, for the scheduler side (the worker side learns
+        its layers' groups in register_kv_caches). A single group of a kind connectors do
+        not model (e.g. Mamba) keeps the single-group behaviour; a hybrid one is refused.
+        """
+        from paged.connectors.kv.groups import group_layouts
+
+        if kv_cache_config is None:
+            return ()
+        try:
+            return group_layouts(kv_cache_config, self.block_size)
+        except ValueError:
+            if len(kv_cache_config.kv_cache_groups) > 1:
+                raise
+            return ()
 
     def make_worker_connector(self, rank: int, world_size: int) -> KVConnectorBase:
         return self._create("WORKER", rank, world_size, 1)
 
     def make_scheduler_connector(
-        self, world_size: int, num_kv_cache_groups: int, kv_bytes_per_block: int = 0
+        self,
+        world_size: int,
+        num_kv_cache_groups: int,
+        kv_bytes_per_block: int = 0,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> KVConnectorBase:
-        return self._create("SCHEDULER", 0, world_size, num_kv_cache_groups, kv_bytes_per_block)
+        return self._create(
+            "SCHEDULER", 0, world_size, num_kv_cache_groups, kv_bytes_per_block, kv_cache_config
+        )
 
 
 # vLLM's LMCache connectors: lmcache 0.5.6 from PyPI moves KV only through its CUDA
@@ -139,7 +164,10 @@ def _check_connector(config: KVTransferConfig, block_size: int, world_size: int)
 
 
 def make_scheduler_connector(
-    engine_config: EngineConfig, num_kv_cache_groups: int, kv_bytes_per_block: int = 0
+    engine_config: EngineConfig,
+    num_kv_cache_groups: int,
+    kv_bytes_per_block: int = 0,
+    kv_cache_config: KVCacheConfig | None = None,
 ) -> KVConnectorBase | None:
     """The scheduler-side connector for this engine, or None without KV transfer."""
     builder = engine_config.kv_connector_factory
@@ -151,7 +179,9 @@ def make_scheduler_connector(
             f"scheduler side, got {type(builder).__name__}"
         )
     tp = engine_config.parallel_config.tensor_parallel_size
-    return builder.make_scheduler_connector(tp, num_kv_cache_groups, kv_bytes_per_block)
+    return builder.make_scheduler_connector(
+        tp, num_kv_cache_groups, kv_bytes_per_block, kv_cache_config
+    )
 
 
 def kv_load_failure_policy(engine_config: EngineConfig) -> KVLoadFailurePolicy:
@@ -225,6 +255,17 @@ def parse_request_kv_transfer_params(raw: object) -> KVTransferParams | None:
     # open dict that routers and connectors extend), never a 400.
     known = {k: v for k, v in raw.items() if k in _TYPED_KEYS}
     extra = {str(k): v for k, v in raw.items() if k not in _TYPED_KEYS}
+    grouped = known.get("remote_block_ids")
+    if isinstance(grouped, list) and grouped and all(isinstance(g, list) for g in grouped):
+        # A hybrid model's prefill answers one list per KV cache group (vLLM's form);
+        # the typed field is flat, so the per-group lists travel in `extra`.
+        try:
+            extra["remote_block_ids"] = msgspec.convert(grouped, type=list[list[int]])
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(
+                "kv_transfer_params", f"kv_transfer_params is invalid: remote_block_ids: {exc}"
+            ) from None
+        del known["remote_block_ids"]
     try:
         parsed = msgspec.convert(known, type=_KVTransferParamsIn)
     except msgspec.ValidationError as exc:

@@ -13,8 +13,10 @@ from paged.connectors.kv.config import (
     parse_kv_transfer_config,
 )
 from paged.connectors.kv.factory import KVConnectorFactory, KVConnectorLoadError
+from paged.connectors.kv.groups import GroupLayout, group_layouts, window_start_block
 
 __all__ = [
+    "GroupLayout",
     "KVConnectorBase",
     "KVConnectorContext",
     "KVConnectorFactory",
@@ -23,6 +25,8 @@ __all__ = [
     "KVConnectorRoleError",
     "KVTransferConfig",
     "KVTransferConfigError",
+    "group_layouts",
     "kv_transfer_config_from_dict",
     "parse_kv_transfer_config",
+    "window_start_block",
 ]

@@ -28,7 +28,14 @@ Worker-side calls, per step (the model runner's order):
     clear_connector_metadata()            end of step
     handle_preemptions(preempted_req_ids) before the step, when requests were preempted
 
-and once at start-up `register_kv_caches({layer_name: kv_cache})`.
+and once at start-up `register_kv_caches({layer_name: kv_cache}, layer_groups)`.
+
+Hybrid models (several KV cache groups, e.g. Gemma 3's sliding-window and
+global layers): block ids are per group (`BlockIdsPerGroup`, the scheduler's
+group order); the scheduler side learns each group's window from
+`KVConnectorContext.kv_cache_groups`, the worker side which layer belongs to
+which group from `layer_groups`. See `groups.py` for which blocks of a
+sliding-window group a connector stores and moves.
 
 Differences from vLLM's `KVConnectorBase_V1`, on purpose: the metadata is
 bytes (it crosses the process boundary inside an msgspec struct, so each
@@ -49,6 +56,7 @@ import msgspec
 import torch
 
 from paged.connectors.kv.config import KVTransferConfig
+from paged.connectors.kv.groups import GroupLayout, check_layer_groups
 from paged.kvcache import KVCacheBlocks
 from paged.kvcache.events import KVCacheEvent
 from paged.scheduler.boundary import (
@@ -81,6 +89,8 @@ class KVConnectorContext:
         (0 when the builder does not know it; byte-budgeted stores need it on
         the scheduler side, which never sees the KV tensors).
     model_name: the model's name as engines compare it (P/D handshake); "" if unknown.
+    kv_cache_groups: each group's layout (scheduler side; empty when the
+        builder does not know it, which a single-group connector never needs).
     """
 
     block_size: int
@@ -89,12 +99,33 @@ class KVConnectorContext:
     num_kv_cache_groups: int = 1
     kv_bytes_per_block: int = 0
     model_name: str = ""
+    kv_cache_groups: tuple[GroupLayout, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.kv_cache_groups and len(self.kv_cache_groups) != self.num_kv_cache_groups:
+            raise ValueError(
+                f"kv_cache_groups has {len(self.kv_cache_groups)} layouts, "
+                f"num_kv_cache_groups is {self.num_kv_cache_groups}"
+            )
+
+    def group_layouts(self) -> tuple[GroupLayout, ...]:
+        """The groups' layouts; one full-attention group when none were given.
+
+        `ValueError` for a hybrid model without layouts: a connector cannot know
+        which blocks of which group to move.
+        """
+        if self.kv_cache_groups:
+            return self.kv_cache_groups
+        if self.num_kv_cache_groups != 1:
+            raise ValueError(
+                f"the model has {self.num_kv_cache_groups} KV cache groups but the "
+                "connector was given no kv_cache_groups layouts"
+            )
+        return (GroupLayout(layer_names=(), block_bytes=self.kv_bytes_per_block),)
 
 
 class KVConnectorRoleError(RuntimeError):
@@ -118,6 +149,7 @@ class KVConnectorBase(abc.ABC):
         self._metadata_bytes: bytes | None = None
         self._metadata_decoded: object | None = None  # this step's, decoded once
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_groups: list[list[str]] = []
 
     @property
     def role(self) -> KVConnectorRole:
@@ -140,14 +172,31 @@ class KVConnectorBase(abc.ABC):
 
     # ------------------------------------------------------------------ worker side
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
         """Adopt the paged KV cache tensors, layer name -> tensor, once after allocation.
 
         Layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_size]`
         (K then V). The connector keeps references, never copies.
+        `layer_groups`: the layer names of each KV cache group, in the
+        scheduler's group order (a layer's cache is indexed by its group's block
+        ids); None means one group of every layer. `ValueError` if a layer is
+        in no group or in two.
         """
         self._require_role(KVConnectorRole.WORKER, "register_kv_caches")
         self._kv_caches = dict(kv_caches)
+        self._layer_groups = (
+            [list(self._kv_caches)]
+            if layer_groups is None
+            else check_layer_groups(list(self._kv_caches), layer_groups)
+        )
+
+    def _group_of_layer(self) -> dict[str, int]:
+        """Layer name -> its KV cache group (after `register_kv_caches`)."""
+        return {name: g for g, names in enumerate(self._layer_groups) for name in names}
 
     def bind_connector_metadata(self, metadata: bytes) -> None:
         """Adopt this step's metadata (the bytes `build_connector_meta` produced).

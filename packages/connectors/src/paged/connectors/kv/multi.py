@@ -98,10 +98,14 @@ class MultiConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ worker side
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        super().register_kv_caches(kv_caches)
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        super().register_kv_caches(kv_caches, layer_groups)
         for c in self._connectors:
-            c.register_kv_caches(kv_caches)
+            c.register_kv_caches(kv_caches, layer_groups)
 
     def bind_connector_metadata(self, metadata: bytes) -> None:
         super().bind_connector_metadata(metadata)

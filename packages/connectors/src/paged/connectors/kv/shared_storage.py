@@ -19,7 +19,14 @@ marker in `wait_for_save`. A missing or unreadable file is a load error: its
 blocks are reported and the scheduler recomputes them.
 
 Files are written to a temporary name and renamed, so a reader never sees a
-half-written tensor. Only single-group (non-hybrid) models are supported.
+half-written tensor.
+
+Hybrid models (full + sliding-window groups, e.g. Gemma 3): each layer's file
+holds the prefix tokens of its own group's blocks; a sliding-window group
+stores and loads only the blocks inside the window of the prefix end (see
+`groups.py`), its file's `first_token` metadata says where they start:
+
+    prefix 0 .. 15, B = 4, W = 6   full layers: tokens 0..15   sliding layers: 8..15
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import safetensors
 import safetensors.torch
 import torch
 
 from paged.connectors.kv.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
 from paged.connectors.kv.blocks import gather_kv, scatter_kv, slot_mapping
 from paged.connectors.kv.config import KVTransferConfig
+from paged.connectors.kv.groups import GroupLayout, window_start_block
 from paged.kvcache import KVCacheBlocks
 from paged.scheduler.boundary import BlockIdsPerGroup, KVTransferParams, SchedulerOutput
 from paged.scheduler.request import Request
@@ -47,19 +56,27 @@ DEFAULT_STORAGE_PATH = "/tmp"  # vLLM's default for shared_storage_path
 _COMPLETE = "COMPLETE"
 
 
-class StorageTransfer(msgspec.Struct, array_like=True, frozen=True):
-    """One prefix to load into (or save from) these blocks.
+class GroupBlocks(msgspec.Struct, array_like=True, frozen=True):
+    """Blocks of one KV cache group: `block_ids[i]` holds prefix block `first_block + i`."""
 
-    A load skips the first `skip_tokens` (the local prefix-cache hit, block
-    aligned): those blocks may be shared with running requests and already
-    hold the same KV, so they are not written again.
+    first_block: int
+    block_ids: list[int]
+
+
+class StorageTransfer(msgspec.Struct, array_like=True, frozen=True):
+    """One prefix of `num_tokens` (a multiple of the block size) to load or save, per group.
+
+    A save names, per group, the blocks the prefix needs (a sliding-window
+    group: only those in its window). A load names the blocks to write: it
+    skips the local prefix-cache hit (those blocks may be shared with running
+    requests and already hold the same KV) and, for a sliding-window group,
+    the blocks before the window (they are null blocks in the block table).
     """
 
     req_id: str
     key: str
-    block_ids: list[int]
-    num_tokens: int  # a multiple of the block size
-    skip_tokens: int = 0
+    num_tokens: int
+    groups: list[GroupBlocks]
 
 
 class SharedStorageMetadata(msgspec.Struct, array_like=True, frozen=True):
@@ -83,7 +100,7 @@ class SharedStorageStats:
 class _PendingSave:
     key: str
     num_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per group, from block 0
 
 
 def prefix_length(num_prompt_tokens: int, block_size: int) -> int:
@@ -115,12 +132,11 @@ class SharedStorageConnector(KVConnectorBase):
                 "kv_connector_extra_config.shared_storage_path must be a non-empty string, "
                 f"got {path!r}"
             )
-        if context.num_kv_cache_groups != 1:
-            raise ValueError(
-                "SharedStorageConnector supports one KV cache group, the model has "
-                f"{context.num_kv_cache_groups}"
-            )
         self.storage_path = Path(path)
+        # Scheduler side: each group's window (one full group unless the model is hybrid).
+        self.groups: tuple[GroupLayout, ...] = (
+            context.group_layouts() if role is KVConnectorRole.SCHEDULER else ()
+        )
         self.block_size = context.block_size
         self.stats = SharedStorageStats()
         # Scheduler side.
@@ -218,26 +234,38 @@ class SharedStorageConnector(KVConnectorBase):
         saves: list[StorageTransfer],
     ) -> None:
         """Add this request's load (first step) and save (once computed) to the step."""
-        blocks = list(new_block_ids[0]) if new_block_ids else []
+        blocks = [list(ids) for ids in new_block_ids] if new_block_ids else []
         need = self._requests_need_load.pop(req_id, None)
         if need is not None:
             key, n, local = need
-            loads.append(StorageTransfer(req_id, key, blocks[: n // self.block_size], n, local))
+            loads.append(StorageTransfer(req_id, key, n, self._group_blocks(blocks, local, n)))
         pending = self._pending_saves.get(req_id)
         if pending is None:
             return
-        if replaces:
+        if replaces or not pending.block_ids:
             pending.block_ids = blocks
-        else:
-            pending.block_ids.extend(blocks)
+        elif blocks:
+            for have, new in zip(pending.block_ids, blocks, strict=True):
+                have.extend(new)
         if num_computed + scheduled.get(req_id, 0) >= pending.num_tokens:
             del self._pending_saves[req_id]
-            num_blocks = pending.num_tokens // self.block_size
-            saves.append(
-                StorageTransfer(
-                    req_id, pending.key, pending.block_ids[:num_blocks], pending.num_tokens
-                )
+            groups = self._group_blocks(pending.block_ids, 0, pending.num_tokens)
+            saves.append(StorageTransfer(req_id, pending.key, pending.num_tokens, groups))
+
+    def _group_blocks(
+        self, block_ids: list[list[int]], skip_tokens: int, num_tokens: int
+    ) -> list[GroupBlocks]:
+        """Per group, the blocks of `[skip_tokens, num_tokens)` a resume at `num_tokens` needs."""
+        end = num_tokens // self.block_size
+        out: list[GroupBlocks] = []
+        for g, layout in enumerate(self.groups):
+            first = max(
+                skip_tokens // self.block_size,
+                window_start_block(layout.sliding_window, num_tokens, self.block_size),
             )
+            ids = block_ids[g][first:end] if g < len(block_ids) else []
+            out.append(GroupBlocks(first, ids))
+        return out
 
     def request_finished(
         self, request: Request, block_ids: BlockIdsPerGroup
@@ -259,28 +287,46 @@ class SharedStorageConnector(KVConnectorBase):
                 # A failed load must not produce wrong tokens nor stop the engine:
                 # report the blocks, the scheduler recomputes from the first bad one.
                 logger.warning("shared storage load for %s failed: %s", load.req_id, exc)
-                self._load_errors.update(load.block_ids[load.skip_tokens // self.block_size :])
+                for group in load.groups:
+                    self._load_errors.update(group.block_ids)
 
     def _load_one(self, load: StorageTransfer) -> None:
-        skip = load.skip_tokens
+        group_of = self._group_of_layer()
         for layer_name, kv_layer in self._kv_caches.items():
+            group = load.groups[group_of[layer_name]]
+            if not group.block_ids:
+                continue
             path = self._layer_file(load.key, layer_name)
-            kv = safetensors.torch.load_file(str(path))["kv_cache"]
-            if kv.shape[1] != load.num_tokens:
-                raise ValueError(f"{path} holds {kv.shape[1]} tokens, expected {load.num_tokens}")
-            slots = slot_mapping(load.block_ids, self.block_size, load.num_tokens, kv_layer.device)
-            scatter_kv(kv_layer, slots[skip:], kv[:, skip:])
+            with safetensors.safe_open(str(path), framework="pt") as f:
+                kv = f.get_tensor("kv_cache")
+                first_token = int((f.metadata() or {}).get("first_token", "0"))
+            if first_token + kv.shape[1] != load.num_tokens:
+                raise ValueError(
+                    f"{path} holds tokens {first_token}..{first_token + kv.shape[1]}, "
+                    f"expected a prefix of {load.num_tokens}"
+                )
+            start = group.first_block * self.block_size - first_token
+            if start < 0:
+                raise ValueError(f"{path} starts at token {first_token}, the load needs {start}")
+            n = len(group.block_ids) * self.block_size
+            slots = slot_mapping(group.block_ids, self.block_size, n, kv_layer.device)
+            scatter_kv(kv_layer, slots, kv[:, start : start + n])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are synchronous (all done in `start_load_kv`): nothing to wait for."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        group_idx = self._group_of_layer()[layer_name]
         for save in self._metadata().saves:
-            slots = slot_mapping(save.block_ids, self.block_size, save.num_tokens, kv_layer.device)
+            group = save.groups[group_idx]
+            n = len(group.block_ids) * self.block_size
+            slots = slot_mapping(group.block_ids, self.block_size, n, kv_layer.device)
             kv = gather_kv(kv_layer, slots).cpu().contiguous()
             path = self._layer_file(save.key, layer_name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_save({"kv_cache": kv}, path)
+            _atomic_save(
+                {"kv_cache": kv}, path, {"first_token": str(group.first_block * self.block_size)}
+            )
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
@@ -295,7 +341,7 @@ class SharedStorageConnector(KVConnectorBase):
         return errors
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    safetensors.torch.save_file(tensors, str(tmp))
+    safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, path)

@@ -7,6 +7,7 @@ computed from scratch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -15,7 +16,14 @@ import torch
 from paged.connectors.kv.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
 from paged.connectors.kv.blocks import slot_mapping
 from paged.connectors.kv.config import KVTransferConfig
-from paged.kvcache import KVCacheBlocks
+from paged.connectors.kv.groups import GroupLayout, window_start_block
+from paged.kvcache import (
+    FullAttentionSpec,
+    KVCacheBlocks,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from paged.scheduler.boundary import (
     BlockIdsPerGroup,
     KVConnectorOutput,
@@ -46,10 +54,48 @@ def make_kv_caches(num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
     }
 
 
+def layer_name(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.attn"
+
+
+def hybrid_kv_config(num_blocks: int, block_size: int, sliding_window: int) -> KVCacheConfig:
+    """A Gemma-3-like hybrid over `make_kv_caches`'s two layers: layer 0 full, layer 1 sliding."""
+    dims = {"block_size": block_size, "num_kv_heads": NUM_HEADS, "head_size": HEAD_SIZE}
+    full = FullAttentionSpec(dtype="float32", **dims)
+    sliding = SlidingWindowSpec(dtype="float32", sliding_window=sliding_window, **dims)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=[layer_name(0)], kv_cache_spec=full),
+            KVCacheGroupSpec(layer_names=[layer_name(1)], kv_cache_spec=sliding),
+        ],
+    )
+
+
+def hybrid_context(block_size: int, sliding_window: int, **kwargs: object) -> KVConnectorContext:
+    """The context an engine gives a connector for `hybrid_kv_config`."""
+    block_bytes = 2 * block_size * NUM_HEADS * HEAD_SIZE * 4
+    groups = (
+        GroupLayout((layer_name(0),), None, block_bytes),
+        GroupLayout((layer_name(1),), sliding_window, block_bytes),
+    )
+    return KVConnectorContext(
+        block_size=block_size,
+        num_kv_cache_groups=2,
+        kv_bytes_per_block=2 * block_bytes,
+        kv_cache_groups=groups,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+HYBRID_LAYER_GROUPS = [[layer_name(0)], [layer_name(1)]]
+
+
 @dataclass
 class _Req:
     tokens: list[int]
-    blocks: list[int]
+    blocks: list[list[int]]  # per KV cache group
     num_computed: int
     # Tokens sampled so far; a step whose load failed has its sample discarded by the
     # scheduler, so a rewind drops the samples made past the rewind point.
@@ -65,22 +111,32 @@ class KVWorkerSim:
     block_size: int
     reqs: dict[str, _Req] = field(default_factory=dict)
     computed_positions: dict[str, list[int]] = field(default_factory=dict)
+    # Layer names per KV cache group (None: one group of every layer).
+    layer_groups: Sequence[Sequence[str]] | None = None
 
     def __post_init__(self) -> None:
-        self.connector.register_kv_caches(self.kv_caches)
+        self.connector.register_kv_caches(self.kv_caches, self.layer_groups)
+        groups = self.layer_groups or [list(self.kv_caches)]
+        self._group_of = {name: g for g, names in enumerate(groups) for name in names}
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self.reqs.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self.reqs[new.req_id] = _Req(
-                list(new.prompt_token_ids), list(new.block_ids[0]), new.num_computed_tokens
+                list(new.prompt_token_ids),
+                [list(ids) for ids in new.block_ids],
+                new.num_computed_tokens,
             )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
             if ids is not None:
-                self.reqs[rid].blocks.extend(ids[0])
+                if cached.resumed_from_preemption[i]:
+                    self.reqs[rid].blocks = [list(g) for g in ids]
+                else:
+                    for have, new_ids in zip(self.reqs[rid].blocks, ids, strict=True):
+                        have.extend(new_ids)
             # After a load error the scheduler rewinds to the first bad block and
             # drops what that step sampled.
             req = self.reqs[rid]
@@ -114,7 +170,10 @@ class KVWorkerSim:
                 req = self.reqs[rid]
                 positions = range(req.num_computed, req.num_computed + n)
                 slots = slot_mapping(
-                    req.blocks, self.block_size, req.num_computed + n, cache.device
+                    req.blocks[self._group_of[name]],
+                    self.block_size,
+                    req.num_computed + n,
+                    cache.device,
                 )
                 flat = cache.view(2, -1, NUM_HEADS, HEAD_SIZE)
                 for p in positions:
@@ -139,17 +198,40 @@ class KVWorkerSim:
     def kv_of(self, rid: str, num_tokens: int) -> dict[str, torch.Tensor]:
         """The KV currently in the cache for the first `num_tokens` tokens of `rid`."""
         req = self.reqs[rid]
-        slots = slot_mapping(req.blocks, self.block_size, num_tokens, torch.device("cpu"))
-        return {
-            name: cache.view(2, -1, NUM_HEADS, HEAD_SIZE)[:, slots].clone()
-            for name, cache in self.kv_caches.items()
-        }
+        out: dict[str, torch.Tensor] = {}
+        for name, cache in self.kv_caches.items():
+            blocks = req.blocks[self._group_of[name]]
+            slots = slot_mapping(blocks, self.block_size, num_tokens, torch.device("cpu"))
+            out[name] = cache.view(2, -1, NUM_HEADS, HEAD_SIZE)[:, slots].clone()
+        return out
+
+    def window_kv_of(
+        self, rid: str, num_tokens: int, windows: Sequence[int | None]
+    ) -> dict[str, torch.Tensor]:
+        """Like `kv_of`, but each layer from its group's window start (`windows` per group).
+
+        A sliding-window group's blocks before the window are null blocks: only
+        the window is comparable.
+        """
+        req = self.reqs[rid]
+        out: dict[str, torch.Tensor] = {}
+        for name, cache in self.kv_caches.items():
+            g = self._group_of[name]
+            first = window_start_block(windows[g], num_tokens, self.block_size)
+            slots = slot_mapping(req.blocks[g], self.block_size, num_tokens, torch.device("cpu"))
+            start = first * self.block_size
+            out[name] = cache.view(2, -1, NUM_HEADS, HEAD_SIZE)[:, slots[start:]].clone()
+        return out
 
 
-def expected_kv(tokens: list[int], num_tokens: int) -> dict[str, torch.Tensor]:
+def expected_kv(
+    tokens: list[int], num_tokens: int, first_tokens: Sequence[int] = ()
+) -> dict[str, torch.Tensor]:
+    """KV of the first `num_tokens`, layer l from token `first_tokens[l]` on (default 0)."""
+    firsts = list(first_tokens) or [0] * NUM_LAYERS
     return {
-        f"model.layers.{layer}.self_attn.attn": torch.stack(
-            [token_kv(layer, p, tokens[p]) for p in range(num_tokens)], dim=1
+        layer_name(layer): torch.stack(
+            [token_kv(layer, p, tokens[p]) for p in range(firsts[layer], num_tokens)], dim=1
         )
         for layer in range(NUM_LAYERS)
     }

@@ -248,7 +248,10 @@ class EngineCore:
             extra["kv_metrics_collector"] = KVCacheMetricsCollector(kv_cache_metrics_sample)
         groups = len(self.kv_cache_config.kv_cache_groups)
         self.kv_connector = make_scheduler_connector(
-            self.engine_config, groups, kv_bytes_per_block(self.kv_cache_config)
+            self.engine_config,
+            groups,
+            kv_bytes_per_block(self.kv_cache_config),
+            self.kv_cache_config,
         )
         scheduler_config = self.scheduler_config
         if self.mm_tokens_per_item:

@@ -8,6 +8,12 @@ mean equal KV for the same model:
     block hashes   h0 h1 h2 h3 | h4 h5 h6 h7 | h8 ..      (blocks_per_chunk = 4)
     chunk keys              h3 |          h7 | (partial: never stored)
 
+Hybrid models store one chunk per KV cache group, holding that group's
+layers only; every group hashes the same chain, so group g's key is the
+chunk key with `_g{g}` appended (group 0 keeps the plain key, so
+single-group stores are unchanged; vLLM 0.33 appends the group index to the
+hash too: v1/kv_offload/base.py:30-32).
+
 Payload: the chunk's blocks across all layers in one contiguous buffer,
 block-major (the cross-layer layout), so the first k blocks of a chunk are a
 contiguous prefix of it:
@@ -98,6 +104,20 @@ def chunk_keys(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[Chu
     """Keys of the full chunks covered by these block hashes, in order."""
     n = len(block_hashes) // blocks_per_chunk
     return [ChunkKey(block_hashes[(i + 1) * blocks_per_chunk - 1].hex()) for i in range(n)]
+
+
+_GROUP_SEP = "_g"
+
+
+def group_chunk_key(key: ChunkKey, group: int) -> ChunkKey:
+    """The key of KV cache group `group`'s chunk for the chunk keyed `key`."""
+    return key if group == 0 else ChunkKey(f"{key}{_GROUP_SEP}{group}")
+
+
+def split_group_key(key: ChunkKey) -> tuple[bytes, int]:
+    """(the chunk's last block hash, its KV cache group) of a group chunk key."""
+    hex_hash, sep, group = key.partition(_GROUP_SEP)
+    return bytes.fromhex(hex_hash), int(group) if sep else 0
 
 
 def header_size(fingerprint: Fingerprint) -> int:

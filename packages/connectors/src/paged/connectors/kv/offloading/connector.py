@@ -5,6 +5,8 @@ One class, two roles: the scheduler-side instance composes `OffloadingScheduler`
 (cross-layer copies, tier storage, the background writer). See those modules
 for the data flow and `config.py` for the `kv_connector_extra_config` keys.
 Loads are synchronous (`get_num_new_matched_tokens` answers `(N, False)`).
+Hybrid models: one chunk per KV cache group, a sliding-window group's only
+within its window (scheduler_side.py).
 """
 
 from __future__ import annotations
@@ -36,11 +38,6 @@ class OffloadingConnector(KVConnectorBase):
         self, config: KVTransferConfig, role: KVConnectorRole, context: KVConnectorContext
     ) -> None:
         super().__init__(config, role, context)
-        if context.num_kv_cache_groups != 1:
-            raise ValueError(
-                "OffloadingConnector supports one KV cache group, the model has "
-                f"{context.num_kv_cache_groups}"
-            )
         self.offload_config = OffloadingConfig.from_extra_config(
             config.kv_connector_extra_config, context.block_size, context.world_size
         )
@@ -55,6 +52,7 @@ class OffloadingConnector(KVConnectorBase):
                 can_save=config.is_kv_producer,
                 world_size=context.world_size,
                 model_name=context.model_name,
+                groups=context.group_layouts(),
             )
 
     @property
@@ -94,14 +92,19 @@ class OffloadingConnector(KVConnectorBase):
         return False, None
 
     # ------------------------------------------------------------------ worker side
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        super().register_kv_caches(kv_caches)
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        super().register_kv_caches(kv_caches, layer_groups)
         self._worker = OffloadingWorker(
             self.offload_config,
             self._kv_caches,
             self.offload_config.chunk_size // self.context.block_size,
             self.context.rank,
             self.context.world_size,
+            self._layer_groups,
             model_name=self.context.model_name,
         )
 

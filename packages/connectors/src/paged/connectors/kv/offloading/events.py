@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from paged.connectors.kv.offloading.chunks import ChunkKey
+from paged.connectors.kv.offloading.chunks import ChunkKey, split_group_key
 from paged.connectors.kv.offloading.metadata import Tier
 from paged.kvcache import (
     MEDIUM_CPU,
@@ -44,9 +44,6 @@ TIER_MEDIUM = {Tier.HOST: MEDIUM_CPU, Tier.DISK: MEDIUM_STORAGE, Tier.REDIS: MED
 # `announced`: Redis evicts on its own and other engines write it, so no removal is known.
 _REMOTE_TIERS = {Tier.REDIS: ("REMOTE", "redis")}
 
-# The offloading connector serves a single KV cache group (hybrid models are rejected).
-_GROUP_IDX = 0
-
 
 class TierEvents:
     """Events of every tier since the last `take()`, and the hashes each tier announced.
@@ -67,8 +64,10 @@ class TierEvents:
         self._queue: list[KVCacheEvent] = []
         self._announced: dict[Tier, dict[ChunkKey, list[BlockHash]]] = {t: {} for t in Tier}
 
-    def stored(self, tier: Tier, key: ChunkKey, request: Request, chunk_idx: int) -> None:
-        """Chunk `chunk_idx` of `request` (whose last block hashes to `key`) is now in `tier`."""
+    def stored(
+        self, tier: Tier, key: ChunkKey, request: Request, chunk_idx: int, group: int = 0
+    ) -> None:
+        """Chunk `chunk_idx` of `request`'s KV cache group `group` (key `key`) is now in `tier`."""
         bpc, bs = self.blocks_per_chunk, self.block_size
         first = chunk_idx * bpc
         hashes = [BlockHash(h) for h in request.block_hashes[first : first + bpc]]
@@ -86,7 +85,7 @@ class TierEvents:
                 medium=TIER_MEDIUM[tier],
                 lora_name=request.lora_name,
                 extra_keys=self._extra_keys(request, start),
-                group_idx=_GROUP_IDX,
+                group_idx=group,
                 locality=locality,
                 ownership=ownership,
             ),
@@ -95,7 +94,8 @@ class TierEvents:
     def stored_by_key(self, tier: Tier, keys: Iterable[ChunkKey]) -> None:
         """Chunks found at start-up: only their keys are known (see the module docstring)."""
         for key in keys:
-            hashes = [BlockHash(bytes.fromhex(key))]
+            block_hash, group = split_group_key(key)
+            hashes = [BlockHash(block_hash)]
             self._announced[tier][key] = hashes
             self._publish(
                 tier,
@@ -105,7 +105,7 @@ class TierEvents:
                     token_ids=[],
                     block_size=self.block_size * self.blocks_per_chunk,
                     medium=TIER_MEDIUM[tier],
-                    group_idx=_GROUP_IDX,
+                    group_idx=group,
                 ),
             )
 
@@ -117,7 +117,9 @@ class TierEvents:
                 self._publish(
                     tier,
                     BlockRemoved(
-                        block_hashes=hashes, medium=TIER_MEDIUM[tier], group_idx=_GROUP_IDX
+                        block_hashes=hashes,
+                        medium=TIER_MEDIUM[tier],
+                        group_idx=split_group_key(key)[1],
                     ),
                 )
 

@@ -19,7 +19,8 @@ class ChunkLoad(msgspec.Struct, array_like=True, frozen=True):
     `first_block` > 0 when the request's local prefix-cache hit ends inside
     the chunk: those blocks are already in the paged cache (possibly shared
     with running requests) and are not written again. `promote`: a disk or
-    Redis hit that also goes into host memory.
+    Redis hit that also goes into host memory. `group`: the KV cache group whose
+    layers the chunk holds (hybrid models store one chunk per group).
     """
 
     key: str
@@ -27,16 +28,18 @@ class ChunkLoad(msgspec.Struct, array_like=True, frozen=True):
     block_ids: list[int]
     first_block: int = 0
     promote: bool = False
+    group: int = 0
 
 
 class ChunkSave(msgspec.Struct, array_like=True, frozen=True):
-    """Copy these blocks (all of one chunk, in order) out of the paged cache."""
+    """Copy these blocks (all of one chunk, in order) out of `group`'s layers of the paged cache."""
 
     key: str
     block_ids: list[int]
     to_host: bool
     to_disk: bool
     to_redis: bool = False
+    group: int = 0
 
 
 class OffloadingMetadata(msgspec.Struct, array_like=True, frozen=True):

@@ -17,19 +17,34 @@ that does not hold it yet (write-through: host and disk).
 
 Every insert into a tier index, eviction and drop is also a KV cache event
 (`events.TierEvents`, taken by the engine through `take_events()`).
+
+Hybrid models (full-attention and sliding-window KV cache groups): each group
+has its own chunks (`chunks.group_chunk_key`). A hit must hold, for every
+full-attention group, every chunk from the local hit to its end, and for
+every sliding-window group only the chunks of the window before its end
+(`groups.window_start_block`); the longest end that all groups agree on is
+loaded (vLLM 0.33 likewise looks full groups up as a prefix and sliding
+groups as a run of window length: offloading/scheduler.py:805-1011). A
+sliding-window group saves only the chunks a resume near the prompt's end
+can need (the window plus one chunk before the last token), and only while
+their blocks are still in the window (older ones are already freed):
+
+    prompt 0 .. 39, chunk 8, W = 6   full group saves chunks 0..4
+                                     sliding group saves chunks 2..4 only
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
+from paged.connectors.kv.groups import GroupLayout, window_start_block
 from paged.connectors.kv.offloading.admission import StoreAdmission
 from paged.connectors.kv.offloading.arc import ArcTierIndex
-from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys
+from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys, group_chunk_key
 from paged.connectors.kv.offloading.config import OffloadingConfig
 from paged.connectors.kv.offloading.events import TierEvents
 from paged.connectors.kv.offloading.index import TierIndex
@@ -50,18 +65,25 @@ from paged.scheduler.request import Request
 _LOAD_HISTORY_STEPS = 8
 
 
+@dataclass(frozen=True)
+class _Source:
+    group: int
+    chunk_idx: int
+    key: ChunkKey  # the group's key
+    tier: Tier
+
+
 @dataclass
 class _LoadPlan:
     num_local: int  # tokens already in the device cache (block aligned)
     end: int  # tokens computed once the load is done
-    first_chunk: int
-    sources: list[tuple[ChunkKey, Tier]]
+    sources: list[_Source]
 
 
 @dataclass
 class _RequestState:
     request: Request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     next_save_chunk: int = 0
     load: _LoadPlan | None = None
 
@@ -79,8 +101,10 @@ class OffloadingScheduler:
         can_save: bool,
         world_size: int = 1,
         model_name: str = "",
+        groups: tuple[GroupLayout, ...] = (),
     ) -> None:
-        if block_bytes <= 0:
+        self.groups = groups or (GroupLayout(layer_names=(), block_bytes=block_bytes),)
+        if any(g.block_bytes <= 0 for g in self.groups):
             raise ValueError(
                 "OffloadingConnector needs the bytes of one KV block across layers "
                 "(KVConnectorContext.kv_bytes_per_block) to enforce its byte budgets"
@@ -88,7 +112,10 @@ class OffloadingScheduler:
         self.config = config
         self.block_size = block_size
         self.blocks_per_chunk = config.chunk_size // block_size
-        self.chunk_bytes = block_bytes * self.blocks_per_chunk
+        # Bytes of one chunk of each group (a group's chunk holds its layers only).
+        self.group_chunk_bytes = [g.block_bytes * self.blocks_per_chunk for g in self.groups]
+        self.chunk_bytes = sum(self.group_chunk_bytes)
+        self._full_groups = [i for i, g in enumerate(self.groups) if g.sliding_window is None]
         self.can_load = can_load
         self.can_save = can_save
         host_index = ArcTierIndex if config.eviction_policy == "arc" else TierIndex
@@ -136,27 +163,88 @@ class OffloadingScheduler:
         keys = chunk_keys(request.block_hashes, self.blocks_per_chunk)
         chunk = self.config.chunk_size
         first = num_computed_tokens // chunk
-        sources: list[tuple[ChunkKey, Tier]] = []
-        for key in keys[first:]:
-            tier = self._find(key)
-            if tier is None:
-                break
-            sources.append((key, tier))
+        found: dict[tuple[int, int], Tier | None] = {}
+
         # One token must be left to compute (the logits of the last prompt token).
         cap = (request.num_tokens - 1) // self.block_size * self.block_size
-        if self.redis is not None:
-            # Below host and disk: the chunks after the local hits, up to the cap.
-            start = first + len(sources)
-            wanted = keys[start : max(-(-cap // chunk), start)]
-            found = self.redis.present_prefix(wanted)
-            sources.extend((key, Tier.REDIS) for key in wanted[:found])
-        end = min((first + len(sources)) * chunk, cap)
-        self._count_lookup(len(keys) * chunk - num_computed_tokens, sources, first, end)
+        redis_end: dict[int, int] = {}
+
+        def in_redis(group: int, idx: int) -> bool:
+            # Below host and disk, asked only after a local miss: one pipelined query
+            # per group for the run of chunks from `first` up to the cap.
+            if self.redis is None:
+                return False
+            if group not in redis_end:
+                wanted = [
+                    group_chunk_key(keys[i], group)
+                    for i in range(first, min(len(keys), -(-cap // chunk)))
+                ]
+                redis_end[group] = first + self.redis.present_prefix(wanted)
+            return idx < redis_end[group]
+
+        def tier_of(group: int, idx: int) -> Tier | None:
+            if (group, idx) not in found:
+                tier = self._find(group_chunk_key(keys[idx], group))
+                if tier is None and in_redis(group, idx):
+                    tier = Tier.REDIS
+                found[(group, idx)] = tier
+            return found[(group, idx)]
+
+        # Full-attention groups: the run of consecutive chunks every one of them holds.
+        run = len(keys) - first
+        for g in self._full_groups:
+            k = 0
+            while k < run and tier_of(g, first + k) is not None:
+                k += 1
+            run = k
+        end = 0
+        sources: list[_Source] = []
+        # The longest end whose chunks every group holds (sliding windows may miss).
+        for k in range(run, 0, -1):
+            candidate = min((first + k) * chunk, cap)
+            if candidate <= num_computed_tokens:
+                break
+            found_sources = self._sources(num_computed_tokens, candidate, keys, tier_of)
+            if found_sources is not None:
+                end, sources = candidate, found_sources
+                break
+        stat_group = self._full_groups[0] if self._full_groups else 0
+        self._count_lookup(
+            len(keys) * chunk - num_computed_tokens,
+            [s for s in sources if s.group == stat_group],
+            end,
+        )
         if end <= num_computed_tokens:
             return 0, False
-        used = -(-(end - first * chunk) // chunk)  # chunks the capped range touches
-        self._plans[request.request_id] = _LoadPlan(num_computed_tokens, end, first, sources[:used])
+        self._plans[request.request_id] = _LoadPlan(num_computed_tokens, end, sources)
         return end - num_computed_tokens, False
+
+    def _needed_blocks(self, group: int, num_local: int, end: int) -> range:
+        """Blocks of `group` a load from `num_local` to `end` tokens writes."""
+        bs = self.block_size
+        window = self.groups[group].sliding_window
+        return range(max(num_local // bs, window_start_block(window, end, bs)), end // bs)
+
+    def _sources(
+        self,
+        num_local: int,
+        end: int,
+        keys: list[ChunkKey],
+        tier_of: Callable[[int, int], Tier | None],
+    ) -> list[_Source] | None:
+        """Every group's chunks a load up to `end` reads, or None if one is missing."""
+        bpc = self.blocks_per_chunk
+        out: list[_Source] = []
+        for g in range(len(self.groups)):
+            blocks = self._needed_blocks(g, num_local, end)
+            if not blocks:
+                continue
+            for idx in range(blocks[0] // bpc, (blocks[-1]) // bpc + 1):
+                tier = tier_of(g, idx)
+                if tier is None:
+                    return None
+                out.append(_Source(g, idx, group_chunk_key(keys[idx], g), tier))
+        return out
 
     def _find(self, key: ChunkKey) -> Tier | None:
         if self.host is not None and key in self.host:
@@ -167,19 +255,18 @@ class OffloadingScheduler:
             return Tier.DISK
         return None
 
-    def _count_lookup(
-        self, queried: int, sources: list[tuple[ChunkKey, Tier]], first: int, end: int
-    ) -> None:
+    def _count_lookup(self, queried: int, sources: list[_Source], end: int) -> None:
+        """Hit tokens per tier, counted on one group (the first full-attention one)."""
         if queried <= 0:
             return
         chunk = self.config.chunk_size
         host_hits = disk_hits = redis_hits = 0
-        for i, (_, tier) in enumerate(sources):
-            start = (first + i) * chunk
+        for source in sources:
+            start = source.chunk_idx * chunk
             tokens = max(min(start + chunk, end) - start, 0)
-            if tier is Tier.HOST:
+            if source.tier is Tier.HOST:
                 host_hits += tokens
-            elif tier is Tier.DISK:
+            elif source.tier is Tier.DISK:
                 disk_hits += tokens
             else:
                 redis_hits += tokens
@@ -211,17 +298,17 @@ class OffloadingScheduler:
         for new in so.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
-                end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-                self._step(state, end, loads, saves)
+                state.block_ids = [list(ids) for ids in new.block_ids]
+                start = new.num_computed_tokens
+                self._step(state, start, start + scheduled.get(new.req_id, 0), loads, saves)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
             if state is None:
                 continue
             self._extend_blocks(state, cached.new_block_ids[i], cached.resumed_from_preemption[i])
-            end = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-            self._step(state, end, loads, saves)
+            start = cached.num_computed_tokens[i]
+            self._step(state, start, start + scheduled.get(req_id, 0), loads, saves)
         meta = OffloadingMetadata(
             loads=loads,
             saves=self._still_indexed(saves),
@@ -234,15 +321,17 @@ class OffloadingScheduler:
 
     @staticmethod
     def _extend_blocks(state: _RequestState, new: BlockIdsPerGroup | None, replace: bool) -> None:
-        blocks = list(new[0]) if new else []
-        if replace:
+        blocks = [list(ids) for ids in new] if new else []
+        if replace or not state.block_ids:
             state.block_ids = blocks
-        else:
-            state.block_ids.extend(blocks)
+        elif blocks:
+            for have, added in zip(state.block_ids, blocks, strict=True):
+                have.extend(added)
 
     def _step(
         self,
         state: _RequestState,
+        computed_start: int,
         computed_end: int,
         loads: list[ChunkLoad],
         saves: list[ChunkSave],
@@ -257,29 +346,34 @@ class OffloadingScheduler:
                 )
             state.load = None
         if self.can_save:
-            self._emit_saves(state, computed_end, saves)
+            self._emit_saves(state, computed_start, computed_end, saves)
 
     def _emit_load(self, state: _RequestState, plan: _LoadPlan) -> list[ChunkLoad]:
         bpc = self.blocks_per_chunk
-        local_blocks = plan.num_local // self.block_size
-        end_blocks = plan.end // self.block_size
         out: list[ChunkLoad] = []
-        for j, (key, tier) in enumerate(plan.sources):
-            base = (plan.first_chunk + j) * bpc
-            first = max(local_blocks - base, 0)
-            last = min(end_blocks - base, bpc)
+        for source in plan.sources:
+            blocks = self._needed_blocks(source.group, plan.num_local, plan.end)
+            base = source.chunk_idx * bpc
+            first = max(blocks.start - base, 0)
+            last = min(blocks.stop - base, bpc)
             promote = False
-            if tier is not Tier.HOST and self.host is not None:
-                promote = self._insert(Tier.HOST, key, state.request, plan.first_chunk + j)
-            if tier is Tier.REDIS:
+            if source.tier is not Tier.HOST and self.host is not None:
+                promote = self._insert(
+                    Tier.HOST, source.key, state.request, source.chunk_idx, source.group
+                )
+            if source.tier is Tier.REDIS:
                 # Which tier served it: a reuse report of the Redis tier (medium STORAGE,
                 # locality REMOTE, ownership "redis").
-                self.events.stored(Tier.REDIS, key, state.request, plan.first_chunk + j)
-            ids = state.block_ids[base + first : base + last]
-            out.append(ChunkLoad(key, tier, ids, first, promote))
+                self.events.stored(
+                    Tier.REDIS, source.key, state.request, source.chunk_idx, source.group
+                )
+            ids = state.block_ids[source.group][base + first : base + last]
+            out.append(ChunkLoad(source.key, source.tier, ids, first, promote, source.group))
         return out
 
-    def _emit_saves(self, state: _RequestState, computed_end: int, saves: list[ChunkSave]) -> None:
+    def _emit_saves(
+        self, state: _RequestState, computed_start: int, computed_end: int, saves: list[ChunkSave]
+    ) -> None:
         request = state.request
         chunk = self.config.chunk_size
         # Full chunks only; by default prompt chunks only (vLLM 0.33's offload_prompt_only,
@@ -295,21 +389,52 @@ class OffloadingScheduler:
         offered = range(state.next_save_chunk, min(limit, len(keys)))
         self.admission.record([keys[i] for i in offered])
         for i in offered:
-            key = keys[i]
-            if not self._held(key) and not self.admission.admit(key):
+            groups = [
+                g for g in range(len(self.groups)) if self._saves(g, i, state, computed_start)
+            ]
+            group_keys = [(g, group_chunk_key(keys[i], g)) for g in groups]
+            held = any(self._held(key) for _, key in group_keys)
+            if not held and not self.admission.admit(keys[i]):
                 continue  # store_threshold: not offered often enough yet
-            to_host = self._insert(Tier.HOST, key, request, i, touch=True)
-            to_disk = self._insert(Tier.DISK, key, request, i, touch=True)
-            to_redis = self.redis is not None and self.redis.should_write(key)
-            if to_redis:
-                self.events.stored(Tier.REDIS, key, request, i)
-            if to_host or to_disk or to_redis:
-                blocks = state.block_ids[i * bpc : (i + 1) * bpc]
-                saves.append(ChunkSave(key, blocks, to_host, to_disk, to_redis))
+            for g, key in group_keys:
+                to_host = self._insert(Tier.HOST, key, request, i, g, touch=True)
+                to_disk = self._insert(Tier.DISK, key, request, i, g, touch=True)
+                to_redis = self.redis is not None and self.redis.should_write(key)
+                if to_redis:
+                    self.events.stored(Tier.REDIS, key, request, i, g)
+                if to_host or to_disk or to_redis:
+                    ids = state.block_ids[g][i * bpc : (i + 1) * bpc]
+                    saves.append(
+                        ChunkSave(key, ids, to_host, to_disk, to_redis=to_redis, group=g)
+                    )
         state.next_save_chunk = max(state.next_save_chunk, min(limit, len(keys)))
 
+    def _saves(self, group: int, chunk_idx: int, state: _RequestState, computed_start: int) -> bool:
+        """Whether `group` stores chunk `chunk_idx` (always, unless it is a sliding window).
+
+        A sliding-window group stores the chunks a resume within one chunk of the
+        prompt's last token needs (the window before it), and only if their blocks
+        were not freed when this step was allocated (blocks before the window of
+        `computed_start` are null blocks by now, or reused).
+        """
+        window = self.groups[group].sliding_window
+        if window is None:
+            return True
+        chunk, bs = self.config.chunk_size, self.block_size
+        lowest = max(0, state.request.num_prompt_tokens - window - chunk - bs)
+        if (chunk_idx + 1) * chunk <= lowest:
+            return False
+        return chunk_idx * self.blocks_per_chunk >= window_start_block(window, computed_start, bs)
+
     def _insert(
-        self, tier: Tier, key: ChunkKey, request: Request, chunk_idx: int, *, touch: bool = False
+        self,
+        tier: Tier,
+        key: ChunkKey,
+        request: Request,
+        chunk_idx: int,
+        group: int = 0,
+        *,
+        touch: bool = False,
     ) -> bool:
         """True if chunk `chunk_idx` of `request` must be written to `tier` (absent, fits).
 
@@ -323,11 +448,11 @@ class OffloadingScheduler:
         if key in index:
             index.touch(key)
             return not touch
-        result = index.insert(key, self.chunk_bytes)
+        result = index.insert(key, self.group_chunk_bytes[group])
         evictions.extend(result.evicted)
         self.events.removed(tier, result.evicted)
         if result.inserted:
-            self.events.stored(tier, key, request, chunk_idx)
+            self.events.stored(tier, key, request, chunk_idx, group)
         return result.inserted
 
     def _held(self, key: ChunkKey) -> bool:
@@ -349,7 +474,11 @@ class OffloadingScheduler:
             to_host = save.to_host and self.host is not None and key in self.host
             to_disk = save.to_disk and self.disk is not None and key in self.disk
             if to_host or to_disk or save.to_redis:
-                kept.append(ChunkSave(save.key, save.block_ids, to_host, to_disk, save.to_redis))
+                kept.append(
+                    ChunkSave(
+                        save.key, save.block_ids, to_host, to_disk, save.to_redis, save.group
+                    )
+                )
         return kept
 
     # ------------------------------------------------------------ feedback

@@ -1,8 +1,9 @@
 """The worker side of `OffloadingConnector`: cross-layer copies between the paged cache and tiers.
 
-A chunk moves as one buffer holding its blocks across all layers,
-`[blocks, layers, 2, block_size, heads, head_size]` (see chunks.py), so a
-tier sees one object per chunk whatever the number of layers.
+A chunk moves as one buffer holding its blocks across all layers of its KV
+cache group, `[blocks, layers, 2, block_size, heads, head_size]` (see
+chunks.py), so a tier sees one object per chunk whatever the number of
+layers; a hybrid model has one chunk per group (`ChunkLoad.group`).
 
 Per step: `start_load_kv` loads synchronously (every layer, before the
 forward); `wait_for_save` runs the step's evictions and copies the saved
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -69,6 +70,7 @@ class OffloadingWorker:
         blocks_per_chunk: int,
         rank: int,
         world_size: int,
+        layer_groups: Sequence[Sequence[str]] | None = None,
         model_name: str = "",
     ) -> None:
         self.fingerprint = fingerprint_of(kv_caches, rank, world_size)
@@ -76,7 +78,14 @@ class OffloadingWorker:
         self.blocks_per_chunk = blocks_per_chunk
         first = self.layers[0]
         self.dtype = first.dtype
-        self.chunk_shape = (blocks_per_chunk, len(self.layers), *first.shape[0:1], *first.shape[2:])
+        # Each group's layers, in the scheduler's group order (the chunk's layer axis).
+        groups = layer_groups if layer_groups is not None else [list(kv_caches)]
+        self.group_layers = [[kv_caches[name] for name in names] for names in groups]
+        self.chunk_shapes = [
+            (blocks_per_chunk, len(layers), *first.shape[0:1], *first.shape[2:])
+            for layers in self.group_layers
+        ]
+        self.chunk_shape = self.chunk_shapes[0]
         self.host = HostStore() if config.has_host else None
         disk_path = config.rank_disk_path(rank, world_size)
         self.disk = DiskStore(disk_path, self.fingerprint) if disk_path is not None else None
@@ -111,6 +120,9 @@ class OffloadingWorker:
 
     def _load_one(self, load: ChunkLoad) -> None:
         key = ChunkKey(load.key)
+        if not 0 <= load.group < len(self.group_layers):
+            raise ChunkError(f"KV cache group {load.group} does not exist here")
+        shape = self.chunk_shapes[load.group]
         self.writer.wait_for(key)  # a save of this chunk may still be queued
         start = time.perf_counter()
         if load.source is Tier.HOST:
@@ -120,19 +132,19 @@ class OffloadingWorker:
         elif load.source is Tier.REDIS:
             if self.redis is None:
                 raise ChunkError("redis tier is off")
-            chunk, stats = self.redis.get(key, self.chunk_shape, self.dtype), self.stats.redis
+            chunk, stats = self.redis.get(key, shape, self.dtype), self.stats.redis
         else:
             if self.disk is None:
                 raise ChunkError("disk tier is off")
-            chunk, stats = self.disk.get(key, self.chunk_shape, self.dtype), self.stats.disk
-        if tuple(chunk.shape) != self.chunk_shape:
-            raise ChunkError(f"chunk shape {tuple(chunk.shape)}, want {self.chunk_shape}")
+            chunk, stats = self.disk.get(key, shape, self.dtype), self.stats.disk
+        if tuple(chunk.shape) != shape:
+            raise ChunkError(f"chunk shape {tuple(chunk.shape)}, want {shape}")
         n = len(load.block_ids)
         part = chunk[load.first_block : load.first_block + n]
         device = self.layers[0].device
         ids = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
         part_dev = part.to(device, non_blocking=False)
-        for layer_idx, kv_layer in enumerate(self.layers):
+        for layer_idx, kv_layer in enumerate(self.group_layers[load.group]):
             # [n, 2, B, H, D] -> [2, n, B, H, D], written into the blocks' rows.
             kv_layer.index_copy_(1, ids, part_dev[:, layer_idx].transpose(0, 1))
         stats.bytes_loaded += part.numel() * part.element_size()
@@ -152,7 +164,7 @@ class OffloadingWorker:
             self.writer.evict(ChunkKey(key), host=False, disk=True)
         for save in meta.saves:
             start = time.perf_counter()
-            chunk = self._gather(save.block_ids)
+            chunk = self._gather(save.block_ids, save.group)
             self.stats.host.seconds_saved += time.perf_counter() - start
             if save.to_host or save.to_disk:
                 self.writer.put(
@@ -162,16 +174,16 @@ class OffloadingWorker:
                 # Never waits: a full queue drops the chunk (counted as write_queue_full).
                 self.redis_writer.offer(ChunkKey(save.key), chunk)
 
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """The blocks across all layers, copied to host memory in the cross-layer layout."""
+    def _gather(self, block_ids: list[int], group: int = 0) -> torch.Tensor:
+        """The blocks across the group's layers, copied to host memory (cross-layer layout)."""
         device = self.layers[0].device
         ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
         out = torch.empty(
-            (len(block_ids), *self.chunk_shape[1:]),
+            (len(block_ids), *self.chunk_shapes[group][1:]),
             dtype=self.dtype,
             pin_memory=device.type == "cuda",
         )
-        for layer_idx, kv_layer in enumerate(self.layers):
+        for layer_idx, kv_layer in enumerate(self.group_layers[group]):
             out[:, layer_idx].copy_(kv_layer.index_select(1, ids).transpose(0, 1))
         return out
 

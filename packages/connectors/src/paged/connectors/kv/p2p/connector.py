@@ -16,7 +16,14 @@ vLLM's NixlConnector request protocol, so a vLLM router works unchanged:
        never comes is covered by `abort_request_timeout` (vLLM: 480 s)
 
 Roles: kv_producer serves blocks, kv_consumer pulls them, kv_both does both.
-Only single-group (non-hybrid) models; equal TP sizes (the handshake checks).
+Equal TP sizes (the handshake checks).
+
+Hybrid models (full + sliding-window KV cache groups, e.g. Gemma 3): the
+prefill returns `remote_block_ids` as one list per group (vLLM's HMA form),
+each the group's whole block table (0, the null block, before a sliding
+window); the decoder pulls, per group, only the blocks its resume needs:
+everything for a full-attention group, the window before the resume point
+for a sliding-window one (`groups.window_start_block`).
 """
 
 from __future__ import annotations
@@ -24,13 +31,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from paged.connectors.kv.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
 from paged.connectors.kv.config import KVTransferConfig
+from paged.connectors.kv.groups import GroupLayout, window_start_block
 from paged.connectors.kv.p2p import wire
 from paged.connectors.kv.p2p.config import ZmqConnectorConfig
 from paged.connectors.kv.p2p.handshake import layout_info
@@ -62,6 +70,7 @@ class _PendingPull:
     params: KVTransferParams
     num_local_tokens: int
     num_external_tokens: int
+    remote_groups: list[list[int]]  # the prefill's block ids, per KV cache group
 
 
 class PagedZmqConnector(KVConnectorBase):
@@ -71,11 +80,9 @@ class PagedZmqConnector(KVConnectorBase):
         self, config: KVTransferConfig, role: KVConnectorRole, context: KVConnectorContext
     ) -> None:
         super().__init__(config, role, context)
-        if context.num_kv_cache_groups != 1:
-            raise ValueError(
-                "PagedZmqConnector supports one KV cache group, the model has "
-                f"{context.num_kv_cache_groups}"
-            )
+        self.groups: tuple[GroupLayout, ...] = (
+            context.group_layouts() if role is KVConnectorRole.SCHEDULER else ()
+        )
         self.zmq_config = ZmqConnectorConfig.from_extra_config(config.kv_connector_extra_config)
         self.engine_id = config.engine_id
         self.block_size = context.block_size
@@ -100,6 +107,7 @@ class PagedZmqConnector(KVConnectorBase):
         self._cancelled: set[str] = set()
         self._load_errors: set[int] = set()
         self._recv_stats = TransferStats()
+        self._layer_group_list: list[int] = []  # per registered layer, its KV cache group
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -111,9 +119,16 @@ class PagedZmqConnector(KVConnectorBase):
             return None
         missing = [
             name
-            for name in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+            for name in ("remote_engine_id", "remote_host", "remote_port")
             if getattr(params, name) is None
         ]
+        if self._remote_groups(params) is None:
+            missing.append(
+                "remote_block_ids"
+                if params.remote_block_ids is None
+                and "remote_block_ids" not in (params.extra or {})
+                else f"remote_block_ids for {len(self.groups)} KV cache group(s)"
+            )
         if missing:
             # As vLLM: a malformed set of params computes the prompt locally.
             logger.warning(
@@ -141,16 +156,62 @@ class PagedZmqConnector(KVConnectorBase):
             # prefix cache does not hold is computed here.
             self._handled.add(request.request_id)
             return 0, False
-        remote_blocks = params.remote_block_ids or []
+        remote_groups = self._remote_groups(params) or [[]]
         # The last prompt token is computed here: its logits give the first token.
-        available = min(request.num_prompt_tokens - 1, len(remote_blocks) * self.block_size)
+        remote_tokens = min(len(ids) for ids in remote_groups) * self.block_size
+        available = min(request.num_prompt_tokens - 1, remote_tokens)
         count = available - num_computed_tokens
+        if count > 0 and not self._window_held(remote_groups, available):
+            logger.warning(
+                "request %s: the prefill no longer holds a sliding window's blocks; "
+                "computing the prompt locally",
+                request.request_id,
+            )
+            count = 0
         if count <= 0:
             self._handled.add(request.request_id)
             self._releases.append(_release_spec(params))
             return 0, False
-        self._pending[request.request_id] = _PendingPull(params, num_computed_tokens, count)
+        self._pending[request.request_id] = _PendingPull(
+            params, num_computed_tokens, count, remote_groups
+        )
         return count, True
+
+    def _window_held(self, remote_groups: list[list[int]], resume: int) -> bool:
+        """Whether every sliding-window group's blocks before `resume` are real on the prefill.
+
+        A prefill that decoded past its prompt has freed the oldest window blocks:
+        its block table then holds the null block (id 0, the pool's first) there.
+        """
+        end = -(-resume // self.block_size)
+        for layout, ids in zip(self.groups, remote_groups, strict=True):
+            if layout.sliding_window is None:
+                continue
+            first = window_start_block(layout.sliding_window, resume, self.block_size)
+            if 0 in ids[first:end]:
+                return False
+        return True
+
+    def _remote_groups(self, params: KVTransferParams) -> list[list[int]] | None:
+        """The prefill's block ids per KV cache group, or None if absent or not ours.
+
+        One group: `remote_block_ids` is a flat list. Hybrid: a list per group,
+        which the request's params keep in `extra` (the typed field is flat).
+        """
+        if params.remote_block_ids is not None:
+            return [list(params.remote_block_ids)] if len(self.groups) == 1 else None
+        raw = (params.extra or {}).get("remote_block_ids")
+        if (
+            not isinstance(raw, list)
+            or len(raw) != len(self.groups)
+            or not all(
+                isinstance(ids, list)
+                and all(isinstance(b, int) and not isinstance(b, bool) for b in ids)
+                for ids in raw
+            )
+        ):
+            return None
+        return [list(ids) for ids in raw]
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -160,10 +221,22 @@ class PagedZmqConnector(KVConnectorBase):
             return
         self._handled.add(request.request_id)
         params = pending.params
-        first = pending.num_local_tokens // self.block_size
-        end = -(-(pending.num_local_tokens + num_external_tokens) // self.block_size)
-        local = blocks.get_block_ids()[0]
-        remote = params.remote_block_ids or []
+        resume = pending.num_local_tokens + num_external_tokens
+        end = -(-resume // self.block_size)
+        local_groups = blocks.get_block_ids()
+        local_ids: list[int] = []
+        remote_ids: list[int] = []
+        sizes: list[int] = []
+        for g, layout in enumerate(self.groups):
+            # A sliding-window group pulls only the window before the resume point.
+            first = max(
+                pending.num_local_tokens // self.block_size,
+                window_start_block(layout.sliding_window, resume, self.block_size),
+            )
+            local = local_groups[g][first:end]
+            local_ids += local
+            remote_ids += pending.remote_groups[g][first:end]
+            sizes.append(len(local))
         assert params.remote_engine_id is not None and params.remote_host is not None
         assert params.remote_port is not None
         self._recvs.append(
@@ -173,8 +246,9 @@ class PagedZmqConnector(KVConnectorBase):
                     params.remote_engine_id, params.remote_host, params.remote_port
                 ),
                 remote_request_id=params.remote_request_id or request.request_id,
-                local_block_ids=list(local[first:end]),
-                remote_block_ids=list(remote[first:end]),
+                local_block_ids=local_ids,
+                remote_block_ids=remote_ids,
+                group_sizes=sizes if len(self.groups) > 1 else [],
             )
         )
         self._loading.add(request.request_id)
@@ -216,19 +290,24 @@ class PagedZmqConnector(KVConnectorBase):
         # (an aborted or stopped request frees its blocks at once).
         if request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None
-        blocks = list(block_ids[0]) if block_ids else []
+        groups = [list(ids) for ids in block_ids]
+        blocks = [b for ids in groups for b in ids]
         if blocks:
             self._sends.append(wire.SendSpec(req_id, blocks))
+        extra: dict[str, object] = {"tp_size": self.context.world_size}
+        if len(groups) > 1:
+            # vLLM's hybrid form: one list per group (the typed field is a flat list).
+            extra["remote_block_ids"] = groups
         return bool(blocks), KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
             remote_engine_id=self.engine_id,
             remote_request_id=req_id,
-            remote_block_ids=blocks,
+            remote_block_ids=groups[0] if len(groups) == 1 else None,
             remote_host=self.zmq_config.side_channel_host,
             remote_port=self.zmq_config.side_channel_port,
             remote_num_tokens=request.num_prompt_tokens,
-            extra={"tp_size": self.context.world_size},
+            extra=extra,
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -245,8 +324,14 @@ class PagedZmqConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ worker side
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        super().register_kv_caches(kv_caches)
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        super().register_kv_caches(kv_caches, layer_groups)
+        group_of = self._group_of_layer()
+        self._layer_group_list = [group_of[name] for name in self._kv_caches]
         info = layout_info(
             self.engine_id,
             self.context.model_name,
@@ -257,7 +342,12 @@ class PagedZmqConnector(KVConnectorBase):
         )
         if self._config.is_kv_producer:
             self._sender = BlockSender(
-                self.zmq_config, self.context.rank, info, self._kv_caches, self._news
+                self.zmq_config,
+                self.context.rank,
+                info,
+                self._kv_caches,
+                self._news,
+                self._layer_group_list,
             )
         if self._config.is_kv_consumer:
             self._puller = BlockPuller(self.zmq_config, self.context.rank, info, self._news)
@@ -314,9 +404,12 @@ class PagedZmqConnector(KVConnectorBase):
         n = result.num_blocks
         if result.error is None and n:
             try:
-                ids = result.local_block_ids[:n]
-                for (_, cache), frame in zip(self._kv_caches.items(), result.frames, strict=True):
-                    scatter_blocks(cache, ids, frame)
+                if result.group_sizes:
+                    n = self._scatter_groups(result)
+                else:
+                    ids = result.local_block_ids[:n]
+                    for cache, frame in zip(self._kv_caches.values(), result.frames, strict=True):
+                        scatter_blocks(cache, ids, frame)
             except ValueError as exc:
                 result.error, n = str(exc), 0
         if result.error is not None:
@@ -334,6 +427,19 @@ class PagedZmqConnector(KVConnectorBase):
                 )
         self._load_errors.update(result.local_block_ids[n:])
         return True
+
+    def _scatter_groups(self, result: PullResult) -> int:
+        """A hybrid pull: each layer gets its group's blocks; all of them, or `ValueError`."""
+        if result.num_blocks != len(result.local_block_ids):
+            raise ValueError(
+                f"{result.num_blocks} of {len(result.local_block_ids)} blocks delivered "
+                "(a hybrid pull is all or nothing)"
+            )
+        groups = wire.split_groups(result.local_block_ids, result.group_sizes)
+        caches = zip(self._kv_caches.values(), self._layer_group_list, strict=True)
+        for (cache, g), frame in zip(caches, result.frames, strict=True):
+            scatter_blocks(cache, groups[g], frame)
+        return result.num_blocks
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

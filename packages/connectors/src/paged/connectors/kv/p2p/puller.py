@@ -46,6 +46,7 @@ class PullResult:
     frames: list[memoryview]
     error: str | None
     seconds: float
+    group_sizes: list[int] = field(default_factory=list)  # hybrid: local ids per group
 
 
 @dataclass
@@ -170,7 +171,9 @@ class BlockPuller:
 
     def _send_pull(self, peer: _Peer, pull: _Pull) -> None:
         spec = pull.spec
-        msg = wire.PullRequest(pull.transfer_id, spec.remote_request_id, spec.remote_block_ids)
+        msg = wire.PullRequest(
+            pull.transfer_id, spec.remote_request_id, spec.remote_block_ids, spec.group_sizes
+        )
         pull.sent_at = time.monotonic()
         peer.in_flight[pull.transfer_id] = pull
         peer.sock.send_multipart([wire.PULL, wire.ENCODER.encode(msg)])
@@ -254,6 +257,7 @@ class BlockPuller:
             frames=frames,
             error=error,
             seconds=time.monotonic() - pull.started,
+            group_sizes=pull.spec.group_sizes,
         )
         with self._lock:
             self._results.append(result)

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,10 +63,13 @@ class BlockSender:
         info: KVLayoutInfo,
         kv_caches: Mapping[str, torch.Tensor],
         news: threading.Event,
+        layer_groups: Sequence[int] | None = None,
     ) -> None:
         self._config = config
         self._info = info
         self._kv_caches = dict(kv_caches)
+        # Per layer (kv_caches order), its KV cache group (hybrid pulls name blocks per group).
+        self._layer_groups = list(layer_groups or [0] * len(self._kv_caches))
         self._news = news
         self._lock = threading.RLock()  # _reply_error may run under it
         self._held: dict[str, _Held] = {}
@@ -204,12 +207,18 @@ class BlockSender:
                 self._reply_error(identity, pull, f"request {pull.remote_request_id!r}: {why}")
                 return True
             owned = set(held.block_ids)
-            # The prefix of the asked blocks this request holds; the decoder recomputes the rest.
-            n = 0
-            while n < len(pull.block_ids) and pull.block_ids[n] in owned:
-                n += 1
-            ids = pull.block_ids[:n]
-            frames = [gather_blocks(cache, ids) for cache in self._kv_caches.values()] if n else []
+            if pull.group_sizes:
+                frames, n = self._group_frames(pull, owned)
+            else:
+                # The prefix of the asked blocks this request holds; the decoder
+                # recomputes the rest.
+                n = 0
+                while n < len(pull.block_ids) and pull.block_ids[n] in owned:
+                    n += 1
+                ids = pull.block_ids[:n]
+                frames = (
+                    [gather_blocks(cache, ids) for cache in self._kv_caches.values()] if n else []
+                )
         header = wire.DataHeader(transfer_id=pull.transfer_id, num_blocks=n)
         self._sock.send_multipart(
             [identity, wire.DATA, wire.ENCODER.encode(header), *frames], copy=False
@@ -219,6 +228,22 @@ class BlockSender:
             self.stats.bytes += sum(f.nbytes for f in frames)
             self.stats.seconds += time.perf_counter() - start
         return True
+
+    def _group_frames(
+        self, pull: wire.PullRequest, owned: set[int]
+    ) -> tuple[list[memoryview], int]:
+        """A hybrid pull: every layer's own group's blocks, all or nothing."""
+        try:
+            groups = wire.split_groups(pull.block_ids, pull.group_sizes)
+        except ValueError:
+            return [], 0
+        if len(groups) <= max(self._layer_groups) or not owned.issuperset(pull.block_ids):
+            return [], 0
+        frames = [
+            gather_blocks(cache, groups[g])
+            for cache, g in zip(self._kv_caches.values(), self._layer_groups, strict=True)
+        ]
+        return frames, len(pull.block_ids)
 
     def _reply_error(self, identity: bytes, pull: wire.PullRequest, error: str) -> None:
         header = wire.DataHeader(transfer_id=pull.transfer_id, num_blocks=0, error=error)

@@ -17,6 +17,11 @@ A layer's bytes are `cache[:, block_ids]` of the prefill, `[2, n, B, H, D]`
 contiguous in the handshake's dtype; `n = DataHeader.num_blocks` may be less
 than asked (blocks the prefill does not hold): the decoder keeps that prefix
 and reports the rest as load errors.
+
+Hybrid models (several KV cache groups): `block_ids` lists are the groups'
+lists one after the other, `group_sizes` their lengths (empty: one group); a
+layer's bytes are its own group's blocks. A pull is then all or nothing
+(`num_blocks` is the whole count or 0).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class RecvSpec(msgspec.Struct, array_like=True, frozen=True):
     remote_request_id: str
     local_block_ids: list[int]
     remote_block_ids: list[int]  # same length as local_block_ids
+    group_sizes: list[int] = msgspec.field(default_factory=list)  # hybrid: ids per group
 
 
 class ReleaseSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -71,6 +77,7 @@ class PullRequest(msgspec.Struct, array_like=True, frozen=True):
     transfer_id: int
     remote_request_id: str
     block_ids: list[int]
+    group_sizes: list[int] = msgspec.field(default_factory=list)  # hybrid: ids per group
 
 
 class DataHeader(msgspec.Struct, array_like=True, frozen=True):
@@ -81,6 +88,18 @@ class DataHeader(msgspec.Struct, array_like=True, frozen=True):
 
 class Done(msgspec.Struct, array_like=True, frozen=True):
     remote_request_id: str
+
+
+def split_groups(block_ids: list[int], group_sizes: list[int]) -> list[list[int]]:
+    """The per-group lists of a concatenated `block_ids`; `ValueError` if the sizes disagree."""
+    if sum(group_sizes) != len(block_ids) or any(n < 0 for n in group_sizes):
+        raise ValueError(f"group sizes {group_sizes} do not split {len(block_ids)} block ids")
+    out: list[list[int]] = []
+    start = 0
+    for n in group_sizes:
+        out.append(block_ids[start : start + n])
+        start += n
+    return out
 
 
 HELLO_REPLY_DECODER = msgspec.msgpack.Decoder(HelloReply)
