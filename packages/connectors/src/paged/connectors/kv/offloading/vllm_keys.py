@@ -11,7 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-_PAGED_KEYS = frozenset({"chunk_size", "kv_bytes_per_rank", "disk_path", "disk_bytes_per_rank"})
+_PAGED_KEYS = frozenset(
+    {
+        "chunk_size",
+        "kv_bytes_per_rank",
+        "disk_path",
+        "disk_bytes_per_rank",
+        "use_layerwise",
+        "layerwise_load_timeout_s",
+    }
+)
 _VLLM_KEYS = frozenset(
     {
         "spec_name",

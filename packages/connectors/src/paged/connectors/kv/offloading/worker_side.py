@@ -4,24 +4,32 @@ A chunk moves as one buffer holding its blocks across all layers,
 `[blocks, layers, 2, block_size, heads, head_size]` (see chunks.py), so a
 tier sees one object per chunk whatever the number of layers.
 
-Per step: `start_load_kv` loads synchronously (every layer, before the
-forward); `wait_for_save` runs the step's evictions and copies the saved
-blocks device->host, then hands them to the background `ChunkWriter`: the
-step waits for that copy only, never for a disk write or a checksum.
+Per step, by default: `start_load_kv` loads synchronously (every layer,
+before the forward); `wait_for_save` runs the step's evictions and copies the
+saved blocks device->host, then hands them to the background `ChunkWriter`:
+the step waits for that copy only, never for a disk write or a checksum.
+
+With `use_layerwise` (see ../layerwise.py and docs/layerwise.md):
+`start_layerwise` starts a thread that copies the step's loads layer by layer
+while the forward runs (`wait_layer` blocks on one layer), `save_layer` copies
+a layer's saved blocks out as soon as the forward wrote them, and
+`finish_layerwise` (from `wait_for_save`) completes both before the writer
+gets the chunks.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
+from paged.connectors.kv.layerwise import LayerSource, LayerwiseLoad, LayerwiseSave, SaveTarget
 from paged.connectors.kv.offloading.chunks import ChunkError, ChunkKey, Fingerprint
 from paged.connectors.kv.offloading.config import OffloadingConfig
 from paged.connectors.kv.offloading.metadata import ChunkLoad, OffloadingMetadata, Tier
-from paged.connectors.kv.offloading.stats import OffloadingStats
+from paged.connectors.kv.offloading.stats import OffloadingStats, TierStats
 from paged.connectors.kv.offloading.storage import ChunkWriter, DiskStore, HostStore
 
 logger = logging.getLogger(__name__)
@@ -75,6 +83,9 @@ class OffloadingWorker:
         self.writer = ChunkWriter(self.host, self.disk)
         self.stats = OffloadingStats()
         self._load_errors: set[int] = set()
+        self.layerwise_timeout_s = config.layerwise_load_timeout_s
+        self._layer_load: LayerwiseLoad | None = None
+        self._layer_save: LayerwiseSave | None = None
 
     # ----------------------------------------------------------------- loads
     def load(self, meta: OffloadingMetadata) -> None:
@@ -88,9 +99,22 @@ class OffloadingWorker:
                 self.stats.load_errors += 1
 
     def _load_one(self, load: ChunkLoad) -> None:
+        start = time.perf_counter()
+        part, stats = self._fetch(load)
+        device = self.layers[0].device
+        ids = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
+        part_dev = part.to(device, non_blocking=False)
+        for layer_idx, kv_layer in enumerate(self.layers):
+            # [n, 2, B, H, D] -> [2, n, B, H, D], written into the blocks' rows.
+            kv_layer.index_copy_(1, ids, part_dev[:, layer_idx].transpose(0, 1))
+        stats.seconds_loaded += time.perf_counter() - start
+
+    def _fetch(self, load: ChunkLoad) -> tuple[torch.Tensor, TierStats]:
+        """The load's blocks from its tier, `[n, layers, 2, B, H, D]` on CPU; the tier's
+        counters (bytes counted here, seconds by the caller)."""
         key = ChunkKey(load.key)
         self.writer.wait_for(key)  # a save of this chunk may still be queued
-        start = time.perf_counter()
+        stats: TierStats
         if load.source is Tier.HOST:
             if self.host is None:
                 raise ChunkError("host tier is off")
@@ -103,16 +127,72 @@ class OffloadingWorker:
             raise ChunkError(f"chunk shape {tuple(chunk.shape)}, want {self.chunk_shape}")
         n = len(load.block_ids)
         part = chunk[load.first_block : load.first_block + n]
-        device = self.layers[0].device
-        ids = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
-        part_dev = part.to(device, non_blocking=False)
-        for layer_idx, kv_layer in enumerate(self.layers):
-            # [n, 2, B, H, D] -> [2, n, B, H, D], written into the blocks' rows.
-            kv_layer.index_copy_(1, ids, part_dev[:, layer_idx].transpose(0, 1))
         stats.bytes_loaded += part.numel() * part.element_size()
-        stats.seconds_loaded += time.perf_counter() - start
         if load.promote and self.host is not None:
             self.host.put(key, chunk.clone())
+        return part, stats
+
+    # ------------------------------------------------------- layer-wise
+    def start_layerwise(self, meta: OffloadingMetadata) -> None:
+        """Start the step's loads in a thread, layer by layer; prepare the saves' buffers."""
+        self.finish_layerwise()  # a step that never reached wait_for_save
+        if meta.loads:
+            sources = [
+                LayerSource(list(load.block_ids), self._timed_fetch(load), f"chunk {load.key[:16]}")
+                for load in meta.loads
+            ]
+            self._layer_load = LayerwiseLoad(self.layers, sources, self.layerwise_timeout_s)
+        if meta.saves:
+            device = self.layers[0].device
+            targets = [
+                SaveTarget(
+                    list(save.block_ids),
+                    self._host_buffer(len(save.block_ids)),
+                    torch.tensor(save.block_ids, dtype=torch.int64, device=device),
+                )
+                for save in meta.saves
+            ]
+            self._layer_save = LayerwiseSave(self.layers, targets)
+
+    def _timed_fetch(self, load: ChunkLoad) -> Callable[[], torch.Tensor]:
+        """`_fetch(load)` for the load thread; its seconds are the tier read only (the
+        copies overlap the forward)."""
+
+        def fetch() -> torch.Tensor:
+            start = time.perf_counter()
+            part, stats = self._fetch(load)
+            stats.seconds_loaded += time.perf_counter() - start
+            return part
+
+        return fetch
+
+    def wait_layer(self, layer_idx: int) -> None:
+        if self._layer_load is not None:
+            self._layer_load.wait(layer_idx)
+
+    def save_layer(self, layer_idx: int) -> None:
+        if self._layer_save is not None:
+            self._layer_save.save_layer(layer_idx)
+
+    def finish_layerwise(self, meta: OffloadingMetadata | None = None) -> None:
+        """Complete the step's layer-wise loads (failures -> load errors) and, with `meta`,
+        hand the saved chunks to the writer after the step's evictions."""
+        load, self._layer_load = self._layer_load, None
+        if load is not None:
+            failed = load.finish()
+            self._load_errors.update(failed)
+            self.stats.load_errors += load.failed_sources + (1 if load.cancelled else 0)
+        save, self._layer_save = self._layer_save, None
+        if meta is None:
+            return
+        self._evict(meta)
+        start = time.perf_counter()
+        buffers = save.finish() if save is not None else []
+        self.stats.host.seconds_saved += time.perf_counter() - start
+        for spec, target in zip(meta.saves, buffers, strict=True):
+            self.writer.put(
+                ChunkKey(spec.key), target.buffer, to_host=spec.to_host, to_disk=spec.to_disk
+            )
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -120,25 +200,33 @@ class OffloadingWorker:
 
     # ----------------------------------------------------------------- saves
     def save(self, meta: OffloadingMetadata) -> None:
-        for key in meta.evict_host:
-            self.writer.evict(ChunkKey(key), host=True, disk=False)
-        for key in meta.evict_disk:
-            self.writer.evict(ChunkKey(key), host=False, disk=True)
+        self._evict(meta)
         for save in meta.saves:
             start = time.perf_counter()
             chunk = self._gather(save.block_ids)
             self.stats.host.seconds_saved += time.perf_counter() - start
             self.writer.put(ChunkKey(save.key), chunk, to_host=save.to_host, to_disk=save.to_disk)
 
+    def _evict(self, meta: OffloadingMetadata) -> None:
+        # Before this step's saves: they may need the room.
+        for key in meta.evict_host:
+            self.writer.evict(ChunkKey(key), host=True, disk=False)
+        for key in meta.evict_disk:
+            self.writer.evict(ChunkKey(key), host=False, disk=True)
+
+    def _host_buffer(self, num_blocks: int) -> torch.Tensor:
+        """An uninitialised host buffer for `num_blocks` blocks in the cross-layer layout."""
+        return torch.empty(
+            (num_blocks, *self.chunk_shape[1:]),
+            dtype=self.dtype,
+            pin_memory=self.layers[0].device.type == "cuda",
+        )
+
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """The blocks across all layers, copied to host memory in the cross-layer layout."""
         device = self.layers[0].device
         ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
-        out = torch.empty(
-            (len(block_ids), *self.chunk_shape[1:]),
-            dtype=self.dtype,
-            pin_memory=device.type == "cuda",
-        )
+        out = self._host_buffer(len(block_ids))
         for layer_idx, kv_layer in enumerate(self.layers):
             out[:, layer_idx].copy_(kv_layer.index_select(1, ids).transpose(0, 1))
         return out
@@ -153,5 +241,6 @@ class OffloadingWorker:
         return out
 
     def close(self) -> None:
+        self.finish_layerwise()
         self.writer.flush()
         self.writer.close()

@@ -1,0 +1,220 @@
+"""Layer-by-layer KV loads and saves (seed: KV Transfer, レイヤーバイレイヤー・パイプライニング).
+
+    start_load_kv             LayerwiseLoad.start: a thread fetches every source, then
+                              copies layer 0's blocks, signals layer 0, layer 1, ...
+    forward, layer i:         wait_for_layer_load(i): LayerwiseLoad.wait(i) blocks only
+                              until layer i is in the paged cache (deadline-bound)
+                              ... layer i computes and writes its KV ...
+                              save_kv_layer(i): LayerwiseSave.save_layer(i) copies
+                              layer i's saved blocks out (CUDA: a side stream)
+    wait_for_save             LayerwiseSave.finish (saves complete); LayerwiseLoad.finish
+                              (the thread is done or cancelled: the blocks may be reused)
+
+A load never hangs the step: each wait has a deadline from `start`; a wait that
+misses it, a fetch that raises or a copy that raises puts the source's blocks
+in `failed`, which the connector reports as load errors (the scheduler then
+rewinds those requests and recomputes, or fails them under
+kv_load_failure_policy="fail"). A cancelled thread stops before its next layer
+copy (copies hold the job's lock, `cancel` takes it), so once `finish`
+returns nothing writes into the cache, even if a fetch is stuck in I/O.
+
+A source is a set of blocks and a fetch that returns them in the cross-layer
+layout `[n, layers, 2, block_size, heads, head_size]` (CPU), the offloading
+connector's chunk layout; the fetch runs in the thread (tier look-up, disk
+read, checksum), so it overlaps the layers that need nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerSource:
+    """Blocks to load and how to get their KV: `fetch()` -> `[n, layers, 2, B, H, D]` on CPU."""
+
+    block_ids: list[int]
+    fetch: Callable[[], torch.Tensor]
+    label: str = ""  # for the log line of a failure
+
+
+class LayerwiseLoad:
+    """One step's per-layer load into `layers` (the paged caches in layer order)."""
+
+    def __init__(
+        self, layers: Sequence[torch.Tensor], sources: Sequence[LayerSource], timeout_s: float
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self._layers = list(layers)
+        self._sources = list(sources)
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        self._ready = [threading.Event() for _ in self._layers]
+        self._lock = threading.Lock()  # held by each layer copy; cancel takes it
+        self._cancelled = False
+        self._failed: set[int] = set()
+        self._failed_sources = 0
+        device = self._layers[0].device if self._layers else torch.device("cpu")
+        self._cuda = device.type == "cuda"
+        # CUDA: copies run on a side stream; layer i's event orders the compute stream after them.
+        # (torch's Stream/Event constructors carry no annotations: hence the ignores.)
+        self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
+        self._events = [torch.cuda.Event() for _ in self._layers] if self._cuda else []  # type: ignore[no-untyped-call]
+        self._thread = threading.Thread(target=self._run, name="paged-kv-layer-load", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------- forward thread
+    def wait(self, layer_idx: int) -> None:
+        """Block until layer `layer_idx` is loaded, failed, or the deadline passed."""
+        ready = self._ready[layer_idx]
+        if not ready.wait(max(0.0, self._deadline - time.monotonic())):
+            self.cancel(f"layer {layer_idx} not loaded within {self._timeout_s:.3g} s")
+            return
+        if self._cuda:
+            torch.cuda.current_stream().wait_event(self._events[layer_idx])
+
+    def cancel(self, reason: str) -> None:
+        """Stop the thread before its next copy; every block not yet complete is failed."""
+        with self._lock:
+            if self._cancelled or self._ready[-1].is_set():
+                return
+            self._cancelled = True
+            logger.warning("KV layer-wise load cancelled: %s", reason)
+            for source in self._sources:
+                self._failed.update(source.block_ids)
+            for event in self._ready:
+                event.set()  # later waits return at once
+
+    def finish(self) -> set[int]:
+        """End of step: wait for the thread (cancelling it at the deadline); the failed blocks."""
+        self._thread.join(max(0.0, self._deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self.cancel("the load thread passed its deadline")
+        elif self._stream is not None:
+            self._stream.synchronize()  # the sources' host memory may be dropped now
+        with self._lock:
+            return set(self._failed)
+
+    # ------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        try:
+            with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                parts = self._fetch_all()
+                for layer_idx in range(len(self._layers)):
+                    if not self._copy_layer(layer_idx, parts):
+                        return
+        except BaseException as exc:  # never leave a waiter without its event
+            self.cancel(f"load thread failed: {exc}")
+
+    def _fetch_all(self) -> list[tuple[LayerSource, torch.Tensor, torch.Tensor]]:
+        parts = []
+        device = self._layers[0].device
+        for source in self._sources:
+            if self._cancelled:
+                break
+            try:
+                part = source.fetch()
+                want = (len(source.block_ids), len(self._layers), *self._layers[0].shape[0:1])
+                if tuple(part.shape[:3]) != want:
+                    raise ValueError(f"fetched {tuple(part.shape)}, want {want} + block shape")
+                ids = torch.tensor(source.block_ids, dtype=torch.int64, device=device)
+                parts.append((source, ids, part))
+            except Exception as exc:  # a bad chunk fails its blocks only
+                self._fail(source, exc)
+        return parts
+
+    def _copy_layer(
+        self, layer_idx: int, parts: list[tuple[LayerSource, torch.Tensor, torch.Tensor]]
+    ) -> bool:
+        kv_layer = self._layers[layer_idx]
+        with self._lock:
+            if self._cancelled:
+                return False
+            for source, ids, part in parts:
+                try:
+                    # [n, 2, B, H, D] -> [2, n, B, H, D] into the blocks' rows.
+                    rows = part[:, layer_idx].to(kv_layer.device, non_blocking=self._cuda)
+                    kv_layer.index_copy_(1, ids, rows.transpose(0, 1))
+                except Exception as exc:
+                    self._fail(source, exc)
+            if self._cuda:
+                self._events[layer_idx].record()
+            self._ready[layer_idx].set()
+        return True
+
+    def _fail(self, source: LayerSource, exc: BaseException) -> None:
+        logger.warning("KV layer-wise load of %s failed: %s", source.label or "blocks", exc)
+        self._failed.update(source.block_ids)
+        self._failed_sources += 1
+
+    @property
+    def cancelled(self) -> bool:
+        """True if a deadline or a thread failure cut the load short."""
+        return self._cancelled
+
+    @property
+    def failed_sources(self) -> int:
+        """Sources (chunks) whose fetch or copy raised (not counting a cancel)."""
+        return self._failed_sources
+
+
+@dataclass
+class SaveTarget:
+    """Blocks to save and the buffer `[n, layers, 2, B, H, D]` (host) they are copied into."""
+
+    block_ids: list[int]
+    buffer: torch.Tensor
+    ids: torch.Tensor  # block_ids on the cache's device
+
+
+class LayerwiseSave:
+    """One step's saves, each layer copied out by `save_layer` right after the forward wrote it.
+
+    CPU: the copy runs inline (the layer's blocks are still hot in cache; a
+    thread would compete with the forward's OpenMP threads for the same cores).
+    CUDA: it is issued non_blocking on a side stream ordered after the compute
+    stream's work so far, and `finish` synchronizes that stream.
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor], targets: Sequence[SaveTarget]) -> None:
+        self._layers = list(layers)
+        self.targets = list(targets)
+        self._saved = [False] * len(self._layers)
+        device = self._layers[0].device if self._layers else torch.device("cpu")
+        cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
+
+    def save_layer(self, layer_idx: int) -> None:
+        if self._saved[layer_idx] or not self.targets:
+            return
+        self._saved[layer_idx] = True
+        kv_layer = self._layers[layer_idx]
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                self._copy(layer_idx, kv_layer, non_blocking=True)
+        else:
+            self._copy(layer_idx, kv_layer, non_blocking=False)
+
+    def _copy(self, layer_idx: int, kv_layer: torch.Tensor, non_blocking: bool) -> None:
+        for target in self.targets:
+            rows = kv_layer.index_select(1, target.ids).transpose(0, 1)
+            target.buffer[:, layer_idx].copy_(rows, non_blocking=non_blocking)
+
+    def finish(self) -> list[SaveTarget]:
+        """Every layer copied (layers the forward did not reach are copied now); the targets."""
+        for layer_idx in range(len(self._layers)):
+            self.save_layer(layer_idx)
+        if self._stream is not None:
+            self._stream.synchronize()
+        return self.targets
