@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from paged.connectors.kv import KVConnectorContext, KVConnectorRole, KVTransferConfig
-from paged.connectors.kv.layerwise import LayerSource, LayerwiseLoad, LayerwiseSave, SaveTarget
+from paged.connectors.kv.layerwise import (
+    LayerRows,
+    LayerSource,
+    LayerwiseLoad,
+    LayerwiseSave,
+    SaveTarget,
+    cross_layer_rows,
+)
 from paged.connectors.kv.offloading import OffloadingConnector
 from paged.connectors.kv.offloading.config import OffloadingConfig
 from paged.connectors.kv.offloading.metadata import ChunkLoad
@@ -41,8 +48,9 @@ def _layers(num_layers: int = 3, num_blocks: int = 6) -> list[torch.Tensor]:
     return [torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE) for _ in range(num_layers)]
 
 
-def _part(num_blocks: int, num_layers: int, value: float) -> torch.Tensor:
-    return torch.full((num_blocks, num_layers, 2, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE), value)
+def _part(num_blocks: int, num_layers: int, value: float) -> LayerRows:
+    part = torch.full((num_blocks, num_layers, 2, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE), value)
+    return cross_layer_rows(part)
 
 
 # --------------------------------------------------------------------- LayerwiseLoad
@@ -74,7 +82,7 @@ def test_a_layer_is_usable_before_the_later_layers_are_loaded() -> None:
 def test_a_fetch_error_fails_only_its_own_blocks() -> None:
     layers = _layers()
 
-    def broken() -> torch.Tensor:
+    def broken() -> LayerRows:
         raise OSError("disk gone")
 
     sources = [LayerSource([0], broken), LayerSource([2], lambda: _part(1, 3, 1.0))]
@@ -101,7 +109,7 @@ def test_a_stuck_fetch_is_cancelled_at_the_deadline_and_never_writes_afterwards(
     layers = _layers()
     release = threading.Event()
 
-    def stuck() -> torch.Tensor:
+    def stuck() -> LayerRows:
         release.wait(10)
         return _part(1, 3, 9.0)
 

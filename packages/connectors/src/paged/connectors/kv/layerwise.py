@@ -18,10 +18,11 @@ kv_load_failure_policy="fail"). A cancelled thread stops before its next layer
 copy (copies hold the job's lock, `cancel` takes it), so once `finish`
 returns nothing writes into the cache, even if a fetch is stuck in I/O.
 
-A source is a set of blocks and a fetch that returns them in the cross-layer
-layout `[n, layers, 2, block_size, heads, head_size]` (CPU), the offloading
-connector's chunk layout; the fetch runs in the thread (tier look-up, disk
-read, checksum), so it overlaps the layers that need nothing.
+A source is a set of blocks and a fetch that returns, per layer, their rows
+in the cache's layout `[2, n, block_size, heads, head_size]` (CPU): a view of
+the offloading connector's cross-layer chunk, or of a layer's received bytes
+(P/D). The fetch runs in the thread (tier look-up, disk read, checksum), so
+it overlaps the layers that need nothing.
 """
 
 from __future__ import annotations
@@ -38,13 +39,22 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+# Layer index -> that layer's rows of a source's blocks, `[2, n, B, H, D]`.
+LayerRows = Callable[[int], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class LayerSource:
-    """Blocks to load and how to get their KV: `fetch()` -> `[n, layers, 2, B, H, D]` on CPU."""
+    """Blocks to load and how to get their KV: `fetch()` -> the rows of each layer."""
 
     block_ids: list[int]
-    fetch: Callable[[], torch.Tensor]
+    fetch: Callable[[], LayerRows]
     label: str = ""  # for the log line of a failure
+
+
+def cross_layer_rows(part: torch.Tensor) -> LayerRows:
+    """The rows of each layer of a cross-layer part `[n, layers, 2, B, H, D]` (views)."""
+    return lambda layer_idx: part[:, layer_idx].transpose(0, 1)
 
 
 class LayerwiseLoad:
@@ -63,7 +73,7 @@ class LayerwiseLoad:
         self._lock = threading.Lock()  # held by each layer copy; cancel takes it
         self._cancelled = False
         self._failed: set[int] = set()
-        self._failed_sources = 0
+        self._failed_ids: set[int] = set()  # id() of the sources that failed
         device = self._layers[0].device if self._layers else torch.device("cpu")
         self._cuda = device.type == "cuda"
         # CUDA: copies run on a side stream; layer i's event orders the compute stream after them.
@@ -116,35 +126,40 @@ class LayerwiseLoad:
         except BaseException as exc:  # never leave a waiter without its event
             self.cancel(f"load thread failed: {exc}")
 
-    def _fetch_all(self) -> list[tuple[LayerSource, torch.Tensor, torch.Tensor]]:
+    def _fetch_all(self) -> list[tuple[LayerSource, torch.Tensor, LayerRows]]:
         parts = []
         device = self._layers[0].device
         for source in self._sources:
             if self._cancelled:
                 break
             try:
-                part = source.fetch()
-                want = (len(source.block_ids), len(self._layers), *self._layers[0].shape[0:1])
-                if tuple(part.shape[:3]) != want:
-                    raise ValueError(f"fetched {tuple(part.shape)}, want {want} + block shape")
+                rows = source.fetch()
                 ids = torch.tensor(source.block_ids, dtype=torch.int64, device=device)
-                parts.append((source, ids, part))
+                parts.append((source, ids, rows))
             except Exception as exc:  # a bad chunk fails its blocks only
                 self._fail(source, exc)
         return parts
 
     def _copy_layer(
-        self, layer_idx: int, parts: list[tuple[LayerSource, torch.Tensor, torch.Tensor]]
+        self, layer_idx: int, parts: list[tuple[LayerSource, torch.Tensor, LayerRows]]
     ) -> bool:
         kv_layer = self._layers[layer_idx]
         with self._lock:
             if self._cancelled:
                 return False
-            for source, ids, part in parts:
+            for source, ids, layer_rows in parts:
+                if id(source) in self._failed_ids:
+                    continue  # an earlier layer failed it: already reported
                 try:
-                    # [n, 2, B, H, D] -> [2, n, B, H, D] into the blocks' rows.
-                    rows = part[:, layer_idx].to(kv_layer.device, non_blocking=self._cuda)
-                    kv_layer.index_copy_(1, ids, rows.transpose(0, 1))
+                    rows = layer_rows(layer_idx)
+                    want = (2, len(source.block_ids), *kv_layer.shape[2:])
+                    if tuple(rows.shape) != want or rows.dtype != kv_layer.dtype:
+                        raise ValueError(
+                            f"layer {layer_idx}: rows {tuple(rows.shape)} {rows.dtype}, "
+                            f"want {want} {kv_layer.dtype}"
+                        )
+                    rows = rows.to(kv_layer.device, non_blocking=self._cuda)
+                    kv_layer.index_copy_(1, ids, rows)
                 except Exception as exc:
                     self._fail(source, exc)
             if self._cuda:
@@ -155,7 +170,7 @@ class LayerwiseLoad:
     def _fail(self, source: LayerSource, exc: BaseException) -> None:
         logger.warning("KV layer-wise load of %s failed: %s", source.label or "blocks", exc)
         self._failed.update(source.block_ids)
-        self._failed_sources += 1
+        self._failed_ids.add(id(source))
 
     @property
     def cancelled(self) -> bool:
@@ -165,7 +180,7 @@ class LayerwiseLoad:
     @property
     def failed_sources(self) -> int:
         """Sources (chunks) whose fetch or copy raised (not counting a cancel)."""
-        return self._failed_sources
+        return len(self._failed_ids)
 
 
 @dataclass

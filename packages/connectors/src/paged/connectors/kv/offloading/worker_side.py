@@ -25,7 +25,14 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from paged.connectors.kv.layerwise import LayerSource, LayerwiseLoad, LayerwiseSave, SaveTarget
+from paged.connectors.kv.layerwise import (
+    LayerRows,
+    LayerSource,
+    LayerwiseLoad,
+    LayerwiseSave,
+    SaveTarget,
+    cross_layer_rows,
+)
 from paged.connectors.kv.offloading.chunks import ChunkError, ChunkKey, Fingerprint
 from paged.connectors.kv.offloading.config import OffloadingConfig
 from paged.connectors.kv.offloading.metadata import ChunkLoad, OffloadingMetadata, Tier
@@ -154,15 +161,15 @@ class OffloadingWorker:
             ]
             self._layer_save = LayerwiseSave(self.layers, targets)
 
-    def _timed_fetch(self, load: ChunkLoad) -> Callable[[], torch.Tensor]:
+    def _timed_fetch(self, load: ChunkLoad) -> Callable[[], LayerRows]:
         """`_fetch(load)` for the load thread; its seconds are the tier read only (the
         copies overlap the forward)."""
 
-        def fetch() -> torch.Tensor:
+        def fetch() -> LayerRows:
             start = time.perf_counter()
             part, stats = self._fetch(load)
             stats.seconds_loaded += time.perf_counter() - start
-            return part
+            return cross_layer_rows(part)
 
         return fetch
 
