@@ -51,6 +51,7 @@ class _Req:
     tokens: list[int]
     blocks: list[int]
     num_computed: int
+    num_prompt: int = 0
 
 
 @dataclass
@@ -70,8 +71,9 @@ class KVWorkerSim:
         for rid in so.finished_req_ids:
             self.reqs.pop(rid, None)
         for new in so.scheduled_new_reqs:
+            prompt = list(new.prompt_token_ids)
             self.reqs[new.req_id] = _Req(
-                list(new.prompt_token_ids), list(new.block_ids[0]), new.num_computed_tokens
+                prompt, list(new.block_ids[0]), new.num_computed_tokens, len(prompt)
             )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -80,6 +82,10 @@ class KVWorkerSim:
                 self.reqs[rid].blocks.extend(ids[0])
             # After a load error the scheduler rewinds to the first bad block.
             self.reqs[rid].num_computed = cached.num_computed_tokens[i]
+            if i < len(cached.num_output_tokens):
+                # ... and drops the token sampled in the failed step (as the runner does).
+                req = self.reqs[rid]
+                del req.tokens[req.num_prompt + cached.num_output_tokens[i] :]
         if so.kv_connector_metadata is not None:
             self.connector.bind_connector_metadata(so.kv_connector_metadata)
             self.connector.start_load_kv()
