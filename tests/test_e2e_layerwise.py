@@ -10,6 +10,7 @@ recomputed after a corrupt chunk failed its layer-wise load.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def _greedy(llm: LLM) -> tuple[list[int], int]:
 
 @pytest.mark.slow
 def test_layerwise_host_and_disk_loads_and_a_failed_layer_load_keep_greedy_tokens(
-    tiny_word_llama: Path, tmp_path: Path
+    tiny_word_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     baseline = _engine(tiny_word_llama, None)
     try:
@@ -75,8 +76,12 @@ def test_layerwise_host_and_disk_loads_and_a_failed_layer_load_keep_greedy_token
     files[1].write_bytes(bytes(data))
     restarted = _engine(tiny_word_llama, {"disk_path": str(disk)})
     try:
-        tokens, _ = _greedy(restarted)
+        with caplog.at_level(logging.WARNING, logger="paged.connectors.kv.layerwise"):
+            tokens, _ = _greedy(restarted)
         assert tokens == expected  # chunk 1's blocks were recomputed, not read
+        # ... because its load failed in the layer-wise load thread (the worker runs
+        # in this process with the offline LLM).
+        assert any("layer-wise load of chunk" in r.getMessage() for r in caplog.records)
         assert restarted.reset_prefix_cache()
         assert _greedy(restarted) == (expected, HIT)  # the recomputed chunk was saved again
     finally:
