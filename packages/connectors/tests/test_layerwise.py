@@ -34,7 +34,7 @@ from paged.connectors.kv.testing import (
     expected_kv,
     make_kv_caches,
 )
-from paged.scheduler.boundary import ModelRunnerOutput, SchedulerOutput
+from paged.scheduler.boundary import FinishReason, ModelRunnerOutput, SchedulerOutput
 from paged.scheduler.testing import BLOCK_SIZE, make_request, make_scheduler
 
 NUM_BLOCKS = 48
@@ -147,7 +147,7 @@ def test_layerwise_save_copies_each_layer_when_it_is_saved() -> None:
 
 # --------------------------------------------------------------------- the connector
 class _Engine:
-    def __init__(self, extra: dict[str, Any]) -> None:
+    def __init__(self, extra: dict[str, Any], policy: str = "recompute") -> None:
         cfg = KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
@@ -156,7 +156,9 @@ class _Engine:
         ctx = KVConnectorContext(block_size=BLOCK_SIZE, kv_bytes_per_block=BLOCK_BYTES)
         self.sched_side = OffloadingConnector(cfg, KVConnectorRole.SCHEDULER, ctx)
         self.worker_side = OffloadingConnector(cfg, KVConnectorRole.WORKER, ctx)
-        self.sched = make_scheduler(NUM_BLOCKS, kv_connector=self.sched_side)
+        self.sched = make_scheduler(
+            NUM_BLOCKS, kv_connector=self.sched_side, kv_load_failure_policy=policy
+        )
         self.sim = KVWorkerSim(self.worker_side, make_kv_caches(NUM_BLOCKS, BLOCK_SIZE), BLOCK_SIZE)
 
     def step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
@@ -264,6 +266,34 @@ def test_a_stuck_layerwise_load_fails_the_request_blocks_instead_of_hanging(
     so, _ = engine.step()  # every loaded block failed: recomputed from token 0
     assert so.scheduled_cached_reqs.num_computed_tokens == [0]
     _assert_kv(engine, "b", 27)
+    engine.worker_side.shutdown()
+
+
+def test_a_stuck_layerwise_load_under_the_fail_policy_finishes_the_request_with_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = _Engine({"use_layerwise": True, "layerwise_load_timeout_s": 0.2}, policy="fail")
+    engine.saved_then_forgotten()
+    worker = engine.worker_side.worker_side
+    release = threading.Event()
+    real_fetch = worker._fetch
+
+    def stuck_fetch(load: ChunkLoad) -> Any:
+        release.wait(10)
+        return real_fetch(load)
+
+    monkeypatch.setattr(worker, "_fetch", stuck_fetch)
+    engine.sched.add_request(make_request("b", PROMPT, max_tokens=1))
+    so = engine.sched.schedule()
+    started = time.monotonic()
+    outputs = engine.sched.update_from_output(so, engine.sim.execute(so))
+    assert time.monotonic() - started < 5
+    release.set()
+    (out,) = [o for per_client in outputs.values() for o in per_client.outputs]
+    assert out.request_id == "b" and out.finish_reason is FinishReason.ERROR
+    engine.step()  # reports b as finished to the worker
+    assert not engine.sched.has_requests()
+    engine.sched.check_integrity()
     engine.worker_side.shutdown()
 
 

@@ -80,6 +80,9 @@ class LayerwiseLoad:
         # (torch's Stream/Event constructors carry no annotations: hence the ignores.)
         self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
         self._events = [torch.cuda.Event() for _ in self._layers] if self._cuda else []  # type: ignore[no-untyped-call]
+        if self._stream is not None:
+            # The blocks may have been read by kernels still queued from the last step.
+            self._stream.wait_stream(torch.cuda.current_stream())
         self._thread = threading.Thread(target=self._run, name="paged-kv-layer-load", daemon=True)
         self._thread.start()
 
@@ -205,6 +208,7 @@ class LayerwiseSave:
         self._layers = list(layers)
         self.targets = list(targets)
         self._saved = [False] * len(self._layers)
+        self._in_flight: list[torch.Tensor] = []
         device = self._layers[0].device if self._layers else torch.device("cpu")
         cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
@@ -225,6 +229,8 @@ class LayerwiseSave:
         for target in self.targets:
             rows = kv_layer.index_select(1, target.ids).transpose(0, 1)
             target.buffer[:, layer_idx].copy_(rows, non_blocking=non_blocking)
+            if non_blocking:
+                self._in_flight.append(rows)  # alive until finish() synchronizes
 
     def finish(self) -> list[SaveTarget]:
         """Every layer copied (layers the forward did not reach are copied now); the targets."""
@@ -232,4 +238,5 @@ class LayerwiseSave:
             self.save_layer(layer_idx)
         if self._stream is not None:
             self._stream.synchronize()
+        self._in_flight.clear()
         return self.targets
