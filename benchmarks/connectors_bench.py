@@ -26,6 +26,12 @@ moment every stream has its first token (steady-state decode), with the
 OffloadingConnector on (host tier, chunks of `--decode-chunk` tokens, so
 every prompt saves one chunk) versus no connector, the two engines alternating.
 
+Layer-wise (`--layerwise`, alone: the other phases are skipped): TTFT of
+`--prompt-len` token prompts served from the host tier by two engines, one
+with `use_layerwise` off (the whole prefix copied before the forward) and one
+with it on (copied layer by layer while the forward runs), alternating per
+prompt; medians, and whether both engines' first tokens equal the computed ones.
+
 torch runs on `--threads` CPU threads (set before torch is imported).
 Run: .venvs/all/bin/python benchmarks/connectors_bench.py [--threads 1]
 (the Redis case alone: --skip-ttft --skip-decode)
@@ -263,6 +269,49 @@ def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _first_token(llm: LLM, prompt: list[int]) -> tuple[float, int, int]:
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    tokens: TokensPrompt = {"prompt_token_ids": prompt}
+    start = time.perf_counter()
+    (out,) = llm.generate([tokens], params, use_tqdm=False)
+    return time.perf_counter() - start, out.num_cached_tokens, out.outputs[0].token_ids[0]
+
+
+def bench_layerwise(args: argparse.Namespace) -> dict[str, Any]:
+    host = {"kv_bytes_per_rank": args.host_gib * (1 << 30)}
+    modes = {"sync": False, "layerwise": True}
+    # Same weight layout for both engines (see bench_decode).
+    engines = {
+        mode: _llm(args, _offload_config({**host, "use_layerwise": on}), cpu_weight_panels="off")
+        for mode, on in modes.items()
+    }
+    for llm in engines.values():
+        _ttft(llm, _prompts(1, 64, seed=99)[0])  # warm-up
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    cached: dict[str, list[int]] = {mode: [] for mode in modes}
+    identical = True
+    for rep, prompt in enumerate(_prompts(args.reps, args.prompt_len, seed=3)):
+        computed = {mode: _first_token(llm, prompt)[2] for mode, llm in engines.items()}
+        order = list(modes) if rep % 2 == 0 else list(modes)[::-1]
+        for mode in order:
+            llm = engines[mode]
+            assert llm.reset_prefix_cache()
+            t, c, token = _first_token(llm, prompt)
+            times[mode].append(t)
+            cached[mode].append(c)
+            identical &= token == computed[mode] == computed["sync"]
+    for llm in engines.values():
+        llm.engine_client.shutdown()
+    out: dict[str, Any] = {f"ttft_host_tier_{m}_s": _median(t) for m, t in times.items()}
+    out.update({f"ttft_host_tier_{m}_all_s": [round(x, 4) for x in t] for m, t in times.items()})
+    out.update({f"cached_tokens_{m}": statistics.median(c) for m, c in cached.items()})
+    out["layerwise_vs_sync_speedup"] = round(
+        out["ttft_host_tier_sync_s"] / out["ttft_host_tier_layerwise_s"], 3
+    )
+    out["first_tokens_identical"] = identical
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -278,6 +327,7 @@ def main() -> None:
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-redis", action="store_true")
     parser.add_argument("--redis-url", default="", help="default: a private redis-server")
+    parser.add_argument("--layerwise", action="store_true", help="only the layer-wise comparison")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {
@@ -293,6 +343,9 @@ def main() -> None:
         "decode_tokens": args.decode_tokens,
         "load_avg_before": [round(x, 2) for x in os.getloadavg()],
     }
+    if args.layerwise:
+        result.update(bench_layerwise(args))
+        args.skip_ttft = args.skip_decode = args.skip_redis = True
     if not args.skip_ttft:
         result.update(bench_ttft(args))
     if not args.skip_redis:

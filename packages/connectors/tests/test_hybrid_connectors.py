@@ -466,3 +466,10 @@ def test_pd_decoder_computes_locally_when_the_prefill_lost_the_window() -> None:
         assert d.sim.computed_positions["d1"] == list(range(len(PROMPT) + 1))
     finally:
         d.worker_side.shutdown()
+
+
+def test_offloading_refuses_layerwise_for_a_hybrid_model_at_start_up() -> None:
+    # The layer-wise copies index one chunk over every layer; a hybrid model's chunks hold
+    # one group's layers each, so the combination is refused when the caches register.
+    with pytest.raises(ValueError, match="use_layerwise needs a model with one KV cache group"):
+        _OffloadEngine(extra={"kv_bytes_per_rank": 1 << 20, "use_layerwise": True})

@@ -236,3 +236,50 @@ def test_a_missing_compiler_logs_and_keeps_the_per_op_path(
     with caplog.at_level("WARNING"):
         assert fused_build.load_fused() is None
     assert "fused CPU layers unavailable" in caplog.text
+
+
+class _LayerHooks:
+    """Records the per-layer connector calls and whether each layer's new slots were written."""
+
+    def __init__(self, caches: list[torch.Tensor], names: list[str], slots: torch.Tensor) -> None:
+        self.caches, self.names, self.slots = caches, names, slots
+        self.before = [self._rows(i).clone() for i in range(len(caches))]
+        self.calls: list[tuple[str, str, list[bool]]] = []
+
+    def _rows(self, i: int) -> torch.Tensor:
+        flat = self.caches[i].flatten(1, 2)  # [2, blocks * BLOCK, H, D]
+        return flat[:, self.slots]
+
+    def _written(self) -> list[bool]:
+        return [not torch.equal(self._rows(i), b) for i, b in enumerate(self.before)]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.calls.append(("wait", layer_name, self._written()))
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        assert kv_layer is self.caches[self.names.index(layer_name)]
+        self.calls.append(("save", layer_name, self._written()))
+
+
+def test_fused_stack_calls_the_connector_around_each_layer(model: Any) -> None:
+    # A layer-wise KV connector needs the fused C stack to call back per layer: wait
+    # before layer i reads its cache, save after it wrote it (never all layers at once).
+    if fused_build.load_fused() is None:
+        pytest.skip("no C compiler: the fused library cannot build")
+    inner = _inner(model)
+    inner.cpu_fused = fused.FusedLayers()
+    table = torch.arange(12, dtype=torch.int32).view(2, 6).flip(1).contiguous()
+    caches = _caches(model, 12)
+    names = [a.layer_name for a in model.attention_layers()]
+    meta, positions = _step([0, 0], [5, 3], table)
+    hooks = _LayerHooks(caches, names, meta.slot_mapping)
+    ids = torch.randint(0, 96, (positions.shape[0],), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        model(ids, positions, ForwardContext(meta, caches, kv_connector=hooks, layer_names=names))
+    assert inner._fused_stack() is not None, "the fused stack did not build"
+    n = len(names)
+    want = []
+    for i, name in enumerate(names):
+        want.append(("wait", name, [j < i for j in range(n)]))
+        want.append(("save", name, [j <= i for j in range(n)]))
+    assert hooks.calls == want

@@ -199,6 +199,35 @@ def test_async_load_error_falls_back_to_recompute() -> None:
     assert outs["a"][-1].finish_reason is FinishReason.LENGTH
 
 
+def test_a_load_error_after_the_load_was_reported_rewinds_a_request_not_admitted_yet() -> None:
+    # A layer-wise connector reports an async load finished and copies its blocks
+    # during a later forward; the copy may fail while the request, back to WAITING,
+    # could not be admitted yet (no free block). It must then recompute, not run on.
+    conn = FakeKVConnector(matches={"a": [(8, True)]})
+    sched = make_scheduler(16, kv_connector=conn)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", distinct(1, 12), max_tokens=1))
+    so = sched.schedule()  # a: WAITING_FOR_REMOTE_KVS with 2 blocks
+    sched.update_from_output(so, runner.execute(so))
+    # b takes every free block and runs one decode step more.
+    sched.add_request(make_request("b", distinct(2, 4 * free_blocks(sched) - 1), max_tokens=2))
+    so = sched.schedule()
+    assert set(so.num_scheduled_tokens) == {"b"} and free_blocks(sched) == 0
+    sched.update_from_output(so, with_kv(runner.execute(so), finished_recving=["a"]))
+    so = sched.schedule()  # a's load is done, but its third block does not fit
+    a = sched.state.requests["a"]
+    assert set(so.num_scheduled_tokens) == {"b"}
+    assert a.status is RequestStatus.WAITING and a.num_computed_tokens == 8
+    bad = sched.state.kv.get_block_ids("a")[0][1]
+    sched.update_from_output(so, with_kv(runner.execute(so), invalid_block_ids=[bad]))
+    assert a.num_computed_tokens == 4  # only the first block's tokens are valid
+    so = sched.schedule()  # b finished: a is admitted and recomputes from token 4
+    assert so.num_scheduled_tokens == {"a": 8}
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 4
+    sched.update_from_output(so, runner.execute(so))
+    sched.check_integrity()
+
+
 def test_sync_load_error_discards_step_and_recomputes() -> None:
     conn = FakeKVConnector(matches={"a": [(8, False)]})
     sched = make_scheduler(kv_connector=conn)

@@ -84,7 +84,10 @@ def _handle_invalid_blocks(
         if request.is_finished():
             continue
         loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-        if not loading and request.request_id not in scheduled:
+        # Back from an async load but not admitted yet: a layer-wise connector copies
+        # those blocks during a later forward, so their failure can come now.
+        loaded_waiting = request.status is RequestStatus.WAITING and request.num_computed_tokens > 0
+        if not loading and not loaded_waiting and request.request_id not in scheduled:
             continue
         if not state.kv.coordinator.has_request(request.request_id):
             continue
@@ -106,6 +109,14 @@ def _handle_invalid_blocks(
             if valid_tokens < request.kv_load_target_tokens:
                 request.kv_load_target_tokens = valid_tokens
                 state.failed_recving_kv_req_ids.add(request.request_id)
+        elif loaded_waiting and request.request_id not in scheduled:
+            if valid_tokens < request.num_computed_tokens:
+                # Nothing ran on it yet: only its count goes back (nothing to discard).
+                # With no valid token left it gives its blocks back and is admitted
+                # afresh (prefix cache and connector asked again), as an empty load.
+                if valid_tokens == 0:
+                    state.kv.free(request)
+                request.num_computed_tokens = valid_tokens
         elif valid_tokens < request.num_computed_tokens:
             # The tokens computed this step read corrupt KV: recompute from the bad block.
             request.num_computed_tokens = valid_tokens

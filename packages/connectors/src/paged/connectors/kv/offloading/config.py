@@ -14,7 +14,10 @@ vLLM 0.33's keys (docs/features/kv_offloading_usage.md, v1/kv_offload/):
 
 paged's own keys stay accepted: `chunk_size` (= vLLM's `block_size`),
 `kv_bytes_per_rank` (host bytes per rank), `disk_path` (= an fs tier's
-`root_dir`), `disk_bytes_per_rank` (disk budget; vLLM's fs tier is unbounded).
+`root_dir`), `disk_bytes_per_rank` (disk budget; vLLM's fs tier is unbounded),
+`use_layerwise` (LMCache's name: loads and saves layer by layer, default
+false) and `layerwise_load_timeout_s` (a layer-wise load's deadline, default
+30; docs/layerwise.md).
 Keys paged does not implement are refused by `check_extra_config`, which the
 server calls while it parses `--kv-transfer-config` (before a model loads).
 See packages/connectors/docs/offloading-config.md.
@@ -38,6 +41,7 @@ from paged.connectors.kv.offloading.vllm_keys import (
 
 DEFAULT_CHUNK_SIZE = 256  # LMCache's default chunk, in tokens
 DEFAULT_DISK_BYTES = 64 << 30
+DEFAULT_LAYERWISE_TIMEOUT_S = 30.0
 DEFAULT_MAX_TRACKER_SIZE = 64_000  # vLLM 0.33's default (v1/kv_offload/cpu/spec.py:163)
 
 
@@ -59,6 +63,9 @@ class OffloadingConfig:
     eviction_policy: str = "lru"
     # The shared tier below host and disk (redis_tier.py); None without one.
     redis: RedisTierConfig | None = None
+    # Loads copied layer by layer during the forward, saves per layer (docs/layerwise.md).
+    use_layerwise: bool = False
+    layerwise_load_timeout_s: float = DEFAULT_LAYERWISE_TIMEOUT_S
 
     @property
     def has_host(self) -> bool:
@@ -112,6 +119,7 @@ class OffloadingConfig:
                 f"OffloadingConnector: offload_prompt_only must be true or false, "
                 f"got {prompt_only!r}"
             )
+        use_layerwise, layer_timeout = _layerwise(extra)
         return cls(
             chunk,
             host,
@@ -123,6 +131,8 @@ class OffloadingConfig:
             disk_events=fs_tier_events(extra),
             eviction_policy=str(extra.get("eviction_policy", "lru")),
             redis=redis,
+            use_layerwise=use_layerwise,
+            layerwise_load_timeout_s=layer_timeout,
         )
 
 
@@ -179,3 +189,17 @@ def _disk_path(extra: Mapping[str, Any]) -> Path | None:
         raise ValueError(f"OffloadingConnector: disk_path must be a non-empty string, got {raw!r}")
     path = root if root is not None else raw
     return Path(path) if path is not None else None
+
+
+def _layerwise(extra: Mapping[str, Any]) -> tuple[bool, float]:
+    enabled = extra.get("use_layerwise", False)
+    if not isinstance(enabled, bool):
+        raise ValueError(
+            f"OffloadingConnector: use_layerwise must be true or false, got {enabled!r}"
+        )
+    timeout = number(extra, "layerwise_load_timeout_s", DEFAULT_LAYERWISE_TIMEOUT_S)
+    if timeout <= 0:
+        raise ValueError(
+            f"OffloadingConnector: layerwise_load_timeout_s must be > 0, got {timeout}"
+        )
+    return enabled, timeout

@@ -4,9 +4,11 @@ One class, two roles: the scheduler-side instance composes `OffloadingScheduler`
 (indexes, lookups, save decisions), the worker-side one `OffloadingWorker`
 (cross-layer copies, tier storage, the background writer). See those modules
 for the data flow and `config.py` for the `kv_connector_extra_config` keys.
-Loads are synchronous (`get_num_new_matched_tokens` answers `(N, False)`).
-Hybrid models: one chunk per KV cache group, a sliding-window group's only
-within its window (scheduler_side.py).
+Loads are synchronous for the scheduler (`get_num_new_matched_tokens` answers
+`(N, False)`: the blocks are filled during the step that first computes the
+request); with `use_layerwise` the worker fills them layer by layer while
+that step's forward runs (docs/layerwise.md). Hybrid models: one chunk per KV
+cache group, a sliding-window group's only within its window (scheduler_side.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class OffloadingConnector(KVConnectorBase):
         )
         self._scheduler: OffloadingScheduler | None = None
         self._worker: OffloadingWorker | None = None
+        self._layer_index: dict[str, int] = {}
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = OffloadingScheduler(
                 self.offload_config,
@@ -98,6 +101,7 @@ class OffloadingConnector(KVConnectorBase):
         layer_groups: Sequence[Sequence[str]] | None = None,
     ) -> None:
         super().register_kv_caches(kv_caches, layer_groups)
+        self._layer_index = {name: i for i, name in enumerate(self._kv_caches)}
         self._worker = OffloadingWorker(
             self.offload_config,
             self._kv_caches,
@@ -112,17 +116,41 @@ class OffloadingConnector(KVConnectorBase):
         return self._decoded_connector_metadata(OffloadingMetadata)
 
     def start_load_kv(self) -> None:
-        self.worker_side.load(self._metadata())
+        if self.offload_config.use_layerwise:
+            self.worker_side.start_layerwise(self._metadata())
+        else:
+            self.worker_side.load(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are synchronous (all layers in `start_load_kv`): nothing to wait for."""
+        """Layer-wise: block until this layer's loads are in the cache (else loaded already)."""
+        if self.offload_config.use_layerwise and self.has_connector_metadata():
+            self.worker_side.wait_layer(self._layer_of(layer_name))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
-        """Saves copy every layer at once in `wait_for_save` (the cross-layer buffer)."""
+        """Layer-wise: copy this layer's saved blocks out now (else all in `wait_for_save`)."""
+        if self.offload_config.use_layerwise and self.has_connector_metadata():
+            self.worker_side.save_layer(self._layer_of(layer_name))
 
     def wait_for_save(self) -> None:
-        if self.has_connector_metadata():
+        if not self.has_connector_metadata():
+            return
+        if self.offload_config.use_layerwise:
+            self.worker_side.finish_layerwise(self._metadata())
+        else:
             self.worker_side.save(self._metadata())
+
+    def clear_connector_metadata(self) -> None:
+        # A step whose forward raised never reached wait_for_save: its load thread must
+        # stop before the blocks are reused (its failures are still reported).
+        if self._worker is not None and self.offload_config.use_layerwise:
+            self._worker.finish_layerwise()
+        super().clear_connector_metadata()
+
+    def _layer_of(self, layer_name: str) -> int:
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            raise KeyError(f"OffloadingConnector: unknown KV cache layer {layer_name!r}")
+        return index
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:

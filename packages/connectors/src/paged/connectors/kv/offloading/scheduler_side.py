@@ -404,9 +404,7 @@ class OffloadingScheduler:
                     self.events.stored(Tier.REDIS, key, request, i, g)
                 if to_host or to_disk or to_redis:
                     ids = state.block_ids[g][i * bpc : (i + 1) * bpc]
-                    saves.append(
-                        ChunkSave(key, ids, to_host, to_disk, to_redis=to_redis, group=g)
-                    )
+                    saves.append(ChunkSave(key, ids, to_host, to_disk, to_redis=to_redis, group=g))
         state.next_save_chunk = max(state.next_save_chunk, min(limit, len(keys)))
 
     def _saves(self, group: int, chunk_idx: int, state: _RequestState, computed_start: int) -> bool:
@@ -475,9 +473,7 @@ class OffloadingScheduler:
             to_disk = save.to_disk and self.disk is not None and key in self.disk
             if to_host or to_disk or save.to_redis:
                 kept.append(
-                    ChunkSave(
-                        save.key, save.block_ids, to_host, to_disk, save.to_redis, save.group
-                    )
+                    ChunkSave(save.key, save.block_ids, to_host, to_disk, save.to_redis, save.group)
                 )
         return kept
 

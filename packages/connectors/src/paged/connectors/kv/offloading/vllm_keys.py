@@ -13,7 +13,16 @@ from typing import Any
 
 from paged.connectors.kv.offloading.redis_client import RedisTierConfig, parse_redis_tier
 
-_PAGED_KEYS = frozenset({"chunk_size", "kv_bytes_per_rank", "disk_path", "disk_bytes_per_rank"})
+_PAGED_KEYS = frozenset(
+    {
+        "chunk_size",
+        "kv_bytes_per_rank",
+        "disk_path",
+        "disk_bytes_per_rank",
+        "use_layerwise",
+        "layerwise_load_timeout_s",
+    }
+)
 _VLLM_KEYS = frozenset(
     {
         "spec_name",

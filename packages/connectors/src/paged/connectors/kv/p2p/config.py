@@ -12,6 +12,9 @@
     use_ipc                  also listen on an IPC socket, which decoders on the same
                              host use instead of TCP (true)
     ipc_dir                  directory of the IPC sockets (the system temp dir)
+    use_layerwise            decoder: copy pulled blocks into the cache layer by layer
+                             during the next forward instead of all at once between
+                             steps (false; LMCache's name; docs/layerwise.md)
 
 A key missing from the extra config falls back to vLLM's environment
 variable of the same meaning, then to vLLM's default, so a deployment
@@ -34,6 +37,7 @@ _KNOWN = frozenset(
         "transfer_timeout",
         "use_ipc",
         "ipc_dir",
+        "use_layerwise",
     }
 )
 
@@ -46,6 +50,7 @@ class ZmqConnectorConfig:
     transfer_timeout: float = 5.0
     use_ipc: bool = True
     ipc_dir: str = tempfile.gettempdir()
+    use_layerwise: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.side_channel_port < 65536:
@@ -103,6 +108,7 @@ class ZmqConnectorConfig:
             transfer_timeout=pick("transfer_timeout", None, defaults.transfer_timeout, float),
             use_ipc=pick("use_ipc", None, defaults.use_ipc, bool),
             ipc_dir=pick("ipc_dir", None, defaults.ipc_dir, str),
+            use_layerwise=pick("use_layerwise", None, defaults.use_layerwise, bool),
         )
 
     def tcp_endpoint(self, host: str, port: int, rank: int) -> str:

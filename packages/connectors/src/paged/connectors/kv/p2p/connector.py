@@ -15,6 +15,9 @@ vLLM's NixlConnector request protocol, so a vLLM router works unchanged:
     5. decode acknowledges (DONE): the prefill frees the blocks; a decoder that
        never comes is covered by `abort_request_timeout` (vLLM: 480 s)
 
+With `use_layerwise` the decoder copies a finished pull into its cache layer
+by layer during the next forward (staging.py) instead of between steps.
+
 Roles: kv_producer serves blocks, kv_consumer pulls them, kv_both does both.
 Equal TP sizes (the handshake checks).
 
@@ -44,6 +47,7 @@ from paged.connectors.kv.p2p.config import ZmqConnectorConfig
 from paged.connectors.kv.p2p.handshake import layout_info
 from paged.connectors.kv.p2p.puller import BlockPuller, PullResult
 from paged.connectors.kv.p2p.sender import BlockSender
+from paged.connectors.kv.p2p.staging import StagedPulls
 from paged.connectors.kv.p2p.stats import TransferStats
 from paged.connectors.kv.p2p.tensors import scatter_blocks
 from paged.kvcache import KVCacheBlocks
@@ -103,6 +107,8 @@ class PagedZmqConnector(KVConnectorBase):
         self._news = threading.Event()
         self._sender: BlockSender | None = None
         self._puller: BlockPuller | None = None
+        self._staging: StagedPulls | None = None  # use_layerwise decoders
+        self._layer_index: dict[str, int] = {}
         self._pulling: set[str] = set()
         self._cancelled: set[str] = set()
         self._load_errors: set[int] = set()
@@ -263,6 +269,9 @@ class PagedZmqConnector(KVConnectorBase):
             recvs=self._recvs,
             releases=self._releases,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
+            finished=(
+                sorted(scheduler_output.finished_req_ids) if self.zmq_config.use_layerwise else []
+            ),
         )
         self._sends, self._recvs, self._releases = [], [], []
         self._pending.clear()  # admission and allocation happen in the same schedule()
@@ -351,6 +360,11 @@ class PagedZmqConnector(KVConnectorBase):
             )
         if self._config.is_kv_consumer:
             self._puller = BlockPuller(self.zmq_config, self.context.rank, info, self._news)
+            if self.zmq_config.use_layerwise:
+                # The copy has the data in memory: the deadline only guards a starved thread.
+                timeout = self.zmq_config.transfer_timeout
+                self._staging = StagedPulls(self._kv_caches, timeout)
+                self._layer_index = {name: i for i, name in enumerate(self._kv_caches)}
 
     def _metadata(self) -> wire.ZmqStepMetadata:
         return self._decoded_connector_metadata(wire.ZmqStepMetadata)
@@ -365,15 +379,28 @@ class PagedZmqConnector(KVConnectorBase):
                 self._puller.submit(recv)
             for release in meta.releases:
                 self._puller.release(release)
+        if self._staging is not None:
+            self._staging.drop(meta.finished)
+            self._load_errors.update(self._staging.start())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Pulled blocks are complete before their request is scheduled: nothing to wait for."""
+        """use_layerwise: wait for this layer's staged copies (else they were done already)."""
+        if self._staging is not None and self.has_connector_metadata():
+            self._staging.wait(self._layer_index[layer_name])
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """The prefill's blocks are served from the paged cache itself: nothing to save."""
 
     def wait_for_save(self) -> None:
-        """Nothing is saved during the forward."""
+        """use_layerwise: the step's staged copies complete (failures become load errors)."""
+        if self._staging is not None:
+            self._load_errors.update(self._staging.finish())
+
+    def clear_connector_metadata(self) -> None:
+        # A step whose forward raised never reached wait_for_save: stop the copies now.
+        if self._staging is not None:
+            self._load_errors.update(self._staging.finish())
+        super().clear_connector_metadata()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.has_connector_metadata() and self._metadata().idle:
@@ -405,11 +432,17 @@ class PagedZmqConnector(KVConnectorBase):
         if result.error is None and n:
             try:
                 if result.group_sizes:
+                    # A hybrid pull is copied at once (layer-wise staging takes one group).
                     n = self._scatter_groups(result)
                 else:
                     ids = result.local_block_ids[:n]
-                    for cache, frame in zip(self._kv_caches.values(), result.frames, strict=True):
-                        scatter_blocks(cache, ids, frame)
+                    if self._staging is not None:
+                        self._staging.stage(result.req_id, ids, result.frames)
+                    else:
+                        for cache, frame in zip(
+                            self._kv_caches.values(), result.frames, strict=True
+                        ):
+                            scatter_blocks(cache, ids, frame)
             except ValueError as exc:
                 result.error, n = str(exc), 0
         if result.error is not None:
@@ -455,6 +488,8 @@ class PagedZmqConnector(KVConnectorBase):
         return out or None
 
     def shutdown(self) -> None:
+        if self._staging is not None:
+            self._staging.finish()
         if self._sender is not None:
             self._sender.close()
             self._sender = None

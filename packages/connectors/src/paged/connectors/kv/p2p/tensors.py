@@ -25,11 +25,9 @@ def gather_blocks(kv_layer: torch.Tensor, block_ids: Sequence[int]) -> memoryvie
     return memoryview(blocks.view(torch.uint8).reshape(-1).numpy().data)
 
 
-def scatter_blocks(kv_layer: torch.Tensor, block_ids: Sequence[int], data: memoryview) -> None:
-    """Write `len(block_ids)` blocks received as bytes into these blocks of `kv_layer`."""
-    n = len(block_ids)
-    if n == 0:
-        return
+def blocks_view(kv_layer: torch.Tensor, n: int, data: memoryview) -> torch.Tensor:
+    """`n` blocks received as bytes, `[2, n, B, H, D]` in `kv_layer`'s dtype (no copy);
+    `ValueError` if `data` is too short."""
     expected = n * block_bytes(kv_layer)
     if data.nbytes < expected:
         raise ValueError(f"{data.nbytes} bytes received for {n} blocks, expected {expected}")
@@ -37,6 +35,14 @@ def scatter_blocks(kv_layer: torch.Tensor, block_ids: Sequence[int], data: memor
         # The received buffer is read-only; it is only ever read (copied into the cache).
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(data, dtype=torch.uint8, count=expected)
-    blocks = raw.view(kv_layer.dtype).view(2, n, *kv_layer.shape[2:])
+    return raw.view(kv_layer.dtype).view(2, n, *kv_layer.shape[2:])
+
+
+def scatter_blocks(kv_layer: torch.Tensor, block_ids: Sequence[int], data: memoryview) -> None:
+    """Write `len(block_ids)` blocks received as bytes into these blocks of `kv_layer`."""
+    n = len(block_ids)
+    if n == 0:
+        return
+    blocks = blocks_view(kv_layer, n, data)
     index = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_layer.device)
     kv_layer.index_copy_(1, index, blocks.to(kv_layer.device))

@@ -7,6 +7,8 @@ Scheduler -> worker (one `ZmqStepMetadata` per step, bytes in SchedulerOutput):
               the prefill to free its blocks now instead of at the timeout
     idle      nothing was scheduled this step (the worker may wait a little
               for transfer news instead of letting the engine spin)
+    finished  requests finished since the last step (use_layerwise: their
+              staged pulls must not be copied, their blocks may be reused)
 
 Decoder (ZMQ DEALER) <-> prefill worker (ZMQ ROUTER), multipart messages:
     [HELLO, KVLayoutInfo]            -> [HELLO, HelloReply]
@@ -66,6 +68,7 @@ class ZmqStepMetadata(msgspec.Struct, array_like=True, frozen=True):
     recvs: list[RecvSpec] = msgspec.field(default_factory=list)
     releases: list[ReleaseSpec] = msgspec.field(default_factory=list)
     idle: bool = False
+    finished: list[str] = msgspec.field(default_factory=list)
 
 
 class HelloReply(msgspec.Struct, array_like=True, frozen=True):
