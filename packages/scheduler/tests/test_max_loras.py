@@ -103,3 +103,14 @@ def test_without_max_loras_adapters_are_not_limited() -> None:
 def test_max_loras_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_loras must be >= 1"):
         SchedulerConfig(max_model_len=64, max_loras=0)
+
+
+def test_lora_names_in_use_are_those_of_unfinished_requests() -> None:
+    sched = make_scheduler(max_loras=1)
+    sched.add_request(lora_request("a", "A", max_tokens=1))
+    sched.add_request(lora_request("b", "B", max_tokens=1))
+    sched.add_request(lora_request("c", None, max_tokens=1))
+    # Waiting ones count too: an unload must wait for them as well.
+    assert sched.lora_names_in_use() == {"A", "B"}
+    run_to_completion(sched, FakeRunner())
+    assert sched.lora_names_in_use() == set()

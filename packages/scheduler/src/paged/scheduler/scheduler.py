@@ -360,6 +360,14 @@ class Scheduler:
             events.extend(self.state.kv_connector.take_events())
         return events
 
+    def lora_names_in_use(self) -> set[str]:
+        """The LoRA adapters of unfinished requests (an adapter is unloaded only when unused)."""
+        return {
+            r.lora_name
+            for r in self.state.requests.values()
+            if r.lora_name is not None and r.status not in FINISHED_STATUSES
+        }
+
     def make_stats(self) -> SchedulerStats | None:
         if not self.log_stats:
             return None
