@@ -548,7 +548,8 @@ def _per_prompt_lora(
         return [lora] * n
     if len(lora) != n:
         raise InvalidRequestError(
-            "lora_request", f"got {len(lora)} for {n} prompts; give one or one per prompt"
+            "lora_request",
+            f"lora_request: got {len(lora)} for {n} prompts; give one or one per prompt",
         )
     return list(lora)
 
