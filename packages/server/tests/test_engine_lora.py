@@ -185,3 +185,41 @@ def test_a_utility_value_error_reaches_the_client_as_value_error() -> None:
         dispatch.utility_result(other, "add_lora", [])
     ok = UtilityResult(call_id=3, result=msgspec.Raw(msgspec.msgpack.encode(["a", "b"])))
     assert dispatch.utility_result(ok, "list_loras", []) == ["a", "b"]
+
+
+def test_kv_events_carry_the_adapter_and_prefixes_stay_apart(
+    engine_config_factory: Any, executor_cls: type[Any], tmp_path: Any
+) -> None:
+    from paged.connectors.events import KVEventsConfig, KVEventSubscriber
+
+    cfg = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/kv-pub",
+        replay_endpoint=f"ipc://{tmp_path}/kv-replay",
+        topic="kv",
+    )
+    config = dataclasses.replace(engine_config_factory(), lora_config=LoRAConfig(max_loras=2))
+    core = EngineCore(config, executor_cls, kv_events_config=cfg)
+    try:
+        core.call_utility("add_lora", ["a", str(tmp_path), 1])
+        prompt = list(range(1, 10))  # two full blocks of 4
+        core.add_request(
+            msgspec.structs.replace(req("x", "a", str(tmp_path)), prompt_token_ids=prompt)
+        )
+        drain(core)
+        core.add_request(msgspec.structs.replace(req("y", None, None), prompt_token_ids=prompt))
+        outs = drain(core)
+        # The base request found nothing of the adapter's prefix in the cache.
+        assert outs["y"][-1].num_cached_tokens == 0
+        with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint, topic=cfg.topic) as sub:
+            stored = [
+                e
+                for _, batch in sub.catch_up()
+                for e in batch.events
+                if type(e).__name__ == "BlockStored"
+            ]
+        by_adapter = {e.lora_name: e for e in stored if e.token_ids[:4] == [1, 2, 3, 4]}
+        assert set(by_adapter) == {"a", None}
+        assert by_adapter["a"].block_hashes[0] != by_adapter[None].block_hashes[0]
+    finally:
+        core.shutdown()
