@@ -191,6 +191,7 @@ def test_kv_events_carry_the_adapter_and_prefixes_stay_apart(
     engine_config_factory: Any, executor_cls: type[Any], tmp_path: Any
 ) -> None:
     from paged.connectors.events import KVEventsConfig, KVEventSubscriber
+    from paged.connectors.events.wire import BlockStored
 
     cfg = KVEventsConfig(
         enable_kv_cache_events=True,
@@ -213,10 +214,7 @@ def test_kv_events_carry_the_adapter_and_prefixes_stay_apart(
         assert outs["y"][-1].num_cached_tokens == 0
         with KVEventSubscriber(cfg.endpoint, cfg.replay_endpoint, topic=cfg.topic) as sub:
             stored = [
-                e
-                for _, batch in sub.catch_up()
-                for e in batch.events
-                if type(e).__name__ == "BlockStored"
+                e for _, batch in sub.catch_up() for e in batch.events if isinstance(e, BlockStored)
             ]
         by_adapter = {e.lora_name: e for e in stored if e.token_ids[:4] == [1, 2, 3, 4]}
         assert set(by_adapter) == {"a", None}
