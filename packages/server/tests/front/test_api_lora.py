@@ -74,6 +74,7 @@ def lora_engine(engine_cls: type[Any]) -> Any:
             return calls[method](*args)
 
         async def call_utility_async(self, method: str, *args: Any) -> Any:
+            await asyncio.sleep(0.01)  # a round trip to the engine: other requests run
             return self.call_utility(method, *args)
 
     return LoRAEngine()
@@ -208,6 +209,20 @@ async def test_load_errors_are_400s_naming_the_cause(
     r = await http.post("/v1/load_lora_adapter", json=body)
     assert r.status_code == status
     assert message in r.json()["error"]["message"] + str(r.json()["error"]["param"])
+
+
+async def test_concurrent_loads_of_one_name_load_it_once(
+    http: httpx.AsyncClient, lora_engine: Any, tmp_path: Path
+) -> None:
+    body = {"lora_name": "twice", "lora_path": adapter_dir(tmp_path, "twice")}
+    first, second = await asyncio.gather(
+        http.post("/v1/load_lora_adapter", json=body),
+        http.post("/v1/load_lora_adapter", json=body),
+    )
+    assert sorted([first.status_code, second.status_code]) == [200, 400]
+    loser = first if first.status_code == 400 else second
+    assert loser.json()["error"]["message"] == "The lora adapter 'twice' has already been loaded."
+    assert lora_engine.executor.list_loras().count("twice") == 1
 
 
 async def test_an_adapter_the_runner_refuses_is_a_400_and_the_server_serves_on(

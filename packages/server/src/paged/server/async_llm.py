@@ -400,10 +400,7 @@ class AsyncLLM:
 
         True when loaded now, False when this frontend had loaded it already.
         """
-        if self.loras.check_same(lora_request):
-            return False
-        await self.loras.ensure_loaded(lora_request, self._engine_add_lora)
-        return True
+        return await self.loras.ensure_loaded(lora_request, self._engine_add_lora)
 
     async def remove_lora(self, lora_name: str) -> bool:
         """Forget an adapter; requests already running with it finish with it first.

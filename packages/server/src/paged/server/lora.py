@@ -169,16 +169,18 @@ class LoRARegistry:
 
     async def ensure_loaded(
         self, request: LoRARequest, add_lora: Callable[[LoRARequest], Awaitable[None]]
-    ) -> None:
+    ) -> bool:
+        """True if this call loaded it, False if it was loaded (also by a concurrent call)."""
         if self.check_same(request):
-            return
+            return False
         lock = self._locks.setdefault(request.lora_name, asyncio.Lock())
         async with lock:
             if self.check_same(request):
-                return
+                return False
             await add_lora(request)
             self._loaded[request.lora_name] = request
             self._next_id = max(self._next_id, request.lora_int_id + 1)
+            return True
 
     def record_loaded(self, request: LoRARequest) -> None:
         """For a synchronous caller (the offline `LLM`) that called add_lora itself."""

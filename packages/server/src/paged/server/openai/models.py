@@ -100,16 +100,22 @@ class ServedModels:
                 "lora_name",
                 f"The lora adapter '{lora_name}' conflicts with a served base model.",
             )
+        # vLLM's message, less its hint at load_inplace (refused here, see lora_routes).
+        already = InvalidRequestError(
+            "lora_name", f"The lora adapter '{lora_name}' has already been loaded."
+        )
         if lora_name in self.llm.loras:
-            raise InvalidRequestError(
-                "lora_name", f"The lora adapter '{lora_name}' has already been loaded."
-            )
+            raise already
         base = base_model_name if base_model_name and self.is_base_model(base_model_name) else None
         lora = LoRARequest(lora_name, self.llm.loras.next_int_id(), lora_path, base)
         try:
-            await self.llm.add_lora(lora)
+            loaded_now = await self.llm.add_lora(lora)
+        except InvalidRequestError:
+            raise  # loaded meanwhile from another path (a concurrent load)
         except ValueError as exc:
             raise InvalidRequestError("lora_path", str(exc)) from exc
+        if not loaded_now:  # a concurrent load of the same name and path won
+            raise already
         logger.info("Loaded new LoRA adapter: name '%s', path '%s'", lora_name, lora_path)
         return f"Success: LoRA adapter '{lora_name}' added successfully."
 
