@@ -310,6 +310,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     num_encoder_items_loaded: int = 0
     # Encoder outputs an EC producer released (ECConnectorOutput.finished_sending).
     num_encoder_items_released: int = 0
+    # Requests per LoRA adapter name, running and waiting (vLLM's SchedulerStats
+    # fields, feeding the vllm:lora_requests_info gauge); empty without adapters.
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

@@ -51,6 +51,9 @@ class SchedulerConfig:
     - `pipeline_parallel_size`: with > 1 the runner's first stages never see
       the sampled tokens, so every running request's step tokens travel in
       `CachedRequestData.new_token_ids` (vLLM's `use_pp`).
+    - `max_loras`: most distinct LoRA adapters among the running requests
+      (`--max-loras`); None: LoRA off, adapters are not counted. A waiting
+      request whose adapter would be one too many waits while later ones go.
     """
 
     max_model_len: int
@@ -69,6 +72,7 @@ class SchedulerConfig:
     kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
     encode_only: bool = False
     pipeline_parallel_size: int = 1
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -93,6 +97,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {value}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 or None, got {self.max_loras}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.kv_load_failure_policy not in ("recompute", "fail"):

@@ -360,6 +360,14 @@ class Scheduler:
             events.extend(self.state.kv_connector.take_events())
         return events
 
+    def lora_names_in_use(self) -> set[str]:
+        """The LoRA adapters of unfinished requests (an adapter is unloaded only when unused)."""
+        return {
+            r.lora_name
+            for r in self.state.requests.values()
+            if r.lora_name is not None and r.status not in FINISHED_STATUSES
+        }
+
     def make_stats(self) -> SchedulerStats | None:
         if not self.log_stats:
             return None
@@ -388,6 +396,8 @@ class Scheduler:
             num_encoder_items_computed=state.num_encoder_items_computed_since_stats,
             num_encoder_items_loaded=state.num_encoder_items_loaded_since_stats,
             num_encoder_items_released=state.num_encoder_items_released_since_stats,
+            waiting_lora_adapters=_count_by_lora(state.waiting),
+            running_lora_adapters=_count_by_lora(state.running),
         )
         state.num_preempted_since_stats = 0
         state.num_encoder_items_computed_since_stats = 0
@@ -429,6 +439,15 @@ class Scheduler:
             else:
                 assert req_id in running_ids or req_id in waiting_ids, f"{r} in no queue"
         state.encoder_cache.check_integrity()
+
+
+def _count_by_lora(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per adapter name; base-model requests are not counted."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_name is not None:
+            counts[request.lora_name] = counts.get(request.lora_name, 0) + 1
+    return counts
 
 
 def _max_tokens_per_request(kv_cache_config: KVCacheConfig, block_size: int) -> int:

@@ -55,6 +55,7 @@ def make_scheduler(num_blocks: int = 64, *, max_model_len: int = 256, **kwargs: 
         "num_lookahead_tokens",
         "kv_load_failure_policy",
         "pipeline_parallel_size",
+        "max_loras",
     }
     limits = {k: v for k, v in kwargs.items() if k in sched_keys}
     if "max_num_seqs" not in limits:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from paged.server.engine_args import EngineArgs
     from paged.server.errors import ContextLengthError, InvalidRequestError
     from paged.server.llm import LLM
+    from paged.server.lora import LoRARequest
     from paged.server.outputs import CompletionOutput, Logprob, RequestOutput
 
 _EXPORTS = {
@@ -25,6 +26,7 @@ _EXPORTS = {
     "CompletionOutput": "paged.server.outputs",
     "Logprob": "paged.server.outputs",
     "InvalidRequestError": "paged.server.errors",
+    "LoRARequest": "paged.server.lora",
     "ContextLengthError": "paged.server.errors",
     "SamplingParams": "paged.scheduler",
     "RequestOutputKind": "paged.scheduler",
@@ -37,6 +39,7 @@ __all__ = [
     "ContextLengthError",
     "EngineArgs",
     "InvalidRequestError",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",

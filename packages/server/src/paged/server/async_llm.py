@@ -19,6 +19,8 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from paged.scheduler import PoolingParams, SamplingParams, SchedulerStats
 from paged.scheduler.boundary import KVTransferParams
 from paged.server.client_protocols import (
@@ -32,6 +34,7 @@ from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
 from paged.server.generation_defaults import GenerationDefaults
 from paged.server.input_processor import InputProcessor, PromptType
+from paged.server.lora import LoRARegistry, LoRARequest
 from paged.server.metrics import PerEngineStatLogger, StatLogger
 from paged.server.offload import BlockingWork, prompt_size
 from paged.server.output_processor import OutputProcessor
@@ -101,6 +104,8 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers)
         self._output_handler: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
+        # LoRA adapters this frontend loaded on the engine (names -> requests).
+        self.loras = LoRARegistry()
 
     # -- health ----------------------------------------------------------------------
     @property
@@ -141,8 +146,12 @@ class AsyncLLM:
         cache_salt: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         ec_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Validate, register and submit one request; return its output collector.
+
+        `lora_request`: the adapter to run with, loaded on the engine first if
+        this frontend has not loaded it (InvalidRequestError when it cannot be).
 
         `request_id` is the caller's id and may be reused, even by requests in
         flight together: as vLLM 0.33 (InputProcessor.assign_request_id), the
@@ -159,6 +168,8 @@ class AsyncLLM:
             self._log_received(request_id, prompt, params)
         if params.structured_outputs is not None:
             await check_compiles_async(self.grammar_compiler, params)
+        if lora_request is not None:
+            await self.loras.ensure_loaded(lora_request, self._add_lora_for_request)
         try:
             request, prompt_text = await self.offload.run(
                 prompt_size(prompt),
@@ -177,6 +188,12 @@ class AsyncLLM:
             self._check_alive()
             if internal_id in self.output_processor.request_states:  # 1 in 4e9: try again
                 raise InvalidRequestError("request_id", "request id collision; please retry")
+            if lora_request is not None:
+                request = msgspec.structs.replace(
+                    request,
+                    lora_request=lora_request.lora_name,
+                    lora_path=lora_request.lora_path,
+                )
         except BaseException:
             self.input_processor.discard_mm(internal_id)  # cancelled or refused: not sent
             raise
@@ -314,12 +331,18 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield outputs until the request finishes; closing the generator aborts it."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         rid = request_id if request_id is not None else uuid.uuid4().hex
         queue = await self.add_request(
-            rid, prompt, params, priority=priority, cache_salt=cache_salt
+            rid,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         stream = self.stream_outputs(queue)
         try:
@@ -370,6 +393,43 @@ class AsyncLLM:
             # A dead engine holds nothing any more; the handler reports the death.
             with contextlib.suppress(EngineDeadError):
                 await self.engine_client.abort_requests_async(engine_ids)
+
+    # -- LoRA adapters (vLLM's AsyncLLM.add_lora / remove_lora / list_loras) -----------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on the engine; ValueError with the cause if it does not load.
+
+        True when loaded now, False when this frontend had loaded it already.
+        """
+        return await self.loras.ensure_loaded(lora_request, self._engine_add_lora)
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter; requests already running with it finish with it first.
+
+        False if the engine did not know the name.
+        """
+        self.loras.forget(lora_name)
+        return bool(await self._utility_client().call_utility_async("remove_lora", lora_name))
+
+    async def list_loras(self) -> list[str]:
+        """The adapter names the engine has loaded."""
+        return list(await self._utility_client().call_utility_async("list_loras"))
+
+    async def _engine_add_lora(self, lora_request: LoRARequest) -> None:
+        await self._utility_client().call_utility_async(
+            "add_lora", lora_request.lora_name, lora_request.lora_path, lora_request.lora_int_id
+        )
+
+    async def _add_lora_for_request(self, lora_request: LoRARequest) -> None:
+        try:
+            await self._engine_add_lora(lora_request)
+        except ValueError as exc:
+            raise InvalidRequestError("lora_request", str(exc)) from exc
+
+    def _utility_client(self) -> AsyncUtilityClient:
+        client = self.engine_client
+        if not isinstance(client, AsyncUtilityClient):
+            raise NotImplementedError(f"{type(client).__name__} cannot run engine utilities")
+        return client
 
     # -- the output handler ----------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:

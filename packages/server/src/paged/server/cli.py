@@ -36,6 +36,7 @@ from paged.server.compat_cli import (
 from paged.server.data_parallel import add_data_parallel_args, data_parallel_options_from
 from paged.server.ec_cli import add_ec_shorthand_args, ec_transfer_config_from
 from paged.server.engine_args import EngineArgs, parse_bytes
+from paged.server.lora_cli import add_lora_args, add_lora_modules_arg, lora_engine_kwargs
 from paged.server.metrics_names import METRICS_PREFIXES
 from paged.server.multi_node import add_multi_node_args, check_node_role
 from paged.server.openai.cors import add_cors_args, cors_config_from
@@ -156,6 +157,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="a .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct)",
     )
+    add_lora_args(parser)
     m = parser.add_argument_group("model")
     add_model_compat_args(m)  # --model, --tokenizer-mode, --generation-config, ... (vLLM's)
     m.add_argument("--tokenizer", help="load the tokenizer from here instead of MODEL")
@@ -580,6 +582,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         convert=ns.convert,
         pooler_config=ns.pooler_config,
         hf_overrides=ns.hf_overrides,
+        **lora_engine_kwargs(ns),
     )
 
 
@@ -663,6 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tool_calling_args(serve)
     add_data_parallel_args(serve)
     add_frontend_compat_args(serve)
+    add_lora_modules_arg(serve)
     h.add_argument(
         "--max-request-body-size",
         type=_byte_size,

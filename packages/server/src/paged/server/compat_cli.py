@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paged.server.generation_defaults import GENERATION_CONFIG_NAME
+from paged.server.lora import LoRAModulePath
 
 logger = logging.getLogger("paged.server.cli")
 
@@ -53,6 +54,8 @@ class FrontendOptions:
     chat_template: str | None = None  # the template's text (already read from a file)
     enable_log_requests: bool = False
     uvicorn_log_level: str | None = None  # None: as --log-level
+    # --lora-modules: adapters loaded at start-up (paged.server.lora_cli).
+    lora_modules: tuple[LoRAModulePath, ...] = ()
 
 
 def _tokenizer_mode(text: str) -> str:
@@ -201,4 +204,5 @@ def frontend_options_from(ns: argparse.Namespace) -> FrontendOptions:
         chat_template=ns.chat_template,
         enable_log_requests=ns.enable_log_requests,
         uvicorn_log_level=ns.uvicorn_log_level,
+        lora_modules=tuple(getattr(ns, "lora_modules", None) or ()),
     )

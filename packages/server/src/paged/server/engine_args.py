@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         ModelConfig,
         RayPlacementStrategy,
     )
+    from paged.runner.lora.config import LoRAConfig
     from paged.server.generation_defaults import GenerationDefaults
     from paged.server.mm_frontend import MultiModalEngineOptions, MultiModalFrontend
     from paged.server.structured_output.options import StructuredOutputOptions
@@ -207,6 +208,12 @@ class EngineArgs:
     pooler_config: str | dict[str, Any] | None = None
     # vLLM's --hf-overrides (JSON text or a dict): set on the HF config before it is read.
     hf_overrides: str | dict[str, Any] | None = None
+    # vLLM's LoRA flags (paged.server.lora_cli): adapters on the base model.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
     _shm_prefix: str | None = field(default=None, repr=False)
 
     def check_compat_options(self) -> None:
@@ -292,6 +299,7 @@ class EngineArgs:
                 f"kv_cache_dtype: {self.kv_cache_dtype!r} is not supported with a KV connector "
                 "(kv_transfer_config / kv_offloading_size) yet; use auto, float16 or bfloat16"
             )
+        lora_config = self.lora_config()  # before the model loads
         device = self.resolved_device()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
@@ -370,6 +378,7 @@ class EngineArgs:
             kv_connector_factory=kv_connector,
             speculative_config=speculative_config,
             ec_connector_factory=ec_connector,
+            lora_config=lora_config,
         )
         # Build the scheduler's config now, in the caller's process, so that limits it
         # rejects (vLLM's SchedulerConfig checks) fail here with a message rather than
@@ -380,6 +389,28 @@ class EngineArgs:
         config = encode_only_engine_config(config)  # an EPD encoder producer's settings
         scheduler_config_from(config)
         return config
+
+    def lora_config(self) -> LoRAConfig | None:
+        """`--enable-lora`'s LoRAConfig (None: off); ValueError naming a bad limit.
+
+        As vLLM 0.33 (arg_utils.py:2691-2711): the limits are ignored without
+        --enable-lora, and --max-cpu-loras <= 0 means "as --max-loras".
+        """
+        if not self.enable_lora:
+            return None
+        from paged.runner.lora.config import LoRAConfig
+
+        if self.async_scheduling:
+            raise ValueError("enable_lora: not supported with async_scheduling yet")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora: not supported with pipeline_parallel_size > 1 yet")
+        cpu = self.max_cpu_loras if self.max_cpu_loras and self.max_cpu_loras > 0 else None
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=cpu,
+            lora_dtype=self.lora_dtype,  # type: ignore[arg-type]  # checked there
+        )
 
     def has_kv_connector(self) -> bool:
         """Whether these options configure a KV connector (offloading or a transfer config)."""

@@ -22,6 +22,7 @@ from paged.server.engine_args import EngineArgs, build_frontend_for, tokenizer_p
 from paged.server.errors import InvalidRequestError
 from paged.server.generation_defaults import GenerationDefaults
 from paged.server.input_processor import InputProcessor, ProcessedPrompt, PromptType, TextPrompt
+from paged.server.lora import LoRARegistry, LoRARequest
 from paged.server.output_processor import OutputProcessor
 from paged.server.outputs import RequestOutput
 from paged.server.parent import fan_out
@@ -167,6 +168,7 @@ class LLM:
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._counter = itertools.count()
+        self.loras = LoRARegistry()  # adapters this LLM loaded on its engine
 
     def get_tokenizer(self) -> TokenizerLike:
         return self.tokenizer
@@ -197,17 +199,25 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order.
+
+        `lora_request`: one adapter for every prompt, or one per prompt (vLLM's
+        argument); each is loaded on the engine the first time its name is seen.
+        """
         self._check_generate("LLM.generate()")
         batch = _as_batch(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(batch))
+        loras = _per_prompt_lora(lora_request, len(batch))
+        for adapter in dict.fromkeys(x for x in loras if x is not None):
+            self._ensure_lora(adapter)
         ids: list[str] = []
         try:
-            for prompt, p in zip(batch, params, strict=True):
-                ids.append(self._add_request(prompt, p))
+            for prompt, p, lora in zip(batch, params, loras, strict=True):
+                ids.append(self._add_request(prompt, p, lora=lora))
         except BaseException:
             self._abort(ids)
             raise
@@ -297,18 +307,37 @@ class LLM:
         prompt: PromptType,
         params: SamplingParams,
         kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        *,
+        lora: LoRARequest | None = None,
     ) -> str:
         rid = str(next(self._counter))
         params = msgspec.structs.replace(params, output_kind=kind)
         if params.structured_outputs is not None:
             check_compiles(self.grammar_compiler, params)
         request, text = self.input_processor.process_inputs(rid, prompt, params)
+        if lora is not None:
+            request = msgspec.structs.replace(
+                request, lora_request=lora.lora_name, lora_path=lora.lora_path
+            )
         parent, requests = fan_out(request)
         for i, req in enumerate(requests):
             self.output_processor.add_request(req, text, parent, i)
         for req in requests:
             self.engine_client.add_request(req)
         return rid
+
+    def _ensure_lora(self, lora: LoRARequest) -> None:
+        """Load `lora` on the engine unless this LLM did (InvalidRequestError naming the cause)."""
+        if self.loras.check_same(lora):
+            return
+        client = self.engine_client
+        if not isinstance(client, SyncUtilityClient):
+            raise NotImplementedError(f"{type(client).__name__} cannot run engine utilities")
+        try:
+            client.call_utility("add_lora", lora.lora_name, lora.lora_path, lora.lora_int_id)
+        except ValueError as exc:
+            raise InvalidRequestError("lora_request", str(exc)) from exc
+        self.loras.record_loaded(lora)
 
     # -- pooling (vllm/entrypoints/pooling/offline.py) -----------------------------------
 
@@ -516,6 +545,19 @@ def _per_prompt_pooling(
             f"pooling_params: got {len(params)} for {n} prompts; give one or one per prompt"
         )
     return list(params)
+
+
+def _per_prompt_lora(
+    lora: LoRARequest | Sequence[LoRARequest] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if len(lora) != n:
+        raise InvalidRequestError(
+            "lora_request",
+            f"lora_request: got {len(lora)} for {n} prompts; give one or one per prompt",
+        )
+    return list(lora)
 
 
 def _per_prompt(

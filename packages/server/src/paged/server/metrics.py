@@ -18,6 +18,7 @@ from paged.scheduler import SchedulerStats
 from paged.server.epd_metrics import EncoderItemMetrics
 from paged.server.kv_cache_metrics import KVCacheResidencyMetrics
 from paged.server.kv_metrics import KVConnectorMetrics
+from paged.server.lora_metrics import LoRAInfoMetric
 from paged.server.metrics_names import PAGED_NAMING, MetricsNaming
 from paged.server.pooling_metrics import PoolingMetrics
 from paged.server.spec_metrics import SpecDecodingMetrics
@@ -68,6 +69,7 @@ class PrometheusStatLogger:
         kv_connector_metrics: bool = False,
         num_speculative_tokens: int = 0,
         num_engines: int = 1,
+        max_loras: int | None = None,
     ) -> None:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
@@ -160,6 +162,8 @@ class PrometheusStatLogger:
             if num_speculative_tokens > 0
             else None
         )
+        # vLLM's lora_requests_info, registered only with --enable-lora (max_loras set).
+        self.lora_info = LoRAInfoMetric(r, naming, max_loras) if max_loras is not None else None
         for lv in self._engine_lv:
             for reason in FINISH_REASONS:  # export zeros so dashboards see every series
                 self.request_success.labels(*lv, reason)
@@ -195,6 +199,8 @@ class PrometheusStatLogger:
                 self.kv_connector.record(s.kv_connector_stats)
             if self.spec_decoding is not None and s.spec_decoding_stats is not None:
                 self.spec_decoding.record(s.spec_decoding_stats)
+            if self.lora_info is not None:
+                self.lora_info.record(s)
         if iteration_stats is not None:
             it = iteration_stats
             self.prompt_tokens.labels(*m).inc(it.num_prompt_tokens)

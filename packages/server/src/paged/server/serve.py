@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from paged.server.data_parallel import (
@@ -18,6 +20,7 @@ from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 if TYPE_CHECKING:
     from paged.runner.config import EngineConfig
     from paged.server.compat_cli import FrontendOptions
+    from paged.server.lora import LoRAModulePath
     from paged.server.openai.cors import CorsConfig
     from paged.server.openai.tools import ToolCallingConfig
     from paged.server.structured_output import GrammarCompiler, StructuredOutputConfig
@@ -68,6 +71,7 @@ def run_server(
     reasoning_parser = args.reasoning_parser_name()  # so does an unknown parser
     # A bad VLLM_ENABLE_RESPONSES_API_STORE fails before the model loads too.
     responses_store = ResponseStore(enabled=store_enabled_from_env())
+    check_lora_modules(args, front.lora_modules)  # before the model loads too
     config = args.create_engine_config()
     mc = config.model_config
     logger.info(
@@ -118,6 +122,7 @@ def run_server(
                 if config.speculative_config is not None
                 else 0
             ),
+            max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
         )
         llm = AsyncLLM(
             client,
@@ -150,6 +155,7 @@ def run_server(
                 None if mc.pooler_config is None else mc.pooler_config.task,
                 score_template=front.chat_template,
             ),
+            lora_modules=front.lora_modules,
         )
         logger.info(
             "serving model %r at http://%s:%d/v1 (API key %s)",
@@ -168,6 +174,23 @@ def run_server(
             )
     finally:
         client.shutdown()
+
+
+def check_lora_modules(args: EngineArgs, modules: Sequence[LoRAModulePath]) -> None:
+    """--lora-modules against the other flags and the file system (ValueError)."""
+    if not modules:
+        return
+    if not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    served = args.model_name()
+    for module in modules:
+        if module.name == served:
+            raise ValueError(
+                f"--lora-modules: the lora adapter '{module.name}' conflicts with the "
+                "served base model name"
+            )
+        if not os.path.exists(module.path):
+            raise ValueError(f"--lora-modules {module.name}: {module.path!r} does not exist")
 
 
 def check_listen_address(host: str, port: int) -> None:

@@ -13,6 +13,9 @@ Per request at the head of the queue:
     otherwise: chunk = rest of the known sequence, cut by threshold and budget
                (chunked prefill off and it does not fit: stop), encoder inputs may cut it
     blocks for the whole known sequence do not fit -> stop (FCFS head of line)
+    its LoRA adapter would be one more than `max_loras` distinct adapters among
+    the running requests (those not scheduled this step count too: they join
+    a later batch)                                -> set aside, look at the next one
 
 Set-aside requests go back to the head of the queue in their order.
 """
@@ -38,6 +41,7 @@ def schedule_waiting(state: SchedulerState, plan: StepPlan, long_prefill_thresho
     config = state.config
     waiting = state.waiting
     skipped = create_request_queue(config.policy)
+    loras = _running_loras(state)
     while waiting and plan.budget.tokens > 0 and len(state.running) < config.max_num_seqs:
         request = waiting.peek_request()
         if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -55,10 +59,41 @@ def schedule_waiting(state: SchedulerState, plan: StepPlan, long_prefill_thresho
         if request.num_tokens > state.max_tokens_in_kv_cache:
             _finish_too_long(state, waiting.pop_request())
             continue
+        if _exceeds_max_loras(config.max_loras, loras, request):
+            skipped.add_request(waiting.pop_request())
+            continue
         if not _try_admit(state, plan, request, long_prefill_threshold, skipped):
             break
+        if request.lora_name is not None and request.status is RequestStatus.RUNNING:
+            loras.add(request.lora_name)
     if skipped:
         waiting.prepend_requests(list(skipped))
+
+
+def _running_loras(state: SchedulerState) -> set[str]:
+    """The distinct adapters of every running request (vLLM counts all of them,
+    scheduled this step or not, since an unscheduled one joins a later batch)."""
+    if state.config.max_loras is None:
+        return set()
+    loras = {r.lora_name for r in state.running if r.lora_name is not None}
+    if len(loras) > state.config.max_loras:
+        # Only admission adds adapters, and it keeps to the limit: a broken invariant.
+        raise RuntimeError(
+            f"{len(loras)} distinct LoRA adapters running, more than max_loras "
+            f"({state.config.max_loras}): {sorted(loras)}"
+        )
+    return loras
+
+
+def _exceeds_max_loras(max_loras: int | None, loras: set[str], request: Request) -> bool:
+    """vLLM's rule: a request with an adapter not yet running waits when the
+    running adapters already number `max_loras`; base-model requests never do."""
+    return (
+        max_loras is not None
+        and request.lora_name is not None
+        and request.lora_name not in loras
+        and len(loras) >= max_loras
+    )
 
 
 def _try_admit(

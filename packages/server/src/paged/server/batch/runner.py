@@ -30,7 +30,7 @@ from paged.server.batch.protocol import (
     success_output,
 )
 from paged.server.errors import InvalidRequestError
-from paged.server.openai.serving import ModelNotFoundError
+from paged.server.openai.models import ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 

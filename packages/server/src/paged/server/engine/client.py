@@ -155,6 +155,8 @@ class _OutputDispatch:
         self.results = {m: MsgpackDecoder(t) for m, t in UTILITY_RESULT_TYPES.items()}
 
     def utility_result(self, result: UtilityResult, method: str, frames: Sequence[Frame]) -> Any:
+        if result.error is not None and result.value_error:
+            raise ValueError(result.error)
         if result.error is not None:
             raise RuntimeError(f"engine utility {method!r} failed: {result.error}")
         return self.results[method].decode_raw(result.result, frames)

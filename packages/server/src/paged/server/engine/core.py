@@ -68,6 +68,7 @@ from paged.server.ec_transfer import ec_load_failure_policy, make_scheduler_ec_c
 from paged.server.encode_only import is_encode_only
 from paged.server.engine.batch_submit import PipelineSubmitter, ThreadedSubmitter
 from paged.server.engine.interfaces import EngineCoreFactory, ExecutorInterface, SchedulerInterface
+from paged.server.engine.lora import EngineLoRAs
 from paged.server.engine.mask_overlap import GrammarMaskOverlap
 from paged.server.engine.messages import UTILITY_RESULT_TYPES, EngineCoreInfo, EngineCoreStats
 from paged.server.kv_transfer import (
@@ -105,6 +106,7 @@ def scheduler_config_from(engine_config: EngineConfig) -> SchedulerConfig:
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         encode_only=is_encode_only(engine_config),
         pipeline_parallel_size=engine_config.parallel_config.pipeline_parallel_size,
+        max_loras=lora.max_loras if (lora := engine_config.lora_config) is not None else None,
     )
 
 
@@ -142,6 +144,12 @@ class EngineCore:
             # Drafts for step N+1 come out of step N's sampling: nothing to overlap.
             raise ValueError(
                 "speculative_config: not supported with async scheduling (batch_queue_size > 1)"
+            )
+        if engine_config.lora_config is not None and batch_queue_size > 1:
+            # Adapters load through the executor from this thread; a batch in flight on
+            # the submitter's thread would interleave with that load.
+            raise ValueError(
+                "enable_lora: not supported with async scheduling or pipeline parallelism yet"
             )
         self.engine_config = engine_config
         self.scheduler_config = scheduler_config or scheduler_config_from(engine_config)
@@ -213,7 +221,13 @@ class EngineCore:
             self._submitter = ThreadedSubmitter(self.model_executor, self._grammar)
         self._num_steps = self._num_model_steps = 0
         self._num_added = self._num_aborted = 0
+        self.loras = EngineLoRAs(
+            engine_config.lora_config, self.model_executor, self.scheduler.lora_names_in_use
+        )
         self._utilities: dict[str, Callable[..., object]] = {
+            "add_lora": self.loras.add_lora,
+            "remove_lora": self.loras.remove_lora,
+            "list_loras": self.loras.list_loras,
             "reset_prefix_cache": self.reset_prefix_cache,
             "is_healthy": self.is_healthy,
             "get_stats": self.get_stats,
@@ -357,6 +371,7 @@ class EngineCore:
                 f"eos_token_id {request.eos_token_id} is outside the vocabulary [0, {vocab_size})"
             )
         request.sampling_params.validate(self.scheduler_config.max_logprobs)
+        self.loras.check_request(request.request_id, request.lora_request, request.lora_path)
         if request.kv_transfer_params is not None and self.kv_connector is None:
             # vLLM 0.33.0 (vllm/v1/engine/core.py:541-547) warns and serves the
             # request without transfer: a client's field never fails a request.
@@ -453,6 +468,7 @@ class EngineCore:
         self._num_steps += 1
         if scheduler_output.total_num_scheduled_tokens > 0:
             self._num_model_steps += 1
+        self.loras.after_step()
 
     # ---- utilities -------------------------------------------------------------
     def call_utility(self, method: str, args: Sequence[Any]) -> object:

@@ -116,6 +116,10 @@ class SchedulerInterface(Protocol):
 
     def reset_prefix_cache(self) -> bool: ...
 
+    def lora_names_in_use(self) -> set[str]:
+        """The LoRA adapter names of unfinished requests."""
+        ...
+
     def make_stats(self) -> SchedulerStats | None: ...
 
     def take_kv_cache_events(self) -> Sequence[KVCacheEvent]:

@@ -106,6 +106,9 @@ class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, frozen=
     call_id: int
     result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack nil
     error: str | None = None
+    # The call raised ValueError (bad arguments, e.g. a LoRA adapter that does not
+    # load): the client raises ValueError(error) so a frontend answers 400, not 500.
+    value_error: bool = False
 
 
 class EngineErrorMessage(msgspec.Struct, array_like=True, frozen=True):
@@ -128,12 +131,15 @@ class EngineCoreStats(msgspec.Struct, array_like=True, omit_defaults=True, froze
 
 # Utility methods a client may call, with the type their result decodes to.
 # An allowlist, so a frontend cannot invoke arbitrary engine methods by name.
-UTILITY_RESULT_TYPES: dict[str, type[Any]] = {
+UTILITY_RESULT_TYPES: dict[str, Any] = {
     "reset_prefix_cache": bool,
     "is_healthy": bool,
     "get_stats": EngineCoreStats,
     "get_num_unfinished_requests": int,
     "get_info": EngineCoreInfo,
+    "add_lora": type(None),
+    "remove_lora": bool,
+    "list_loras": list[str],
 }
 
 

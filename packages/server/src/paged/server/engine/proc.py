@@ -81,6 +81,7 @@ class _UtilityOutcome(msgspec.Struct, frozen=True):
     call_id: int
     result: Any = None
     error: str | None = None
+    value_error: bool = False
 
 
 class EngineCoreProc:
@@ -240,6 +241,8 @@ class EngineCoreProc:
     def _run_utility(self, call: UtilityCall) -> _UtilityOutcome:
         try:
             result = self.core.call_utility(call.method, call.args)
+        except ValueError as exc:
+            return _UtilityOutcome(call.call_id, error=str(exc), value_error=True)
         except Exception as exc:
             return _UtilityOutcome(call.call_id, error=f"{type(exc).__name__}: {exc}")
         return _UtilityOutcome(call.call_id, result=result)
@@ -310,7 +313,10 @@ def _encode_output(encoder: MsgpackEncoder, payload: object) -> list[Frame]:
             payload = _UtilityOutcome(payload.call_id, error=failed)
             result_frames = encoder.encode(None)
         wrapped = UtilityResult(
-            call_id=payload.call_id, result=msgspec.Raw(result_frames[0]), error=payload.error
+            call_id=payload.call_id,
+            result=msgspec.Raw(result_frames[0]),
+            error=payload.error,
+            value_error=payload.value_error,
         )
         return [encoder.encode(wrapped)[0], *result_frames[1:]]
     return encoder.encode(payload)

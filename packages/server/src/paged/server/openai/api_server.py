@@ -14,7 +14,7 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import logging
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -27,12 +27,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from paged.server.async_llm import AsyncLLM
 from paged.server.engine.errors import EngineDeadError
 from paged.server.errors import InvalidRequestError
+from paged.server.lora import LoRAModulePath, runtime_lora_updating_allowed
 from paged.server.metrics import PrometheusStatLogger
 from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from paged.server.openai.cache_routes import add_cache_routes
 from paged.server.openai.cors import CorsConfig, install_cors
 from paged.server.openai.disconnect import run_until_disconnect
 from paged.server.openai.lifespan import engine_lifespan
+from paged.server.openai.lora_routes import add_lora_routes
+from paged.server.openai.models import LoRANotFoundError, ModelNotFoundError, ServedModels
 from paged.server.openai.pooling_routes import add_pooling_routes
 from paged.server.openai.pooling_tasks import ModelTasks
 from paged.server.openai.protocol import (
@@ -44,7 +47,6 @@ from paged.server.openai.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -56,7 +58,7 @@ from paged.server.openai.responses import (
 )
 from paged.server.openai.responses.routes import add_responses_routes
 from paged.server.openai.responses.serving import ResponseNotFoundError
-from paged.server.openai.serving import EngineRequestError, ModelNotFoundError, OpenAIServing
+from paged.server.openai.serving import EngineRequestError, OpenAIServing
 from paged.server.openai.serving_pooling import PoolingEngine, PoolingServing
 from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
 from paged.server.reasoning import make_reasoning_parser
@@ -189,6 +191,8 @@ def build_app(
     responses_store: ResponseStore | None = None,
     pooling_tasks: ModelTasks | None = None,
     pooling_engine: PoolingEngine | None = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
+    allow_runtime_lora_updating: bool | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `llm` under the name `model_name`.
 
@@ -204,15 +208,21 @@ def build_app(
     (or `--tool-call-parser auto` finds no format in the chat template).
     `reasoning_parser`: vLLM's --reasoning-parser name (ValueError if unknown).
     `responses_store`: /v1/responses' store; None: enabled by VLLM_ENABLE_RESPONSES_API_STORE.
+    `lora_modules`: LoRA adapters loaded at start-up (--lora-modules; the server does
+    not start if one fails); `allow_runtime_lora_updating`: serve /v1/load_lora_adapter
+    and /v1/unload_lora_adapter (None: VLLM_ALLOW_RUNTIME_LORA_UPDATING decides).
     """
     tool_flags = resolve_for_tokenizer(tool_config or ToolCallingConfig(), llm.tokenizer)
     app = FastAPI(
         title="paged",
         version=_version(),
         description="OpenAI-compatible API of the paged inference engine",
-        lifespan=engine_lifespan(llm),
+        lifespan=engine_lifespan(llm, startup=lambda: served.load_static(lora_modules)),
     )
-    serving = OpenAIServing(llm, model_name, tool_flags, make_reasoning_parser(reasoning_parser))
+    served = ServedModels(llm, model_name, model_root)
+    serving = OpenAIServing(
+        llm, model_name, tool_flags, make_reasoning_parser(reasoning_parser), served
+    )
     if responses_store is None:
         responses_store = ResponseStore(enabled=store_enabled_from_env())
     tasks = pooling_tasks if pooling_tasks is not None else ModelTasks()
@@ -221,12 +231,21 @@ def build_app(
         model_name,
         tasks,
         metrics=None if stat_logger is None else stat_logger.pooling,
+        adapters=llm.loras,
     )
     # Added first, so it runs inside the key check and the response counter.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(ApiKeyAndMetricsMiddleware, api_key=api_key, metrics=stat_logger)
     _install_error_handlers(app)
     add_cache_routes(app, llm)
+    if allow_runtime_lora_updating is None:
+        allow_runtime_lora_updating = runtime_lora_updating_allowed()
+    if allow_runtime_lora_updating:
+        logger.warning(
+            "LoRA dynamic loading & unloading is enabled in the API server. "
+            "This should ONLY be used for local development!"
+        )
+        add_lora_routes(app, served)
 
     async def respond(request: Request, work: Awaitable[Any]) -> Response:
         result = await run_until_disconnect(request, _as_coroutine(work))
@@ -261,8 +280,7 @@ def build_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        card = ModelCard(id=model_name, root=model_root, max_model_len=llm.max_model_len)
-        return ModelList(data=[card])
+        return served.model_list()
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -316,7 +334,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        status = 404 if isinstance(exc, ModelNotFoundError | ResponseNotFoundError) else 400
+        not_found = ModelNotFoundError | LoRANotFoundError | ResponseNotFoundError
+        status = 404 if isinstance(exc, not_found) else 400
         return error_response(status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(EngineDeadError)

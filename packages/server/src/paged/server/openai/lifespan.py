@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
@@ -23,12 +23,20 @@ class _Shutdownable(Protocol):
     def shutdown(self) -> None: ...
 
 
-def engine_lifespan(llm: _Shutdownable) -> Callable[[object], AbstractAsyncContextManager[None]]:
-    """A FastAPI `lifespan` that shuts `llm` (and so its engine process) down on exit."""
+def engine_lifespan(
+    llm: _Shutdownable, startup: Callable[[], Awaitable[None]] | None = None
+) -> Callable[[object], AbstractAsyncContextManager[None]]:
+    """A FastAPI `lifespan` that shuts `llm` (and so its engine process) down on exit.
+
+    `startup` runs on the server's event loop before it accepts requests (the
+    static LoRA adapters load there); if it raises, the server does not start.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(_: object) -> AsyncIterator[None]:
         try:
+            if startup is not None:
+                await startup()
             yield
         finally:
             logger.info("server shutting down: stopping the engine")

@@ -471,6 +471,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "paged"
     root: str | None = None
+    # The base model of a LoRA adapter's card (None for the base model), as vLLM.
+    parent: str | None = None
     max_model_len: int | None = None
 
 

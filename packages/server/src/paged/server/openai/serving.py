@@ -33,10 +33,12 @@ from paged.server.ec_transfer import parse_request_ec_transfer_params
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import PromptType, TextPrompt
 from paged.server.kv_transfer import parse_request_kv_transfer_params
+from paged.server.lora import LoRARequest
 from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
 from paged.server.openai import tools
 from paged.server.openai.generic_tools import ToolTemplateProbe, generic_messages
+from paged.server.openai.models import ServedModels
 from paged.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -76,11 +78,6 @@ if TYPE_CHECKING:
     from paged.server.mm_frontend import MultiModalFrontend
 
 logger = logging.getLogger(__name__)
-
-
-class ModelNotFoundError(InvalidRequestError):
-    def __init__(self, model: str) -> None:
-        super().__init__("model", f"The model `{model}` does not exist.", code="model_not_found")
 
 
 class EngineRequestError(RuntimeError):
@@ -155,10 +152,15 @@ class OpenAIServing:
         model_name: str,
         tool_config: ResolvedToolConfig | None = None,
         reasoning: ReasoningParser | None = None,
+        models: ServedModels | None = None,
     ) -> None:
-        """`reasoning`: the --reasoning-parser; chat answers then carry `reasoning`."""
+        """`reasoning`: the --reasoning-parser; chat answers then carry `reasoning`.
+
+        `models`: what `model` may name (the served name and the LoRA adapters).
+        """
         self.llm = llm
         self.model_name = model_name
+        self.models = models if models is not None else ServedModels(llm, model_name)
         self.tool_config = tool_config or ResolvedToolConfig()
         self.reasoning = reasoning
         # Reads the prompt's tags, so the split starts where the engine's grammar does.
@@ -183,9 +185,9 @@ class OpenAIServing:
         )
         return self.tool_config.for_template(self.tool_probe.ignores_tools(template))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ModelNotFoundError(model)
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for an unknown name."""
+        return self.models.resolve(model)
 
     async def _submit(
         self,
@@ -196,6 +198,7 @@ class OpenAIServing:
         cache_salt: str | None,
         kv_transfer_params: KVTransferParams | None = None,
         ec_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         submitted: list[RequestOutputCollector] = []
         try:
@@ -210,6 +213,7 @@ class OpenAIServing:
                     cache_salt=cache_salt,
                     kv_transfer_params=kv_transfer_params,
                     ec_transfer_params=ec_transfer_params,
+                    lora_request=lora_request,
                 )
                 submitted.append(queue)
         except BaseException:
@@ -252,14 +256,14 @@ class OpenAIServing:
         self, req: CompletionRequest, header_request_id: str | None = None
     ) -> CompletionResponse | AsyncIterator[str]:
         """`header_request_id`: the X-Request-Id header, which names the request first."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         params = completion_sampling_params(req, self.llm.generation_defaults.sampling)
         kv_params = parse_request_kv_transfer_params(req.kv_transfer_params)
         ec_params = parse_request_ec_transfer_params(req.ec_transfer_params)
         prompts = _completion_prompts(req)
         base_id = response_id("cmpl", header_request_id, req.request_id)
         streams = await self._submit(
-            base_id, prompts, params, req.priority, req.cache_salt, kv_params, ec_params
+            base_id, prompts, params, req.priority, req.cache_salt, kv_params, ec_params, lora
         )
         texts = [p.get("prompt") if isinstance(p, dict) else None for p in prompts]
         if req.stream:
@@ -284,7 +288,7 @@ class OpenAIServing:
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(
             id=base_id,
-            model=self.model_name,
+            model=self.models.response_name(req.model),
             choices=choices,
             usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
             kv_transfer_params=totals.kv_transfer_params,
@@ -307,7 +311,9 @@ class OpenAIServing:
                 for i, text in enumerate(texts):
                     for j in range(n):
                         offsets[i * n + j] = len(text or "")
-                        yield fmt.sse(self._completion_chunk(base_id, i * n + j, text or ""))
+                        yield fmt.sse(
+                            self._completion_chunk(base_id, i * n + j, text or "", req.model)
+                        )
             async for i, out in merged:
                 totals.add(i, out)
                 if any(c.finish_reason == "error" for c in out.outputs):
@@ -318,7 +324,7 @@ class OpenAIServing:
                     offsets[index] = start + len(c.text)
                     if not c.text and not c.finished() and not c.token_ids:
                         continue
-                    chunk = self._completion_chunk(base_id, index, c.text)
+                    chunk = self._completion_chunk(base_id, index, c.text, req.model)
                     choice = chunk.choices[0]
                     choice.logprobs = fmt.completion_logprobs(c.logprobs, req.logprobs or 0, start)
                     choice.finish_reason = c.finish_reason
@@ -329,7 +335,7 @@ class OpenAIServing:
                 yield fmt.sse(
                     CompletionStreamResponse(
                         id=base_id,
-                        model=self.model_name,
+                        model=self.models.response_name(req.model),
                         choices=[],
                         usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
                     )
@@ -340,10 +346,12 @@ class OpenAIServing:
             await merged.aclose()
         yield fmt.SSE_DONE
 
-    def _completion_chunk(self, base_id: str, index: int, text: str) -> CompletionStreamResponse:
+    def _completion_chunk(
+        self, base_id: str, index: int, text: str, model: str | None
+    ) -> CompletionStreamResponse:
         return CompletionStreamResponse(
             id=base_id,
-            model=self.model_name,
+            model=self.models.response_name(model),
             choices=[CompletionResponseChoice(index=index, text=text)],
         )
 
@@ -352,7 +360,7 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, header_request_id: str | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """`header_request_id`: the X-Request-Id header, which names the request first."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         tool_config = self.request_tool_config(req.chat_template, bool(req.tools))
         tool_req = tools.parse_tool_request(
             req.tools, req.tool_choice, req.parallel_tool_calls, tool_config
@@ -398,7 +406,7 @@ class OpenAIServing:
             prompt["multi_modal_data"] = {"image": await _load_images(mm, image_urls)}
         base_id = response_id("chatcmpl", header_request_id, req.request_id)
         (stream,) = await self._submit(
-            base_id, [prompt], params, req.priority, req.cache_salt, kv_params, ec_params
+            base_id, [prompt], params, req.priority, req.cache_salt, kv_params, ec_params, lora
         )
         echo = ""
         if req.echo and messages and messages[-1].get("role") == "assistant":
@@ -445,7 +453,7 @@ class OpenAIServing:
         choices.sort(key=lambda c: c.index)
         return ChatCompletionResponse(
             id=base_id,
-            model=self.model_name,
+            model=self.models.response_name(req.model),
             choices=choices,
             usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
             kv_transfer_params=totals.kv_transfer_params,
@@ -471,10 +479,14 @@ class OpenAIServing:
         try:
             for j in range(req.n):
                 yield fmt.sse(
-                    self._chat_chunk(base_id, j, DeltaMessage(role="assistant", content=""))
+                    self._chat_chunk(
+                        base_id, j, DeltaMessage(role="assistant", content=""), req.model
+                    )
                 )
                 if echo:
-                    yield fmt.sse(self._chat_chunk(base_id, j, DeltaMessage(content=echo)))
+                    yield fmt.sse(
+                        self._chat_chunk(base_id, j, DeltaMessage(content=echo), req.model)
+                    )
             async for out in stream:
                 totals.add(0, out)
                 if any(c.finish_reason == "error" for c in out.outputs):
@@ -501,7 +513,9 @@ class OpenAIServing:
                         continue
                     if not c.text and not c.finished() and not c.token_ids:
                         continue
-                    chunk = self._chat_chunk(base_id, c.index, DeltaMessage(content=c.text))
+                    chunk = self._chat_chunk(
+                        base_id, c.index, DeltaMessage(content=c.text), req.model
+                    )
                     choice = chunk.choices[0]
                     if c.finished():
                         if not c.text:
@@ -515,7 +529,7 @@ class OpenAIServing:
                 yield fmt.sse(
                     ChatCompletionStreamResponse(
                         id=base_id,
-                        model=self.model_name,
+                        model=self.models.response_name(req.model),
                         choices=[],
                         usage=fmt.usage(totals.prompt, totals.completion, totals.cached),
                     )
@@ -579,7 +593,9 @@ class OpenAIServing:
         answer = dataclasses.replace(c, text=part.content)
         if not part.reasoning or not req.include_reasoning:
             return None, answer
-        chunk = self._chat_chunk(base_id, c.index, DeltaMessage(reasoning=part.reasoning))
+        chunk = self._chat_chunk(
+            base_id, c.index, DeltaMessage(reasoning=part.reasoning), req.model
+        )
         if req.logprobs:
             chunk.choices[0].logprobs = fmt.chat_logprobs(c.logprobs, top_k)
             answer.logprobs = None
@@ -601,12 +617,12 @@ class OpenAIServing:
         if not deltas and logprobs is not None:
             deltas = [DeltaMessage()]  # the tokens' logprobs still go out
         for i, delta in enumerate(deltas):
-            chunk = self._chat_chunk(base_id, c.index, delta)
+            chunk = self._chat_chunk(base_id, c.index, delta, req.model)
             chunk.choices[0].logprobs = logprobs if i == 0 else None
             chunks.append(chunk)
         if c.finished():
             # The finish reason in a chunk of its own, after every call's deltas.
-            end = self._chat_chunk(base_id, c.index, DeltaMessage())
+            end = self._chat_chunk(base_id, c.index, DeltaMessage(), req.model)
             end.choices[0].finish_reason = tools.finish_reason(
                 tool_req, st.tools_called, c.finish_reason
             )
@@ -615,11 +631,11 @@ class OpenAIServing:
         return chunks
 
     def _chat_chunk(
-        self, base_id: str, index: int, delta: DeltaMessage
+        self, base_id: str, index: int, delta: DeltaMessage, model: str | None = None
     ) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
             id=base_id,
-            model=self.model_name,
+            model=self.models.response_name(model),
             choices=[ChatCompletionStreamChoice(index=index, delta=delta)],
         )
 

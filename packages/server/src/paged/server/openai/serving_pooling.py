@@ -11,7 +11,7 @@ client leaves), and builds vLLM 0.33's response. Engine request ids are
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,6 +23,7 @@ from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import PromptType
 from paged.server.offload import BlockingWork
 from paged.server.openai import pooling_inputs as inputs
+from paged.server.openai.models import ModelNotFoundError
 from paged.server.openai.pooling_encoding import encode_tensor
 from paged.server.openai.pooling_protocol import (
     ClassificationData,
@@ -47,7 +48,7 @@ from paged.server.openai.pooling_protocol import (
 )
 from paged.server.openai.pooling_tasks import ModelTasks
 from paged.server.openai.protocol import UsageInfo
-from paged.server.openai.serving import ModelNotFoundError, response_id
+from paged.server.openai.serving import response_id
 from paged.server.pooling_metrics import PoolingMetrics
 from paged.server.tokenizer import TokenizerLike
 from paged.server.utils import merge_async_iterators
@@ -122,15 +123,22 @@ class PoolingServing:
         model_name: str,
         tasks: ModelTasks,
         metrics: PoolingMetrics | None = None,
+        adapters: Container[str] = (),
     ) -> None:
+        """`adapters`: the LoRA adapter names loaded (pooling refuses them with a 400)."""
         self.engine = engine
         self.model_name = model_name
+        self.adapters = adapters
         self.tasks = tasks
         self.metrics = metrics
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ModelNotFoundError(model)
+            if model in self.adapters:
+                raise InvalidRequestError(
+                    "model", f"`{model}` is a LoRA adapter; the pooling endpoints serve none"
+                )
+            raise ModelNotFoundError(model, self.model_name)
 
     def _limits(self, req: TextInputFields | ScoringFields) -> inputs.TokenLimits:
         return inputs.TokenLimits(

@@ -26,6 +26,7 @@ from paged.scheduler import SamplingParams
 from paged.server.chat_utils import apply_chat_template
 from paged.server.errors import InvalidRequestError
 from paged.server.input_processor import TextPrompt
+from paged.server.lora import LoRARequest
 from paged.server.offload import messages_size
 from paged.server.openai import formatting as fmt
 from paged.server.openai import tools as chat_tools
@@ -90,6 +91,7 @@ class _Job:
     template_kwargs: dict[str, Any] | None  # the request's, with reasoning.effort applied
     thinking: bool  # a reasoning parser is on and the model thinks in this request
     tool_config: ResolvedToolConfig  # the server's, or the generic format for this template
+    lora: LoRARequest | None = None  # the adapter `model` names (None: the base model)
 
 
 @dataclass
@@ -143,7 +145,7 @@ class OpenAIServingResponses:
             raise InvalidRequestError(
                 "background", "background can only be used when `store` is true"
             )
-        self.serving.check_model(req.model)
+        lora = self.serving.check_model(req.model)
         if req.background and not self.store.enabled:
             raise InvalidRequestError("background", STORE_NEEDED)
         llm = self.serving.llm
@@ -184,6 +186,7 @@ class OpenAIServingResponses:
             template_kwargs=kwargs,
             thinking=thinking,
             tool_config=tool_config,
+            lora=lora,
         )
 
     async def _submit(self, job: _Job) -> AsyncGenerator[RequestOutput, None]:
@@ -209,7 +212,12 @@ class OpenAIServingResponses:
         prompt: TextPrompt = {"prompt": prompt_text, "add_special_tokens": False}
         try:
             (stream,) = await self.serving._submit(
-                job.response_id, [prompt], job.params, job.req.priority, job.req.cache_salt
+                job.response_id,
+                [prompt],
+                job.params,
+                job.req.priority,
+                job.req.cache_salt,
+                lora_request=job.lora,
             )
         except InvalidRequestError as e:
             if e.param != "prompt":
@@ -305,7 +313,7 @@ class OpenAIServingResponses:
             ),
             instructions=req.instructions,
             metadata=req.metadata,
-            model=self.serving.model_name,
+            model=self.serving.models.response_name(req.model),
             output=output,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             temperature=params.temperature,
