@@ -204,6 +204,23 @@ def test_mixed_formats_in_one_packed_layer(backend: str) -> None:
     assert _rel(layer(x.bfloat16()), x @ w.t()) < 1e-2
 
 
+def test_q5_k_rows_beside_4_bit_rows_of_no_q5_k_form_are_re_quantised_not_refused() -> None:
+    """One run of int4 rows (Q4_0 gate, Q5_K up) whose scales have no common Q5_K form:
+    the layer still loads (int8 groups of 32, logged as re-quantised), never a crash."""
+    gate, up = _quantized(Q.Q4_0, 32, 256, seed=3), _quantized(Q.Q5_K, 32, 256, seed=4)
+    layer = MergedColumnParallelLinear(256, [32, 32], tp=TPGroup(), dtype=torch.bfloat16)
+    layer.start_quantized_load()
+    layer.load_weight("weight", gate, 0)
+    layer.load_weight("weight", up, 1)
+    report = layer.finish_quantized_load(torch.bfloat16)
+    w = torch.cat([gate.dequantize(), up.dequantize()])
+    if isinstance(layer.quant, QGemmMatmul):  # no C kernel: torch's path (re-quantised)
+        pytest.fail("Q4_0 scales cannot take Q5_K's form")
+    assert "re-quantised" in report.kernel and 0 < report.rel_error < 1e-2
+    x = torch.randn(3, 256)
+    assert _rel(layer(x.bfloat16()), x @ w.t()) < 2e-2
+
+
 def test_plain_float_rows_stay_dense_and_unset_rows_are_refused() -> None:
     w = torch.randn(16, 64)
     staging = QuantStaging(16, 64)

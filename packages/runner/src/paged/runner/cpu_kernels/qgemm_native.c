@@ -296,6 +296,14 @@ QG_INLINE void q4k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
     }
 }
 
+#if defined(__GFNI__)
+/* Bit c of each byte of hv at bit 4, every other bit 0 (GF(2) affine: output bit 4 is
+ * row byte 3 of the matrix, which selects input bit c). */
+QG_INLINE __m512i fifth_bit(__m512i hv, int c) {
+    return _mm512_gf2p8affine_epi64_epi8(hv, _mm512_set1_epi64((long long)(1u << c) << 24), 0);
+}
+#endif
+
 /* Q5_K: per group the 4-bit codes with their fifth bits (or_bit4), then q4_tile_vnni's
  * MB <= 2 operations (the integer sums are the same, bit for bit). */
 QG_INLINE void q5k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
@@ -321,8 +329,16 @@ QG_INLINE void q5k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
             __m512i w[8];
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(blk + c * 64));
+#if defined(__GFNI__)
+                /* (nibble & 15) | fifth bit, the bit moved to bit 4 (all else 0) by one
+                 * bit-matrix op: two ops a vector fewer than masking and shifting */
+                w[c] = _mm512_ternarylogic_epi32(v, fifth_bit(hv, c), low4, 0xEC);
+                w[c + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), fifth_bit(hv, c + 4),
+                                                     low4, 0xEC); /* (a & c) | b */
+#else
                 w[c] = or_bit4(_mm512_and_si512(v, low4), hv, c);
                 w[c + 4] = or_bit4(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), hv, c + 4);
+#endif
             }
             for (int r = 0; r < MB; r++) {
                 const int64_t at = SOFF(r0 + r, g);

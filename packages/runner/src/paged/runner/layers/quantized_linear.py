@@ -276,8 +276,16 @@ def _int8_exact(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def int4_kernel(groups: Int4GroupsLike, dtype: torch.dtype, source: str) -> QuantizedMatmul:
     """The C kernel for a 4-bit group weight when it loaded, else torch's int4 kernel."""
     lib = qgemm_available(dtype)
-    if lib is None and int(groups.codes.max()) > 15:
-        # Q5_K staged for the C kernel, finalised for a dtype it does not take
+    five_bit = int(groups.codes.max()) > 15
+    if lib is None and not five_bit:
+        return Int4GroupMatmul(groups, dtype, source)
+    try:
+        if lib is None:
+            raise ValueError("no C kernel for this dtype")
+        gemm = QGemm.int4(lib, groups.codes, groups.scale, groups.offset)  # type: ignore[arg-type]
+    except ValueError:
+        # Q5_K staged for the C kernel but finalised for a dtype it does not take, or
+        # sharing a run of rows with 4-bit rows whose scales have no Q5_K form
         exact = _int4_exact(groups)
         kernel = Int8GroupMatmul(*requantize_int8_groups(exact), dtype, source)
         kernel.report = replace(
@@ -286,9 +294,6 @@ def int4_kernel(groups: Int4GroupsLike, dtype: torch.dtype, source: str) -> Quan
             rel_error=_rel_error(kernel.dequantized(), exact) + kernel.report.rel_error,
         )
         return kernel
-    if lib is None:
-        return Int4GroupMatmul(groups, dtype, source)
-    gemm = QGemm.int4(lib, groups.codes, groups.scale, groups.offset)  # type: ignore[arg-type]
     kind = "int5 groups of 32 (Q5_K)" if gemm.fmt == FMT_Q5K else "int4 groups of 32"
     return QGemmMatmul(gemm, _int4_exact(groups), source, kind)
 
@@ -583,9 +588,12 @@ class QuantStaging:
             lib = qgemm_available(dtype)  # a table: exact on the C kernel, with its lookup
             if lib is not None:
                 assert self.scale is not None and self.offset is not None
-                return QGemmInt4Table(
-                    lib, _Groups(self.codes, self.scale, self.offset), dtype, source
-                )
+                try:
+                    return QGemmInt4Table(
+                        lib, _Groups(self.codes, self.scale, self.offset), dtype, source
+                    )
+                except ValueError:  # Q5_K rows beside 4-bit rows of no Q5_K form
+                    pass
         if bool((self.row_kind == _INT8).all()) and self.codes8 is not None:
             assert self.scale8 is not None
             table = int8_table_kernel(self.codes8, self.scale8, dtype, source)
