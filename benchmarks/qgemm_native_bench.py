@@ -1,19 +1,28 @@
 """One decode token's quantised matmuls of a GGUF model: GGUF-native vs float32-scale tiles.
 
-Every 2-D weight of the file that the C kernel takes exactly (Q4_0/Q4_1/Q4_K,
+Every 2-D weight of the file that the C kernel takes exactly (Q4_0/Q4_1/Q4_K/Q5_K,
 Q8_0/Q5_0/Q6_K; the tied embedding when there is no output head) is packed twice:
 `QGemm.int4/int8(..., native=True)` (qgemm_native.c: the file's byte count where
 the format allows) and `native=False` (qgemm.c's float32-scale blocks, the layout
-before). A "step" multiplies one bfloat16 activation row by every weight, as one
-1-stream decode token does (outlier_ratio 4, the engine's setting); that is the
-qgemm share of a decode step (85% in docs/cpu-threads-profile.md), without
-norms, attention, sampling or Python glue. The two layouts are alternated step by
-step, at 1 thread (no pool) and N threads (a CpuPool attached to the kernels),
-and each figure is the median of `--steps` steps, the load average beside it.
+before; Q5_K has no such layout and stays FMT_Q5K in both). A "step" multiplies one
+bfloat16 activation row by every weight, as one 1-stream decode token does
+(outlier_ratio 4, the engine's setting); that is the qgemm share of a decode step
+(85% in docs/cpu-threads-profile.md), without norms, attention, sampling or Python
+glue. The layouts are alternated step by step, at 1 thread (no pool) and N threads
+(a CpuPool attached to the kernels), and each figure is the median of `--steps`
+steps, the load average beside it.
 
     .venvs/all/bin/python benchmarks/qgemm_native_bench.py --model random-smollm2-1.7b-Q4_K_M.gguf
 
-Prints one JSON line per (threads, layout): MB a step, ms a step (median),
+Several files (--model A B, e.g. the same shape as Q4_K_M and Q5_K_M) are alternated
+step by step too (--layouts native: only the native packing; requantised: Q5_K as
+int8 groups of 32, paged's path before FMT_Q5K), so that their MB and GB/s compare
+under the same load:
+
+    .venvs/all/bin/python benchmarks/qgemm_native_bench.py --layouts native \
+        --model random-smollm2-1.7b-Q4_K_M.gguf random-smollm2-1.7b-Q5_K_M.gguf
+
+Prints one JSON line per (threads, file:layout): MB a step, ms a step (median),
 GB/s (MB / ms), steps/s (the decode tok/s this share alone would allow).
 """
 
@@ -30,10 +39,14 @@ import torch
 
 from paged.runner.cpu_kernels import QGemm, load_qgemm
 from paged.runner.cpu_kernels.pool import CpuPool
+from paged.runner.layers.quantized_linear import requantize_int8_groups
 from paged.runner.loader.gguf_quant import GGUFQuantizedTensor
 
 
-def _weights(path: str, native: bool) -> list[QGemm]:
+def _weights(path: str, layout: str) -> list[QGemm]:
+    """The file's weights packed as `layout` ("native", "float32-scale" or "requantised":
+    "native" with Q5_K re-quantised to int8 groups of 32, paged's path before FMT_Q5K)."""
+    native = layout != "float32-scale"
     lib = load_qgemm()
     if lib is None:
         raise SystemExit("the qgemm C kernel did not build")
@@ -47,6 +60,11 @@ def _weights(path: str, native: bool) -> list[QGemm]:
         cols = int(t.shape[0])
         tensor = GGUFQuantizedTensor(t.data, t.tensor_type, cols)
         g4 = tensor.int4_groups()
+        if g4 is not None and layout == "requantised" and int(g4.codes.max()) > 15:
+            exact = g4.codes.float() * g4.scale.repeat_interleave(32, 1)
+            exact += g4.offset.repeat_interleave(32, 1)
+            out.append(QGemm.int8(lib, *requantize_int8_groups(exact)))
+            continue
         if g4 is not None:
             out.append(QGemm.int4(lib, g4.codes, g4.scale, g4.offset, native=native))
             continue
@@ -65,14 +83,22 @@ def _step(weights: list[QGemm], xs: dict[int, torch.Tensor]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="GGUF file")
+    parser.add_argument("--model", required=True, nargs="+", help="GGUF file(s)")
+    parser.add_argument(
+        "--layouts", nargs="+", default=["native", "float32-scale"],
+        choices=["native", "float32-scale", "requantised"], help="packings to time",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=15, help="timed steps per layout")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    layouts = {"native": _weights(args.model, True), "float32-scale": _weights(args.model, False)}
+    layouts = {
+        f"{os.path.basename(path)}:{layout}": _weights(path, layout)
+        for path in args.model
+        for layout in args.layouts
+    }
     gen = torch.Generator().manual_seed(0)
-    dims = {w.in_features for w in layouts["native"]}
+    dims = {w.in_features for weights in layouts.values() for w in weights}
     xs = {k: torch.randn(1, k, generator=gen).bfloat16() for k in dims}
     lib = load_qgemm()
     assert lib is not None

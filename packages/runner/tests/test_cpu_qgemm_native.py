@@ -1,9 +1,11 @@
-"""qgemm's GGUF-native layouts (Q4_K, Q6_K, Q4_0, Q4_1, Q8_0 at the file's byte count).
+"""qgemm's GGUF-native layouts (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0 at the file's byte count).
 
 The native weights hold the same values as qgemm.c's float32-scale blocks, so every
 ISA path must give the same bits as those blocks at every row count (the direct
 VNNI kernels at 1-2 rows, the per-tile expansion above), and the kernels the
-dequantised reference within the tolerance test_cpu_qgemm.py uses.
+dequantised reference within the tolerance test_cpu_qgemm.py uses. Q5_K has no
+float32-scale layout to compare with: its rows must not depend on the path (direct
+at 1-2 rows, expanded above) or the batch, and it meets the same reference.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from paged.runner.cpu_kernels import QGemm, QGemmLibrary, build, load_qgemm
 from paged.runner.cpu_kernels.packing_native import (
     FMT_Q4K,
+    FMT_Q5K,
     FMT_Q6K,
     FMT_Q40,
     FMT_Q41,
@@ -47,6 +50,14 @@ def _q4k(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     sc = torch.randint(0, 64, (n, sb, 8), generator=gen).float()
     mins = torch.randint(0, 64, (n, sb, 8), generator=gen).float()
     return codes, (d * sc).reshape(n, k // 32), (-(dmin * mins)).reshape(n, k // 32)
+
+
+def _q5k(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K's form: Q4_K's scales with codes 0..31."""
+    codes, scale, offset = _q4k(n, k, seed)
+    gen = torch.Generator().manual_seed(seed)
+    high = torch.randint(0, 2, (n, k), dtype=torch.uint8, generator=gen)
+    return codes | (high << 4), scale, offset
 
 
 def _q6k(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,10 +139,44 @@ def test_native_weights_give_the_float32_layouts_bits(isa: str, n: int, k: int) 
                     assert torch.equal(a, b), (isa, name, m, dtype, ratio)
 
 
+def test_q5k_packs_at_the_files_bytes_and_values() -> None:
+    """5.5 bits a weight (GGUF's 176 bytes a 256), every code 0..31 kept exactly."""
+    n, k = 40, 512
+    codes, scale, offset = _q5k(n, k, seed=11)
+    gemm = QGemm.int4(_lib(), codes, scale, offset)
+    assert gemm.fmt == FMT_Q5K
+    assert gemm.nbytes * 8 == 48 * k * 5.5  # 3 tiles of 16 rows
+    exact = codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+    assert torch.equal(gemm.dequantized(), exact)
+    bad = scale * (1 + 2**-20)  # no f16 times a 6-bit integer: refused, not guessed
+    with pytest.raises(ValueError, match="Q5_K"):
+        QGemm.int4(_lib(), codes, bad, offset)
+
+
+@pytest.mark.parametrize("isa", build.ISAS)
+def test_q5k_rows_do_not_depend_on_the_batch_or_the_path(isa: str) -> None:
+    """The direct VNNI kernel (1-2 rows) and the expanded 5-bit tiles (3+ rows) do the same
+    float32 operations: each row's bits equal its bits in a 140-row call."""
+    n, k = 37, 768
+    gemm = QGemm.int4(_lib(isa), *_q5k(n, k, seed=5))
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(max(ROWS), k, generator=gen) * 2
+    x[:, ::37] *= 20
+    x[0, 32:64] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        for ratio in (None, 4.0, 0.0):
+            full = gemm.matmul(x.to(dtype), torch.float32, outlier_ratio=ratio)
+            for m in ROWS[:-1]:
+                part = gemm.matmul(x[:m].to(dtype), torch.float32, outlier_ratio=ratio)
+                assert torch.equal(part, full[:m]), (isa, m, dtype, ratio)
+
+
 def test_native_kernels_equal_the_dequantised_reference() -> None:
     """The int8-activation reference of test_cpu_qgemm.py (relative 2e-6 in float32)."""
     n, k = 45, 512
-    for name, (native, _) in _pairs(_lib(), n, k, seed=3).items():
+    pairs = _pairs(_lib(), n, k, seed=3)
+    q5k = QGemm.int4(_lib(), *_q5k(n, k, seed=8))
+    for name, native in [*((name, p[0]) for name, p in pairs.items()), ("q5k", q5k)]:
         weight = native.dequantized().double()
         for m in (1, 2, 5):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -178,7 +223,7 @@ def _gguf_blocks(qtype: Q, rows: int, cols: int, seed: int) -> GGUFQuantizedTens
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 4e-3, (data.shape[0], 2)).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q4_K:
+    if qtype in (Q.Q4_K, Q.Q5_K):
         data[:, 0:4] = scales
     elif qtype == Q.Q6_K:
         data[:, -2:] = scales[:, :2]
@@ -190,7 +235,14 @@ def _gguf_blocks(qtype: Q, rows: int, cols: int, seed: int) -> GGUFQuantizedTens
 
 @pytest.mark.parametrize(
     ("qtype", "fmt"),
-    [(Q.Q4_K, FMT_Q4K), (Q.Q6_K, FMT_Q6K), (Q.Q4_0, FMT_Q40), (Q.Q4_1, FMT_Q41), (Q.Q8_0, FMT_Q80)],
+    [
+        (Q.Q4_K, FMT_Q4K),
+        (Q.Q5_K, FMT_Q5K),
+        (Q.Q6_K, FMT_Q6K),
+        (Q.Q4_0, FMT_Q40),
+        (Q.Q4_1, FMT_Q41),
+        (Q.Q8_0, FMT_Q80),
+    ],
 )
 def test_a_gguf_tensor_packs_at_its_own_bytes_and_values(qtype: Q, fmt: int) -> None:
     """The loader's groups of a file's tensor factor back into the file's form: the

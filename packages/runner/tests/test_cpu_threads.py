@@ -120,12 +120,16 @@ def _qgemm_outputs(lib: Any) -> list[torch.Tensor]:
     codes4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     w40 = QGemm.int4(lib, codes4, d0, -8 * d0)
     w80 = QGemm.int8(lib, torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), d0)
-    assert (w4k.fmt, w6k.fmt, w40.fmt, w80.fmt) == (5, 6, 7, 9)
+    w5k = QGemm.int4(  # Q5_K: 5-bit codes, Q4_K's scales
+        lib, torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=gen),
+        (d * sc[..., 8:]).reshape(n, k // 32), (-(d * sc[..., :8])).reshape(n, k // 32),
+    )  # fmt: skip
+    assert (w4k.fmt, w6k.fmt, w40.fmt, w80.fmt, w5k.fmt) == (5, 6, 7, 9, 11)
     outs = []
     for m in (1, 2, 3, 37, 300):  # decode, a few rows, prefill, more than one chunk of rows
         x = torch.randn(m, k, generator=gen)
         x[:, 5] *= 40  # outliers: the residual level's groups
-        for w in (w4, w8, w4k, w6k, w40, w80):
+        for w in (w4, w8, w4k, w6k, w40, w80, w5k):
             outs.append(w.matmul(x))
             outs.append(w.matmul(x.bfloat16(), torch.bfloat16, outlier_ratio=4.0))
     return outs

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from paged.runner.cpu_kernels.build import ISA_ENV
+from paged.runner.cpu_kernels.packing_native import FMT_Q5K
 from paged.runner.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from paged.runner.layers.parallel import TPGroup
 from paged.runner.layers.quantized_linear import (
@@ -56,12 +57,13 @@ def _quantized(qtype: Q, rows: int, cols: int, seed: int = 0) -> GGUFQuantizedTe
     return GGUFQuantizedTensor(data.reshape(rows, -1), qtype, cols)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K])
 def test_int4_groups_reproduce_the_gguf_decoding_exactly(qtype: Q) -> None:
+    """Q5_K (block_q5_K: Q4_K's scales, qh[32] fifth bits, qs[128]): 5-bit codes."""
     t = _quantized(qtype, 8, 512)
     g = t.int4_groups()
     assert g is not None
-    assert int(g.codes.max()) <= 15
+    assert int(g.codes.max()) == (31 if qtype == Q.Q5_K else 15)
     w = g.codes.float() * g.scale.repeat_interleave(32, 1) + g.offset.repeat_interleave(32, 1)
     torch.testing.assert_close(w, t.dequantize(), rtol=0, atol=1e-7)
 
@@ -122,10 +124,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # to int8 per 32 inputs (at most 1/254 of a group's largest value each) and y
 # to bfloat16: measured 5.6-6.4e-3, under the same 1e-2 bound. Re-quantised:
 # int8 per channel adds ~1/254 of a row's largest weight per weight (7.3-7.8e-3).
-# Re-quantised to int8 groups of 32 (Q5_1, Q5_K): at most half a step, 1/254 of a
-# group's largest weight, per weight; `weight_error` bounds the logged error of the
-# weight against the checkpoint (measured on the C kernel: Q5_1 5.4e-3, Q5_K 3.8e-3;
-# torch's kernels add their bf16-scale bound, ~3.3e-3).
+# Re-quantised to int8 groups of 32 (Q5_1; Q5_K on torch's kernels only, the C kernel
+# keeps it exact as FMT_Q5K): at most half a step, 1/254 of a group's largest weight,
+# per weight; `weight_error` bounds the logged error of the weight against the
+# checkpoint (measured: Q5_1 5.4e-3 on the C kernel, Q5_K 3.8e-3; torch's kernels add
+# their bf16-scale bound, ~3.3e-3).
 _INT8_GROUPS = {"qgemm": QGemmTable, "torch": Int8GroupMatmul}
 
 
@@ -139,7 +142,7 @@ _INT8_GROUPS = {"qgemm": QGemmTable, "torch": Int8GroupMatmul}
         (Q.Q5_0, _INT8_GROUPS, 1e-2, 0.0),
         (Q.Q6_K, {"qgemm": QGemmTable, "torch": Int8ChannelMatmul}, 3e-2, 0.0),
         (Q.Q5_1, _INT8_GROUPS, 1e-2, 1e-2),
-        (Q.Q5_K, _INT8_GROUPS, 1e-2, 1e-2),
+        (Q.Q5_K, {"qgemm": QGemmMatmul, "torch": Int8GroupMatmul}, 1e-2, 1e-2),
     ],
 )
 def test_layer_output_error_is_what_the_format_implies(
@@ -166,6 +169,10 @@ def test_layer_output_error_is_what_the_format_implies(
     if backend == "qgemm":  # the logged error is the weight's against the checkpoint's
         assert layer.quant is not None
         assert report.rel_error == pytest.approx(_rel(layer.quant.dequantized(), t.dequantize()))
+    if qtype == Q.Q5_K and backend == "qgemm":
+        weight_error = 0.0  # FMT_Q5K: the file's 5.5 bits a weight, exact
+        assert isinstance(layer.quant, QGemmMatmul) and layer.quant.gemm.fmt == FMT_Q5K
+        assert "Q5_K" in report.kernel
     if weight_error > 0:  # re-quantised: the log says so, and what it cost
         assert 0 < report.rel_error < weight_error
         assert f"{qtype.name} re-quantised to int8 groups of 32" in report.kernel
@@ -195,6 +202,23 @@ def test_mixed_formats_in_one_packed_layer(backend: str) -> None:
     assert torch.equal(layer.quant.dequantized(), w)
     assert report.rel_error < 1e-6
     assert _rel(layer(x.bfloat16()), x @ w.t()) < 1e-2
+
+
+def test_q5_k_rows_beside_4_bit_rows_of_no_q5_k_form_are_re_quantised_not_refused() -> None:
+    """One run of int4 rows (Q4_0 gate, Q5_K up) whose scales have no common Q5_K form:
+    the layer still loads (int8 groups of 32, logged as re-quantised), never a crash."""
+    gate, up = _quantized(Q.Q4_0, 32, 256, seed=3), _quantized(Q.Q5_K, 32, 256, seed=4)
+    layer = MergedColumnParallelLinear(256, [32, 32], tp=TPGroup(), dtype=torch.bfloat16)
+    layer.start_quantized_load()
+    layer.load_weight("weight", gate, 0)
+    layer.load_weight("weight", up, 1)
+    report = layer.finish_quantized_load(torch.bfloat16)
+    w = torch.cat([gate.dequantize(), up.dequantize()])
+    if isinstance(layer.quant, QGemmMatmul):  # no C kernel: torch's path (re-quantised)
+        pytest.fail("Q4_0 scales cannot take Q5_K's form")
+    assert "re-quantised" in report.kernel and 0 < report.rel_error < 1e-2
+    x = torch.randn(3, 256)
+    assert _rel(layer(x.bfloat16()), x @ w.t()) < 2e-2
 
 
 def test_plain_float_rows_stay_dense_and_unset_rows_are_refused() -> None:

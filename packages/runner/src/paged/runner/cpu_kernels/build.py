@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 ISA_ENV = "PAGED_QGEMM_ISA"
 ISAS = ("native", "avx2", "scalar")
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
-_ABI = 6  # paged_qgemm_abi() of the source this module drives
+_ABI = 7  # paged_qgemm_abi() of the source this module drives
 _FORCE = {
     "native": [],
     "avx2": ["-DPAGED_QGEMM_FORCE_AVX2"],
@@ -75,7 +75,8 @@ class QGemmLibrary:
 
     def native(self, *args: float) -> int:
         """paged_qgemm_native(fmt, w, n, k, levels, ratio, x, m, x_stride, x_bf16, y, y_stride,
-        y_bf16): a weight in GGUF's own bytes (fmt 5 Q4_K, 6 Q6_K, 7 Q4_0; qgemm_native.c)."""
+        y_bf16): a weight in GGUF's own bytes (fmt 5 Q4_K, 6 Q6_K, 7 Q4_0, 11 Q5_K, ...;
+        qgemm_native.c)."""
         return int(self.lib.paged_qgemm_native(*args))
 
     def expand(self, *args: float) -> int:

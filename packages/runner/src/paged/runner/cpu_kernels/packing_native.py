@@ -6,6 +6,8 @@ file's f16 super-block scale and its small integer sub-scales. `factor_scales`
 finds such a factoring again (any one whose products are the same float32 values
 is as good: the kernels multiply them back exactly), so that the packed weight
 takes the file's bytes: Q4_K 4.5 bits a weight (qgemm.c's 4-bit blocks: 6),
+Q5_K 5.5 (Q4_K's bytes and a plane of fifth bits; there is no float32-scale
+5-bit layout to keep, the kernels expand it per tile),
 Q6_K 6.5625 (qgemm.c's 8-bit blocks with two scales per 32: 12), Q4_0 4.5 (6),
 Q4_1 5 (6), Q8_0 8.5 (10; Q5_0's codes take this form too: 8.5 for its 5.5).
 A weight whose scales have no such form returns None (the caller keeps
@@ -20,10 +22,13 @@ import torch
 
 from paged.runner.cpu_kernels.packing import GROUP, TILE, _chunked, _tiles
 
-FMT_Q4K, FMT_Q6K, FMT_Q40, FMT_Q80, FMT_Q41 = 5, 6, 7, 9, 10
+FMT_Q4K, FMT_Q6K, FMT_Q40, FMT_Q80, FMT_Q41, FMT_Q5K = 5, 6, 7, 9, 10, 11
 SB_INPUTS = 256  # inputs per K-quant super-block
 SB_GROUPS = SB_INPUTS // GROUP
 Q4K_SB = SB_GROUPS * 256 + 256  # bytes per tile and super-block
+Q5K_GROUP = 256 + 64  # a group's 4-bit code block and its plane of fifth bits
+Q5K_SB = SB_GROUPS * Q5K_GROUP + 256
+Q5_BLOCK = 256 + 64 + 64 + 64  # qgemm.c's 5-bit block (what FMT_Q5K expands into)
 Q6K_SB = SB_GROUPS * (256 + 128) + 256 + 32
 Q40_BLOCK = 256 + 32
 Q41_BLOCK = 256 + 64
@@ -94,26 +99,74 @@ def _six_bit_planes(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([low.flatten(2), planes.flatten(2)], dim=2)
 
 
+def _k_header(scale: torch.Tensor, offset: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+    """Q4_K / Q5_K's scales (scale = d sc, offset = dm m per 256 inputs, sc and m 6-bit)
+    -> [T, S, 256] header bytes (see qgemm_native.c), or None when they have no such form."""
+    sb = k // SB_INPUTS
+    d = factor_scales(scale.reshape(n * sb, SB_GROUPS), _U6, 0, 63)
+    dm = factor_scales(offset.reshape(n * sb, SB_GROUPS), _U6, 0, 63)
+    if d is None or dm is None:
+        return None
+    sc = _rows_last(d[1].reshape(n, k // GROUP), SB_GROUPS)
+    mins = _rows_last(dm[1].reshape(n, k // GROUP), SB_GROUPS)
+    dh, dmh = _f16_rows(d[0].reshape(n, sb)), _f16_rows(dm[0].reshape(n, sb))
+    sc_planes, m_planes = _six_bit_planes(sc), _six_bit_planes(mins)
+    header = [dh, dmh, sc_planes[..., :64], m_planes[..., :64], sc_planes[..., 64:]]
+    return torch.cat([*header, m_planes[..., 64:]], dim=2)
+
+
 def pack_q4k(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor | None:
     """w = codes * scale + offset per 32 (Q4_K's form: scale = d sc, offset = dm m per 256
     inputs, sc and m 6-bit) -> FMT_Q4K bytes, or None when the values have no such form."""
     n, k = codes.shape
     if k % SB_INPUTS:
         return None
-    sb = k // SB_INPUTS
-    d = factor_scales(scale.reshape(n * sb, SB_GROUPS), _U6, 0, 63)
-    dm = factor_scales(offset.reshape(n * sb, SB_GROUPS), _U6, 0, 63)
-    if d is None or dm is None:
+    header = _k_header(scale, offset, n, k)
+    if header is None:
         return None
-    nib = _nibbles(codes)
-    tiles = nib.shape[0]
-    nib = nib.reshape(tiles, sb, SB_GROUPS * 256)
-    sc = _rows_last(d[1].reshape(n, k // GROUP), SB_GROUPS)
-    mins = _rows_last(dm[1].reshape(n, k // GROUP), SB_GROUPS)
-    dh, dmh = _f16_rows(d[0].reshape(n, sb)), _f16_rows(dm[0].reshape(n, sb))
-    sc_planes, m_planes = _six_bit_planes(sc), _six_bit_planes(mins)
-    header = [dh, dmh, sc_planes[..., :64], m_planes[..., :64], sc_planes[..., 64:]]
-    return torch.cat([nib, *header, m_planes[..., 64:]], dim=2).reshape(-1).contiguous()
+    nib = _nibbles(codes).reshape(header.shape[0], header.shape[1], SB_GROUPS * 256)
+    return torch.cat([nib, header], dim=2).reshape(-1).contiguous()
+
+
+def _fifth_bits(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] (values < 32) -> [T, G, 64]: bit c of byte (l * 4 + b) is bit 4 of
+    the code of row l, input 4c + b (chunk c of qgemm.c's code blocks)."""
+    c = (_chunked(_tiles(codes.to(torch.uint8))) >> 4) & 1  # [T, G, 8, 16, 4]
+    shift = torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1, 1)
+    planes = (c << shift).sum(2, dtype=torch.uint8)  # disjoint bits
+    return planes.reshape(c.shape[0], c.shape[1], 64)
+
+
+def pack_q5k(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor | None:
+    """w = codes * scale + offset per 32 with codes 0..31 (Q5_K's form: Q4_K's scales)
+    -> FMT_Q5K bytes at the file's 5.5 bits a weight, or None when the values have no
+    such form (K not whole super-blocks, codes past 31, scales not d times 6 bits)."""
+    n, k = codes.shape
+    if k % SB_INPUTS or int(codes.max()) > 31:
+        return None
+    header = _k_header(scale, offset, n, k)
+    if header is None:
+        return None
+    per_group = torch.cat([_nibbles(codes), _fifth_bits(codes)], dim=2)  # [T, G, 320]
+    body = per_group.reshape(header.shape[0], header.shape[1], SB_GROUPS * Q5K_GROUP)
+    return torch.cat([body, header], dim=2).reshape(-1).contiguous()
+
+
+def unpack_q5(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The float32 [N, K] weight of qgemm.c's 5-bit blocks (FMT_Q5K expanded)."""
+    groups, tiles = k // GROUP, -(-n // TILE)
+    b = blocks.reshape(tiles, groups, Q5_BLOCK)
+    nib = b[..., :256].reshape(tiles, groups, 4, TILE, 4)
+    low = torch.cat([nib & 15, nib >> 4], dim=2)  # [T, G, 8, 16, 4]
+    shift = torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1, 1)
+    plane = b[..., 384:].reshape(tiles, groups, 1, TILE, 4)
+    c = low | (((plane >> shift) & 1) << 4)
+    codes = c.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, k).float()
+    d = b[..., 256:320].contiguous().view(torch.float32).permute(0, 2, 1)
+    m = b[..., 320:384].contiguous().view(torch.float32).permute(0, 2, 1)
+    d_rows = d.reshape(tiles * TILE, groups).repeat_interleave(GROUP, 1)
+    m_rows = m.reshape(tiles * TILE, groups).repeat_interleave(GROUP, 1)
+    return (codes * d_rows + m_rows)[:n]
 
 
 def pack_q40(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor | None:
@@ -189,6 +242,7 @@ def native_nbytes(fmt: int, n: int, k: int) -> int:
     tiles, groups = -(-n // TILE), k // GROUP
     per = {
         FMT_Q4K: groups // SB_GROUPS * Q4K_SB, FMT_Q6K: groups // SB_GROUPS * Q6K_SB,
+        FMT_Q5K: groups // SB_GROUPS * Q5K_SB,
         FMT_Q40: groups * Q40_BLOCK, FMT_Q41: groups * Q41_BLOCK, FMT_Q80: groups * Q80_BLOCK,
     }  # fmt: skip
     return tiles * per[fmt]

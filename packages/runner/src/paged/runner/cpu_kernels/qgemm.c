@@ -17,6 +17,10 @@
  *       256 B codes: byte (c * 64 + l * 4 + b), c in 0..3, l in 0..15, b in 0..3,
  *                    low nibble = q[row l][4c + b], high nibble = q[row l][4(c + 4) + b]
  *        64 B d[16] float32, 64 B m[16] float32           w = d q + m, q in 0..15
+ *   5-bit block (only as qgemm_native.c's Q5_K expands, no packer of its own),
+ *       Q5_BLOCK bytes: the 4-bit block, then 64 B high bits: bit c of byte
+ *       (l * 4 + b) is bit 4 of q[row l][4c + b] (q in 0..31; the 4-bit
+ *       kernels with HB = 1 OR it into the unpacked codes)
  *   8-bit block, 512 + S * 128 bytes (S = 1: one scale per 32, S = 2: per 16):
  *       512 B codes: byte (c * 64 + l * 4 + b) = q[row l][4c + b], c in 0..7, int8
  *       S x 64 B corr[16] int32 = -128 * (sum of the sub-group's codes)
@@ -57,6 +61,7 @@
 #define TILE 16
 #define GROUP 32
 #define Q4_BLOCK (256 + 64 + 64)
+#define Q5_BLOCK (Q4_BLOCK + 64) /* + the fifth bits (qgemm_native.c's Q5_K) */
 #define Q8_CODES 512
 /* Activation rows per pass over a weight tile (MB_ROWS x 16 accumulators plus
  * the tile's 8 weight vectors fit AVX-512's 32 registers; AVX2 has 16). */
@@ -81,7 +86,7 @@ int paged_qgemm_isa(void) {
 #endif
 }
 
-int paged_qgemm_abi(void) { return 6; }
+int paged_qgemm_abi(void) { return 7; }
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -174,31 +179,32 @@ static void store_row(const float *acc, void *y, int y_bf16, int64_t y_stride, i
 
 /* ------------------------------------------------------------ scalar path */
 
-QG_INLINE int32_t q4_dot_scalar(const uint8_t *blk, int l, const int8_t *xr) {
+QG_INLINE int32_t q4_dot_scalar(const uint8_t *blk, int hb, int l, const int8_t *xr) {
     int32_t dot = 0;
     for (int c = 0; c < 4; c++)
         for (int b = 0; b < 4; b++) {
             const uint8_t byte = blk[c * 64 + l * 4 + b];
-            dot += (int32_t)(byte & 15) * xr[4 * c + b];
-            dot += (int32_t)(byte >> 4) * xr[4 * (c + 4) + b];
+            const int high = hb ? blk[Q4_BLOCK + l * 4 + b] : 0; /* 5-bit: bit c of chunk c */
+            dot += (int32_t)((byte & 15) | ((high >> c) & 1) << 4) * xr[4 * c + b];
+            dot += (int32_t)((byte >> 4) | ((high >> (c + 4)) & 1) << 4) * xr[4 * (c + 4) + b];
         }
     return dot;
 }
 
 __attribute__((unused)) static void q4_tile_scalar(const uint8_t *wt, int64_t groups,
                                                    const QRows *o, int64_t r0, int64_t k,
-                                                   const uint8_t *mask2, int mb,
+                                                   const uint8_t *mask2, int mb, int hb,
                                                    float acc[][TILE]) {
     float res[MB_ROWS][TILE];
     for (int r = 0; r < mb; r++)
         for (int l = 0; l < TILE; l++) acc[r][l] = res[r][l] = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *blk = wt + g * Q4_BLOCK;
+        const uint8_t *blk = wt + g * (hb ? Q5_BLOCK : Q4_BLOCK);
         const float *d = (const float *)(blk + 256), *mn = (const float *)(blk + 320);
         for (int r = 0; r < mb; r++) {
             const int64_t at = SOFF(r0 + r, g);
             for (int l = 0; l < TILE; l++) {
-                acc[r][l] += (float)q4_dot_scalar(blk, l, QX(o, r0 + r, g)) * (d[l] * o->xs[at]);
+                acc[r][l] += (float)q4_dot_scalar(blk, hb, l, QX(o, r0 + r, g)) * (d[l] * o->xs[at]);
                 acc[r][l] += mn[l] * o->xsum[at];
             }
         }
@@ -206,7 +212,7 @@ __attribute__((unused)) static void q4_tile_scalar(const uint8_t *wt, int64_t gr
             const int r = __builtin_ctz(bits);
             const int64_t at = SOFF(r0 + r, g);
             for (int l = 0; l < TILE; l++) {
-                res[r][l] += (float)q4_dot_scalar(blk, l, QX2(o, r0 + r, g)) * (d[l] * o->xs2[at]);
+                res[r][l] += (float)q4_dot_scalar(blk, hb, l, QX2(o, r0 + r, g)) * (d[l] * o->xs2[at]);
                 res[r][l] += mn[l] * o->xsum2[at];
             }
         }
@@ -263,15 +269,29 @@ __attribute__((unused)) static void q8_tile_scalar(const uint8_t *wt, int64_t gr
 /* ---------------------------------------------------------- AVX512-VNNI */
 #if defined(QG_VNNI)
 
-/* One 4-bit group (packed at blk) x one row, for the residual rows (two chains: latency). */
-QG_INLINE __m512i q4_dot_vnni(const uint8_t *blk, const int8_t *xr) {
+/* codes | (bit c of each byte of hv) << 4: the fifth bit of chunk c's codes (5-bit
+ * block). Within a 16-bit lane the shift brings each byte's own bit c to bit 4. */
+QG_INLINE __m512i or_bit4(__m512i codes, __m512i hv, int c) {
+    const __m512i b4 = _mm512_set1_epi8(0x10);
+    const __m512i s = c <= 4 ? _mm512_slli_epi16(hv, 4 - c) : _mm512_srli_epi16(hv, c - 4);
+    return _mm512_ternarylogic_epi32(codes, s, b4, 0xF8); /* codes | (s & b4) */
+}
+
+/* One 4-bit (HB: 5-bit) group (packed at blk) x one row, for the residual rows (two
+ * chains: latency). */
+QG_INLINE __m512i q4_dot_vnni(const uint8_t *blk, const int HB, const int8_t *xr) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i hv = HB ? _mm512_loadu_si512((const void *)(blk + Q4_BLOCK)) : low4;
     __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
         const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
-        i0 = _mm512_dpbusd_epi32(i0, _mm512_and_si512(p, low4), _mm512_set1_epi32(ld32(xr + 4 * c)));
-        i1 = _mm512_dpbusd_epi32(i1, _mm512_and_si512(_mm512_srli_epi16(p, 4), low4),
-                                 _mm512_set1_epi32(ld32(xr + 4 * c + 16)));
+        __m512i lo = _mm512_and_si512(p, low4), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+        if (HB) {
+            lo = or_bit4(lo, hv, c);
+            hi = or_bit4(hi, hv, c + 4);
+        }
+        i0 = _mm512_dpbusd_epi32(i0, lo, _mm512_set1_epi32(ld32(xr + 4 * c)));
+        i1 = _mm512_dpbusd_epi32(i1, hi, _mm512_set1_epi32(ld32(xr + 4 * c + 16)));
     }
     return _mm512_add_epi32(i0, i1);
 }
@@ -296,9 +316,10 @@ QG_INLINE void prefetch_block(const uint8_t *p, int64_t bytes) {
 }
 
 QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
-                            int64_t k, const uint8_t *mask2, const int MB, float acc[][TILE],
-                            const uint8_t *pf) {
+                            int64_t k, const uint8_t *mask2, const int MB, const int HB,
+                            float acc[][TILE], const uint8_t *pf) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const int64_t block = HB ? Q5_BLOCK : Q4_BLOCK;
     __m512 a[MB_ROWS], a2[2];
     float res[MB_ROWS][TILE] __attribute__((aligned(64)));
     for (int r = 0; r < MB; r++) {
@@ -310,9 +331,10 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
     const int8_t *xb = o->q + r0 * k;
     const float *xs = o->xs + r0 * groups, *xsum = o->xsum + r0 * groups;
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *blk = wt + g * Q4_BLOCK;
+        const uint8_t *blk = wt + g * block;
         const int8_t *xg = xb + g * (o->bw * GROUP);
-        prefetch_block(pf + g * Q4_BLOCK, Q4_BLOCK);
+        prefetch_block(pf + g * block, block);
+        const __m512i hv = HB ? _mm512_loadu_si512((const void *)(blk + Q4_BLOCK)) : low4;
         /* All MB rows' chains side by side (they hide each other's latency);
          * each 64-byte code vector is unpacked into its two nibble vectors
          * just before use, so that only two of them are live. */
@@ -325,13 +347,19 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
                 w[c] = _mm512_and_si512(p, low4);
                 w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
             }
+            if (HB)
+                for (int c = 0; c < 8; c++) w[c] = or_bit4(w[c], hv, c);
             for (int r = 0; r < MB; r++) i[r] = q4_dot_regs(w, xg + r * GROUP);
         } else {
             for (int r = 0; r < MB; r++) i[r] = _mm512_setzero_si512();
             for (int c = 0; c < 4; c++) {
                 const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
-                const __m512i lo = _mm512_and_si512(p, low4);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+                __m512i lo = _mm512_and_si512(p, low4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+                if (HB) {
+                    lo = or_bit4(lo, hv, c);
+                    hi = or_bit4(hi, hv, c + 4);
+                }
                 for (int r = 0; r < MB; r++) {
                     i[r] = _mm512_dpbusd_epi32(i[r], lo,
                                                _mm512_set1_epi32(ld32(xg + r * GROUP + 4 * c)));
@@ -363,7 +391,7 @@ QG_INLINE void q4_tile_vnni(const uint8_t *wt, int64_t groups, const QRows *o, i
         for (unsigned left = bits; left; left &= left - 1) {
             const int r = __builtin_ctz(left);
             const int64_t at = SOFF(r0 + r, g);
-            const __m512 f = _mm512_cvtepi32_ps(q4_dot_vnni(blk, QX2(o, r0 + r, g)));
+            const __m512 f = _mm512_cvtepi32_ps(q4_dot_vnni(blk, HB, QX2(o, r0 + r, g)));
             __m512 v = _mm512_load_ps(res[r]);
             v = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs2[at])), v);
             v = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum2[at]), v);
@@ -475,13 +503,16 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
 /* --------------------------------------------------------------- drivers */
 
 #if defined(QG_VNNI)
-#define Q4_TILE(MBV) q4_tile_vnni(wt, groups, o, r0, k, mask2, MBV, acc, pf)
+#define Q4_TILE(MBV) q4_tile_vnni(wt, groups, o, r0, k, mask2, MBV, 0, acc, pf)
+#define Q5_TILE(MBV) q4_tile_vnni(wt, groups, o, r0, k, mask2, MBV, 1, acc, pf)
 #define Q8_TILE(MBV, SUB) q8_tile_vnni(wt, groups, SUB, o, r0, k, mask2, MBV, acc, pf)
 #elif defined(QG_AVX2)
-#define Q4_TILE(MBV) q4_tile_avx2(wt, groups, o, r0, k, mask2, MBV, acc)
+#define Q4_TILE(MBV) q4_tile_avx2(wt, groups, o, r0, k, mask2, MBV, 0, acc)
+#define Q5_TILE(MBV) q4_tile_avx2(wt, groups, o, r0, k, mask2, MBV, 1, acc)
 #define Q8_TILE(MBV, SUB) q8_tile_avx2(wt, groups, SUB, o, r0, k, mask2, MBV, acc)
 #else
-#define Q4_TILE(MBV) q4_tile_scalar(wt, groups, o, r0, k, mask2, MBV, acc)
+#define Q4_TILE(MBV) q4_tile_scalar(wt, groups, o, r0, k, mask2, MBV, 0, acc)
+#define Q5_TILE(MBV) q4_tile_scalar(wt, groups, o, r0, k, mask2, MBV, 1, acc)
 #define Q8_TILE(MBV, SUB) q8_tile_scalar(wt, groups, SUB, o, r0, k, mask2, MBV, acc)
 #endif
 
@@ -499,11 +530,17 @@ QG_INLINE void q8_tile_vnni(const uint8_t *wt, int64_t groups, const int sub, co
 #define Q8_SUB1(MBV) Q8_TILE(MBV, 1)
 #define Q8_SUB2(MBV) Q8_TILE(MBV, 2)
 
+/* hb: 5-bit blocks (Q5_BLOCK, a separate instance of each kernel: the 4-bit ones
+ * keep their code) */
 static void q4_tile_rows(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
-                         int64_t k, const uint8_t *mask2, int mb, float acc[][TILE],
+                         int64_t k, const uint8_t *mask2, int mb, int hb, float acc[][TILE],
                          const uint8_t *pf) {
     (void)pf; /* used by the VNNI kernels only */
-    switch (mb) { MB_CASES(Q4_TILE) }
+    if (hb) {
+        switch (mb) { MB_CASES(Q5_TILE) }
+    } else {
+        switch (mb) { MB_CASES(Q4_TILE) }
+    }
 }
 
 static void q8_tile_rows(const uint8_t *wt, int64_t groups, int sub, const QRows *o, int64_t r0,
@@ -596,7 +633,7 @@ static int tiles_task(void *ctx, int64_t task) {
     const int64_t t0 = task * c->per_task;
     const int64_t t1 = t0 + c->per_task < c->tiles ? t0 + c->per_task : c->tiles;
     const int native = c->fmt != FMT_Q4 && c->fmt != FMT_Q8;
-    /* an expanded native tile is qgemm.c's 4-bit block, or its 8-bit one with 2 scales */
+    /* an expanded native tile is qgemm.c's 4-bit block (Q5_K: 5-bit), or its 8-bit one */
     const int eight = c->fmt == FMT_Q6K || c->fmt == FMT_Q80;
     const int run_fmt = native ? (eight ? FMT_Q8 : FMT_Q4) : c->fmt;
     const int run_sub = native ? (c->fmt == FMT_Q6K ? 2 : 1) : c->sub;
@@ -622,7 +659,7 @@ static int tiles_task(void *ctx, int64_t task) {
             if (c->direct)
                 native_tile_rows(c->fmt, wt, c->groups, o, r0, mask2, mb, acc, pf, c->bias);
             else if (run_fmt == FMT_Q4)
-                q4_tile_rows(wt, c->groups, o, r0, c->k, mask2, mb, acc, pf);
+                q4_tile_rows(wt, c->groups, o, r0, c->k, mask2, mb, c->fmt == FMT_Q5K, acc, pf);
             else
                 q8_tile_rows(wt, c->groups, run_sub, o, r0, c->k, mask2, mb, acc, pf);
             for (int r = 0; r < mb; r++)
@@ -651,7 +688,7 @@ static int qgemm(int fmt, const uint8_t *w, int64_t n, int64_t k, int sub, int l
                  int64_t y_stride, int y_bf16) {
     if (n <= 0 || k <= 0 || k % GROUP != 0 || m < 0 || x_stride < k || y_stride < n) return -1;
     if ((fmt == 8 && sub != 1 && sub != 2) || (levels != 1 && levels != 2)) return -1;
-    if ((fmt == FMT_Q4K || fmt == FMT_Q6K) && k % SB_INPUTS != 0) return -1;
+    if ((fmt == FMT_Q4K || fmt == FMT_Q5K || fmt == FMT_Q6K) && k % SB_INPUTS != 0) return -1;
     if (m == 0) return 0;
     const int64_t groups = k / GROUP;
     const int64_t tiles = (n + TILE - 1) / TILE;
@@ -722,7 +759,7 @@ int paged_qgemm_q8(const uint8_t *w, int64_t n, int64_t k, int sub, int levels, 
     return qgemm(8, w, n, k, sub, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
 }
 
-/* fmt FMT_Q4K, FMT_Q6K (k a multiple of 256), FMT_Q40, FMT_Q41 or FMT_Q80: see
+/* fmt FMT_Q4K, FMT_Q5K, FMT_Q6K (k a multiple of 256), FMT_Q40, FMT_Q41 or FMT_Q80: see
  * qgemm_native.c. */
 int paged_qgemm_native(int fmt, const uint8_t *w, int64_t n, int64_t k, int levels, float ratio,
                        const void *x, int64_t m, int64_t x_stride, int x_bf16, void *y,

@@ -10,16 +10,19 @@ from paged.runner.cpu_kernels.build import QGemmLibrary
 from paged.runner.cpu_kernels.packing import pack_q4, pack_q8, unpack_q4, unpack_q8
 from paged.runner.cpu_kernels.packing_native import (
     FMT_Q4K,
+    FMT_Q5K,
     FMT_Q6K,
     FMT_Q40,
     FMT_Q41,
     FMT_Q80,
     native_nbytes,
     pack_q4k,
+    pack_q5k,
     pack_q6k,
     pack_q40,
     pack_q41,
     pack_q80,
+    unpack_q5,
 )
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -57,8 +60,20 @@ class QGemm:
         native: Q4_0's form (f16 scale, offset -8 scale) or Q4_K's (f16 d and dmin per
         256 inputs times 6-bit integers) packed at the file's 4.5 bits a weight, else
         Q4_1's (f16 scale and offset) at 5.
+
+        Codes 0..31 (GGUF Q5_K) take FMT_Q5K at 5.5 bits a weight whatever `native`
+        says (qgemm.c has no float32-scale 5-bit layout); a ValueError when their
+        scales have no Q5_K form.
         """
         shape = (codes.shape[0], codes.shape[1])
+        if codes.numel() and int(codes.max()) > 15:
+            packed5 = pack_q5k(codes, scale, offset)
+            if packed5 is None:
+                raise ValueError(
+                    "codes: values past 15 need Q5_K's form (codes < 32, K a multiple of 256, "
+                    "scale and offset f16 per 256 inputs times 6-bit integers)"
+                )
+            return cls(lib, packed5, FMT_Q5K, shape, 1)
         if native:
             for fmt, pack in ((FMT_Q40, pack_q40), (FMT_Q4K, pack_q4k), (FMT_Q41, pack_q41)):
                 packed = pack(codes, scale, offset)
@@ -144,13 +159,15 @@ class QGemm:
             return unpack_q8(self.packed, n, k, self.sub)
         if self.fmt in (FMT_Q6K, FMT_Q80):
             return unpack_q8(self._expanded(), n, k, self.sub)
+        if self.fmt == FMT_Q5K:
+            return unpack_q5(self._expanded(), n, k)
         return unpack_q4(self._expanded(), n, k)
 
     def _expanded(self) -> torch.Tensor:
         """A native weight as the C kernels expand it (qgemm.c's float32-scale blocks)."""
         n, k = self.out_features, self.in_features
         assert self.packed.numel() == native_nbytes(self.fmt, n, k)
-        per_group = {FMT_Q6K: 512 + 2 * 128, FMT_Q80: 512 + 128}.get(self.fmt, 384)
+        per_group = {FMT_Q6K: 512 + 2 * 128, FMT_Q80: 512 + 128, FMT_Q5K: 448}.get(self.fmt, 384)
         out = torch.empty(-(-n // 16) * (k // 32) * per_group, dtype=torch.uint8)
         rc = self.lib.expand(self.fmt, self.packed.data_ptr(), n, k, out.data_ptr())
         if rc != 0:

@@ -18,6 +18,14 @@
  *     that, interleaved across the 16 rows so that a group's 16 scales are one
  *     16-byte load. d sc and dm m are exact in float32 (11 + 6 bits): the same
  *     float32 values as the expanded 4-bit block, so the same results, bit for bit.
+ *   FMT_Q5K (GGUF Q5_K, 5.5 bits a weight), per tile and super-block, Q5K_SB = 2816 bytes:
+ *       8 x (256 B low 4 bits of q, Q4_K's code block; 64 B high bits: bit c of byte
+ *            (l * 4 + b) = q[row l][4c + b] >> 4, q in 0..31)
+ *       256 B the header of Q4_K, the same bytes             w = d sc q + dm m
+ *     GGUF's block_q5_K is d, dmin, the same 12 scale bytes, qh[32], qs[128] (176
+ *     bytes a 256): the same count. It expands into qgemm.c's 5-bit block (the
+ *     4-bit block + the high-bit plane, Q5_BLOCK), which the 4-bit kernels run
+ *     with HB = 1: the same float32 operations as Q4_K on codes 0..31.
  *   FMT_Q6K (GGUF Q6_K, 6.5625 bits), per tile and super-block, Q6K_SB = 3360 bytes:
  *       8 x (256 B low nibbles of q (q = code + 32, 0..63), in the 4-bit code block
  *            order; 128 B high bits: byte (v * 64 + l * 4 + b), bits 2i..2i+1 =
@@ -45,6 +53,8 @@
 #define SB_INPUTS 256
 #define SB_GROUPS 8
 #define Q4K_SB (SB_GROUPS * 256 + 256)
+#define Q5K_GROUP (256 + 64)
+#define Q5K_SB (SB_GROUPS * Q5K_GROUP + 256)
 #define Q6K_GROUP (256 + 128)
 #define Q6K_SB (SB_GROUPS * Q6K_GROUP + 256 + 32)
 #define Q40_BLOCK (256 + 32)
@@ -53,7 +63,10 @@
 #define Q8_SUB2_BLOCK (Q8_CODES + 2 * 128)
 #define Q8_SUB1_BLOCK (Q8_CODES + 128)
 
-enum { FMT_Q4 = 4, FMT_Q4K = 5, FMT_Q6K = 6, FMT_Q40 = 7, FMT_Q8 = 8, FMT_Q80 = 9, FMT_Q41 = 10 };
+enum {
+    FMT_Q4 = 4, FMT_Q4K = 5, FMT_Q6K = 6, FMT_Q40 = 7, FMT_Q8 = 8, FMT_Q80 = 9, FMT_Q41 = 10,
+    FMT_Q5K = 11
+};
 
 QG_INLINE float f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -92,14 +105,15 @@ QG_INLINE int six_bit(const uint8_t *lo, const uint8_t *hi, int j, int l) {
 /* Weight bytes of one tile (16 rows, `groups` groups of 32 inputs). */
 static int64_t native_tile_bytes(int fmt, int64_t groups) {
     if (fmt == FMT_Q4K) return groups / SB_GROUPS * Q4K_SB;
+    if (fmt == FMT_Q5K) return groups / SB_GROUPS * Q5K_SB;
     if (fmt == FMT_Q6K) return groups / SB_GROUPS * Q6K_SB;
     if (fmt == FMT_Q80) return groups * Q80_BLOCK;
     if (fmt == FMT_Q41) return groups * Q41_BLOCK;
     return groups * Q40_BLOCK;
 }
 
-/* qgemm.c's blocks (fmt 4; fmt 8 with 2 scales per 32 for Q6_K, 1 for Q8_0) holding one
- * native tile's values: out holds groups * (Q4_BLOCK, Q8_SUB2_BLOCK or Q8_SUB1_BLOCK). */
+/* qgemm.c's blocks (fmt 4; Q5_K: its 5-bit block; fmt 8 with 2 scales per 32 for Q6_K, 1
+ * for Q8_0) holding one native tile's values: out holds groups * expanded_group_bytes. */
 static void expand_tile(int fmt, const uint8_t *wt, int64_t groups, uint8_t *out) {
     for (int64_t g = 0; g < groups; g++) {
         const int64_t sb = g / SB_GROUPS;
@@ -129,17 +143,20 @@ static void expand_tile(int fmt, const uint8_t *wt, int64_t groups, uint8_t *out
             for (int l = 0; l < TILE; l++) d[l] = f16_to_f32(ld16(blk + Q8_CODES + 2 * l));
             memcpy(o + Q8_CODES, corr, sizeof corr);
             memcpy(o + Q8_CODES + 64, d, sizeof d);
-        } else if (fmt == FMT_Q4K) {
-            const uint8_t *s = wt + sb * Q4K_SB, *h = s + SB_GROUPS * 256;
-            uint8_t *o = out + g * Q4_BLOCK;
+        } else if (fmt == FMT_Q4K || fmt == FMT_Q5K) {
+            const int five = fmt == FMT_Q5K;
+            const int64_t gbytes = five ? Q5K_GROUP : 256;
+            const uint8_t *s = wt + sb * (five ? Q5K_SB : Q4K_SB), *h = s + SB_GROUPS * gbytes;
+            uint8_t *o = out + g * (five ? Q5_BLOCK : Q4_BLOCK);
             float d[TILE], mn[TILE];
             for (int l = 0; l < TILE; l++) {
                 d[l] = f16_to_f32(ld16(h + 2 * l)) * (float)six_bit(h + 64, h + 192, j, l);
                 mn[l] = f16_to_f32(ld16(h + 32 + 2 * l)) * (float)six_bit(h + 128, h + 224, j, l);
             }
-            memcpy(o, s + j * 256, 256);
+            memcpy(o, s + j * gbytes, 256);
             memcpy(o + 256, d, 64);
             memcpy(o + 320, mn, 64);
+            if (five) memcpy(o + Q4_BLOCK, s + j * gbytes + 256, 64);
         } else { /* FMT_Q6K -> int8 codes q - 32, corr = -128 sum, d sc per 16 inputs */
             const uint8_t *s = wt + sb * Q6K_SB, *blk = s + j * Q6K_GROUP;
             const int8_t *sc = (const int8_t *)(s + SB_GROUPS * Q6K_GROUP);
@@ -271,6 +288,72 @@ QG_INLINE void q4k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
             const __m512 d = _mm512_mul_ps(dv, u8_to_ps(sc + 16 * j));
             const __m512 mn = _mm512_mul_ps(dm, u8_to_ps(mins + 16 * j));
             q4n_group(s + j * 256, d, mn, o, r0, g, groups, mask2 ? mask2[g] : 0u, MB, a, a2);
+        }
+    }
+    for (int r = 0; r < MB; r++) {
+        if (mask2) a[r] = _mm512_add_ps(a[r], a2[r]);
+        _mm512_storeu_ps(acc[r], a[r]);
+    }
+}
+
+#if defined(__GFNI__)
+/* Bit c of each byte of hv at bit 4, every other bit 0 (GF(2) affine: output bit 4 is
+ * row byte 3 of the matrix, which selects input bit c). */
+QG_INLINE __m512i fifth_bit(__m512i hv, int c) {
+    return _mm512_gf2p8affine_epi64_epi8(hv, _mm512_set1_epi64((long long)(1u << c) << 24), 0);
+}
+#endif
+
+/* Q5_K: per group the 4-bit codes with their fifth bits (or_bit4), then q4_tile_vnni's
+ * MB <= 2 operations (the integer sums are the same, bit for bit). */
+QG_INLINE void q5k_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o, int64_t r0,
+                               const uint8_t *mask2, const int MB, float acc[][TILE],
+                               const uint8_t *pf) {
+    const int64_t k = groups * GROUP; /* QOFF / SOFF's operands */
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 a[2], a2[2];
+    uint8_t sc[128] __attribute__((aligned(64))), mins[128] __attribute__((aligned(64)));
+    for (int r = 0; r < MB; r++) a[r] = a2[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < groups / SB_GROUPS; sb++) {
+        const uint8_t *s = wt + sb * Q5K_SB, *h = s + SB_GROUPS * Q5K_GROUP;
+        const __m512 dv = f16x16(h), dm = f16x16(h + 32);
+        six_bits_sb(h + 64, h + 192, sc);
+        six_bits_sb(h + 128, h + 224, mins);
+        for (int j = 0; j < SB_GROUPS; j++) {
+            const int64_t g = sb * SB_GROUPS + j;
+            const uint8_t *blk = s + j * Q5K_GROUP;
+            prefetch_block(pf + sb * Q5K_SB + j * (Q5K_SB / SB_GROUPS), Q5K_SB / SB_GROUPS);
+            const __m512 d = _mm512_mul_ps(dv, u8_to_ps(sc + 16 * j));
+            const __m512 mn = _mm512_mul_ps(dm, u8_to_ps(mins + 16 * j));
+            const __m512i hv = _mm512_loadu_si512((const void *)(blk + 256));
+            __m512i w[8];
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(blk + c * 64));
+#if defined(__GFNI__)
+                /* (nibble & 15) | fifth bit, the bit moved to bit 4 (all else 0) by one
+                 * bit-matrix op: two ops a vector fewer than masking and shifting */
+                w[c] = _mm512_ternarylogic_epi32(v, fifth_bit(hv, c), low4, 0xEC);
+                w[c + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), fifth_bit(hv, c + 4),
+                                                     low4, 0xEC); /* (a & c) | b */
+#else
+                w[c] = or_bit4(_mm512_and_si512(v, low4), hv, c);
+                w[c + 4] = or_bit4(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), hv, c + 4);
+#endif
+            }
+            for (int r = 0; r < MB; r++) {
+                const int64_t at = SOFF(r0 + r, g);
+                const __m512 f = _mm512_cvtepi32_ps(q4_dot_regs(w, QX(o, r0 + r, g)));
+                a[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs[at])), a[r]);
+                a[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum[at]), a[r]);
+            }
+            const unsigned bits = mask2 ? mask2[g] : 0u;
+            for (int r = 0; r < MB; r++) {
+                if (!(bits >> r & 1u)) continue;
+                const int64_t at = SOFF(r0 + r, g);
+                const __m512 f = _mm512_cvtepi32_ps(q4_dot_regs(w, QX2(o, r0 + r, g)));
+                a2[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(o->xs2[at])), a2[r]);
+                a2[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(o->xsum2[at]), a2[r]);
+            }
         }
     }
     for (int r = 0; r < MB; r++) {
@@ -446,18 +529,21 @@ QG_INLINE void q80_tile_direct(const uint8_t *wt, int64_t groups, const QRows *o
  * much as the 64-row matmul itself (Q6_K: twice the float32-scale block's time). */
 static void expand_tile_vnni(int fmt, const uint8_t *wt, int64_t groups, uint8_t *out) {
     const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8((char)0x80);
-    if (fmt == FMT_Q4K) {
+    if (fmt == FMT_Q4K || fmt == FMT_Q5K) {
+        const int five = fmt == FMT_Q5K;
+        const int64_t gbytes = five ? Q5K_GROUP : 256, obytes = five ? Q5_BLOCK : Q4_BLOCK;
         uint8_t sc[128] __attribute__((aligned(64))), mins[128] __attribute__((aligned(64)));
         for (int64_t sb = 0; sb < groups / SB_GROUPS; sb++) {
-            const uint8_t *s = wt + sb * Q4K_SB, *h = s + SB_GROUPS * 256;
+            const uint8_t *s = wt + sb * (five ? Q5K_SB : Q4K_SB), *h = s + SB_GROUPS * gbytes;
             const __m512 dv = f16x16(h), dm = f16x16(h + 32);
             six_bits_sb(h + 64, h + 192, sc);
             six_bits_sb(h + 128, h + 224, mins);
             for (int j = 0; j < SB_GROUPS; j++) {
-                uint8_t *o = out + (sb * SB_GROUPS + j) * Q4_BLOCK;
-                memcpy(o, s + j * 256, 256);
+                uint8_t *o = out + (sb * SB_GROUPS + j) * obytes;
+                memcpy(o, s + j * gbytes, 256);
                 _mm512_storeu_ps(o + 256, _mm512_mul_ps(dv, u8_to_ps(sc + 16 * j)));
                 _mm512_storeu_ps(o + 320, _mm512_mul_ps(dm, u8_to_ps(mins + 16 * j)));
+                if (five) memcpy(o + Q4_BLOCK, s + j * gbytes + 256, 64);
             }
         }
     } else if (fmt == FMT_Q6K) {
@@ -533,6 +619,9 @@ static void native_tile_rows(int fmt, const uint8_t *wt, int64_t groups, const Q
     if (fmt == FMT_Q4K) {
         if (mb == 2) q4k_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
         else q4k_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
+    } else if (fmt == FMT_Q5K) {
+        if (mb == 2) q5k_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf);
+        else q5k_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf);
     } else if (fmt == FMT_Q6K) {
         if (mb == 2) q6k_tile_direct(wt, groups, o, r0, mask2, 2, acc, pf, bias);
         else q6k_tile_direct(wt, groups, o, r0, mask2, 1, acc, pf, bias);
@@ -565,17 +654,19 @@ static void x_sums16(const QRows *o, int64_t rows, int64_t groups, int levels, i
 /* Test hook: every tile of a native weight expanded into the qgemm.c blocks (fmt 4 or
  * 8 with two scales per 32), so that Python reads the values the kernels apply. */
 static int native_fmt(int fmt) {
-    return fmt == FMT_Q4K || fmt == FMT_Q6K || fmt == FMT_Q40 || fmt == FMT_Q80 || fmt == FMT_Q41;
+    return fmt == FMT_Q4K || fmt == FMT_Q5K || fmt == FMT_Q6K || fmt == FMT_Q40 || fmt == FMT_Q80 ||
+           fmt == FMT_Q41;
 }
 
 /* Bytes of qgemm.c's block a native group expands into. */
 static int64_t expanded_group_bytes(int fmt) {
-    return fmt == FMT_Q6K ? Q8_SUB2_BLOCK : fmt == FMT_Q80 ? Q8_SUB1_BLOCK : Q4_BLOCK;
+    return fmt == FMT_Q6K ? Q8_SUB2_BLOCK : fmt == FMT_Q80 ? Q8_SUB1_BLOCK
+         : fmt == FMT_Q5K ? Q5_BLOCK : Q4_BLOCK;
 }
 
 int paged_qgemm_expand(int fmt, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
     if (!native_fmt(fmt) || n <= 0 || k <= 0) return -1;
-    if (k % (fmt == FMT_Q4K || fmt == FMT_Q6K ? SB_INPUTS : GROUP) != 0) return -1;
+    if (k % (fmt == FMT_Q4K || fmt == FMT_Q5K || fmt == FMT_Q6K ? SB_INPUTS : GROUP) != 0) return -1;
     const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
     const int64_t in_bytes = native_tile_bytes(fmt, groups);
     const int64_t out_bytes = groups * expanded_group_bytes(fmt);

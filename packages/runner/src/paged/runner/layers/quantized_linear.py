@@ -3,7 +3,8 @@
     load time   layer.quant_staging (QuantStaging)  <- load_weight copies row ranges into it,
                                                        from quantised blocks or plain tensors
     finalize    staging -> one kernel:
-                  every row 4-bit with 32-weight groups (GGUF Q4_0/Q4_1/Q4_K)
+                  every row 4-bit with 32-weight groups (GGUF Q4_0/Q4_1/Q4_K; Q5_K's
+                  5-bit codes too when the C kernel loaded: its FMT_Q5K, 5.5 bits a weight)
                       -> QGemmMatmul       paged's C kernel (cpu_kernels/qgemm.c) when it
                          compiled: codes, scales and offsets exact (float32), activations
                          quantised to int8 per 32 inside the kernel (an embedding or
@@ -14,8 +15,9 @@
                       -> QGemmTable        the C kernel's 8-bit path, exact; otherwise
                       -> Int8GroupMatmul   (32-weight groups) the int4 kernel twice (high
                          and low nibbles), exact codes, float32 sum
-                  other quantised rows (Q5_1, Q5_K, Q2_K, Q3_K, IQ*, ...): no exact form on
-                         either kernel, so they are re-quantised to symmetric int8 with one
+                  other quantised rows (Q5_1, Q2_K, Q3_K, IQ*, ...; Q5_K without the C
+                         kernel): no exact form on either kernel, so they are re-quantised
+                         to symmetric int8 with one
                          scale per 32 weights (`requantize_int8_groups`) and take the 8-bit
                          kernels above; the error against the checkpoint is measured, logged
                   a mix of formats the row split below cannot take
@@ -46,6 +48,7 @@ from typing import Protocol
 import torch
 
 from paged.runner.cpu_kernels import QGemm, load_qgemm
+from paged.runner.cpu_kernels.packing_native import FMT_Q5K
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class Int4GroupsLike(Protocol):
     """w = codes * scale + offset per group of 32 columns."""
 
     @property
-    def codes(self) -> torch.Tensor: ...  # uint8 [R, C], 0..15
+    def codes(self) -> torch.Tensor: ...  # uint8 [R, C], 0..15 (Q5_K: 0..31)
 
     @property
     def scale(self) -> torch.Tensor: ...  # float32 [R, C/32]
@@ -273,10 +276,26 @@ def _int8_exact(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def int4_kernel(groups: Int4GroupsLike, dtype: torch.dtype, source: str) -> QuantizedMatmul:
     """The C kernel for a 4-bit group weight when it loaded, else torch's int4 kernel."""
     lib = qgemm_available(dtype)
-    if lib is None:
+    five_bit = int(groups.codes.max()) > 15
+    if lib is None and not five_bit:
         return Int4GroupMatmul(groups, dtype, source)
-    gemm = QGemm.int4(lib, groups.codes, groups.scale, groups.offset)  # type: ignore[arg-type]
-    return QGemmMatmul(gemm, _int4_exact(groups), source, "int4 groups of 32")
+    try:
+        if lib is None:
+            raise ValueError("no C kernel for this dtype")
+        gemm = QGemm.int4(lib, groups.codes, groups.scale, groups.offset)  # type: ignore[arg-type]
+    except ValueError:
+        # Q5_K staged for the C kernel but finalised for a dtype it does not take, or
+        # sharing a run of rows with 4-bit rows whose scales have no Q5_K form
+        exact = _int4_exact(groups)
+        kernel = Int8GroupMatmul(*requantize_int8_groups(exact), dtype, source)
+        kernel.report = replace(
+            kernel.report,
+            kernel=f"{kernel.report.kernel}; {source} re-quantised to int8 groups of 32",
+            rel_error=_rel_error(kernel.dequantized(), exact) + kernel.report.rel_error,
+        )
+        return kernel
+    kind = "int5 groups of 32 (Q5_K)" if gemm.fmt == FMT_Q5K else "int4 groups of 32"
+    return QGemmMatmul(gemm, _int4_exact(groups), source, kind)
 
 
 def int8_table_kernel(
@@ -569,9 +588,12 @@ class QuantStaging:
             lib = qgemm_available(dtype)  # a table: exact on the C kernel, with its lookup
             if lib is not None:
                 assert self.scale is not None and self.offset is not None
-                return QGemmInt4Table(
-                    lib, _Groups(self.codes, self.scale, self.offset), dtype, source
-                )
+                try:
+                    return QGemmInt4Table(
+                        lib, _Groups(self.codes, self.scale, self.offset), dtype, source
+                    )
+                except ValueError:  # Q5_K rows beside 4-bit rows of no Q5_K form
+                    pass
         if bool((self.row_kind == _INT8).all()) and self.codes8 is not None:
             assert self.scale8 is not None
             table = int8_table_kernel(self.codes8, self.scale8, dtype, source)
@@ -680,6 +702,8 @@ class StagingRows:
             return
         st.sources.add(src.type_name)
         groups = src.int4_groups() if st.shape[1] % GROUP == 0 else None
+        if groups is not None and not _int4_codes_fit(groups):
+            groups = None  # Q5_K without the C kernel's FMT_Q5K: re-quantised below
         groups8 = src.int8_groups() if groups is None and st.shape[1] % GROUP == 0 else None
         # A row range whose 8-bit grouping differs from the rows staged before it is
         # dequantised (the layer then takes the re-quantising kernel).
@@ -717,6 +741,16 @@ class StagingRows:
         st.row_kind[rows] = _INT8
         st.requantized[rows] = True
         st.requantized_sources.add(src.type_name)
+
+
+def _int4_codes_fit(groups: Int4GroupsLike) -> bool:
+    """Whether a kernel takes these codes exactly: 0..15 always; Q5_K's 0..31 only on the
+    C kernel (FMT_Q5K; torch's int4 kernel stops at 15), with K whole super-blocks.
+    Q5_K rows from a file always have FMT_Q5K's scale form (d, dmin f16 x 6 bits)."""
+    codes = groups.codes
+    if codes.numel() == 0 or int(codes.max()) <= 15:
+        return True
+    return codes.shape[1] % 256 == 0 and load_qgemm() is not None
 
 
 def linear_forward(kernel: QuantizedMatmul, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@
       .narrow(1, ...)     a column range, whole blocks only
       .permute_rows(idx)  llama.cpp's Q/K row permutation undone on the blocks
       .int4_groups()      Q4_0 / Q4_1 / Q4_K: (codes 0..15 [R, C], scale, offset [R, C/32])
-                          with w = codes * scale + offset, exactly the file's values
+                          with w = codes * scale + offset, exactly the file's values;
+                          Q5_K: the same form with codes 0..31 (QGemm packs it as FMT_Q5K)
       .int8_groups()      Q8_0: (codes -127..127 [R, C], scale [R, C/32]), w = codes * scale
                           Q5_0: (codes -16..15 [R, C], scale [R, C/32]), the same form
                           Q6_K: (codes -32..31 [R, C], scale [R, C/16]) per 16-weight sub-block
@@ -19,6 +20,9 @@ Block layouts (ggml-common.h), 32 weights per Q4 block, 256 per K-quant super-bl
     Q5_1  d:f16, m:f16, qh:u32, qs[16]   w = d * q + m (5-bit codes: no exact kernel form)
     Q4_K  d:f16, dmin:f16, scales[12] (8 x 6-bit scale, 8 x 6-bit min), qs[128]
           sub-block j of 32:      w = d * sc_j * q - dmin * m_j
+    Q5_K  d:f16, dmin:f16, scales[12] (as Q4_K), qh[32], qs[128]
+          sub-block j of 32:      w = d * sc_j * q - dmin * m_j, q = Q4_K's 4 bits
+                                  | bit j of qh[l] << 4 (l: the weight's index in j)
     Q6_K  ql[128], qh[64], scales:int8[16], d:f16
           sub-block j of 16:      w = (d * sc_j) * (q - 32), q = 4 low bits | 2 high bits << 4
 In Q4_0/Q4_1 byte i holds weight i (low nibble) and weight i + 16 (high nibble);
@@ -34,7 +38,7 @@ import numpy as np
 import torch
 
 INT4_GROUP = 32  # every int4 format above has one scale and one offset per 32 weights
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K")  # Q5_K: 5-bit codes, the same form
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class Int8Groups:
 class Int4Groups:
     """w[r, c] = codes[r, c] * scale[r, c // 32] + offset[r, c // 32] (float32 maths)."""
 
-    codes: torch.Tensor  # uint8 [R, C], values 0..15
+    codes: torch.Tensor  # uint8 [R, C], values 0..15 (Q5_K: 0..31)
     scale: torch.Tensor  # float32 [R, C/32]
     offset: torch.Tensor  # float32 [R, C/32]
 
@@ -132,7 +136,8 @@ class GGUFQuantizedTensor:
         )
 
     def int4_groups(self) -> Int4Groups | None:
-        """Codes/scale/offset for the 4-bit formats with 32-weight groups; None for others."""
+        """Codes/scale/offset for the 4-bit formats (and Q5_K, codes 0..31) with 32-weight
+        groups; None for others."""
         name = self.type_name
         if name not in INT4_TYPES:
             return None
@@ -140,6 +145,8 @@ class GGUFQuantizedTensor:
         blocks = self.data.reshape(-1, self.type_size)
         if name == "Q4_K":
             codes, scale, offset = _q4_k_groups(blocks)
+        elif name == "Q5_K":
+            codes, scale, offset = _q5_k_groups(blocks)
         else:
             d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
             if name == "Q4_0":
@@ -166,6 +173,19 @@ def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     codes = (qs & 0x0F).reshape(n, 256)
     return codes, d * sc.astype(np.float32), -(dmin * mins.astype(np.float32))
+
+
+def _q5_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K super-blocks [n, 176] -> codes [n, 256] in 0..31, scale and offset [n, 8]."""
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    qh, qs = blocks[:, 16:48], blocks[:, 48:]
+    low = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    high = (qh.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    codes = (low.reshape(n, 8, 32) & 0x0F) | (high << 4)
+    return codes.reshape(n, 256), d * sc.astype(np.float32), -(dmin * mins.astype(np.float32))
 
 
 CheckpointTensor = torch.Tensor | GGUFQuantizedTensor
