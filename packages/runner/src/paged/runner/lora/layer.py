@@ -1,0 +1,105 @@
+"""The LoRA delta of one linear layer, for every row of the step at once (Punica's shrink/expand).
+
+A `LoRALinear` is attached to a base `ShardedLinear` (its `lora` attribute,
+composition: the base layer and its quantised kernel are untouched). After the
+base matmul the layer calls `add_to(x, y)`:
+
+    for each slice s (q, k, v of a fused qkv; gate, up of gate_up; else one):
+        t = lora_shrink(x, A_s[slots], token_slots)          [T, R]
+        y[:, off_s : off_s + N_s] += scaling[slot] * B_s[slot] @ t
+
+Device slot stacks: A_s [S, R, in_local], B_s [S, N_s_local, R], zero-padded
+past each adapter's rank, dtype lora_dtype; the manager writes them.
+
+Tensor parallelism shards an adapter like its base layer:
+    column-parallel (qkv, gate_up): B split on output rows as the base weight's
+        rows (the same q/k/v head ranges), A whole;
+    row-parallel (o_proj, down_proj): A split on input columns, B whole; the
+        delta is added to the partial sum BEFORE the all-reduce, so
+        sum_r B (A_r x_r) = B (A x) exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged.kernels import ops
+
+__all__ = ["LoRABatch", "LoRALinear", "LoRASlice"]
+
+
+@dataclass
+class LoRABatch:
+    """This step's rows, shared by every LoRA layer of a model (owned by the `LoRAManager`).
+
+    `token_slots` [T] int64 on the device: the device slot of each token's
+    adapter, -1 for base-model rows; None for a step without any LoRA row (the
+    layers then do nothing, and the fused CPU path and CUDA graphs stay usable).
+    `scaling` [S] float32: each slot's adapter scaling.
+    """
+
+    scaling: torch.Tensor
+    token_slots: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.token_slots is not None
+
+
+@dataclass
+class LoRASlice:
+    """One target module inside a (possibly fused, possibly sharded) base layer.
+
+    `module` is the Hugging Face module path (e.g. model.layers.0.self_attn.k_proj).
+    The full adapter tensors must be A [r, full_in], B [full_out, r]; this rank
+    holds A columns [in_start, in_start + a.shape[2]) and B rows
+    [out_start, out_start + b.shape[1]), written at `out_offset` of the layer's
+    local output.
+    """
+
+    module: str
+    full_in: int
+    full_out: int
+    in_start: int
+    out_start: int
+    out_offset: int
+    a: torch.Tensor  # [S, R, in_local]
+    b: torch.Tensor  # [S, out_local, R]
+
+    def write(self, slot: int, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None) -> None:
+        """Put this rank's share of one adapter's full (A, B) in `slot` (None: not targeted)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        if lora_a is None or lora_b is None:
+            return
+        rank = lora_a.shape[0]
+        in_local, out_local = self.a.shape[2], self.b.shape[1]
+        self.a[slot, :rank].copy_(lora_a[:, self.in_start : self.in_start + in_local])
+        self.b[slot, :, :rank].copy_(lora_b[self.out_start : self.out_start + out_local])
+
+
+class LoRALinear:
+    """The per-row LoRA delta of one base linear layer (see the module docstring)."""
+
+    def __init__(self, batch: LoRABatch, slices: list[LoRASlice], out_local: int) -> None:
+        self.batch = batch
+        self.slices = slices
+        self.out_local = out_local
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [T, out_local] += this step's deltas for x [T, in_local]; nothing without LoRA rows."""
+        slots = self.batch.token_slots
+        if slots is None:
+            return
+        dtype = self.slices[0].a.dtype
+        xd = x if x.dtype == dtype else x.to(dtype)
+        # The delta is computed in lora_dtype; a base output of another dtype
+        # (bf16 on the quantised CPU path) receives it once, converted.
+        out = y if y.dtype == dtype else torch.zeros(y.shape, dtype=dtype, device=y.device)
+        for s in self.slices:
+            shrunk = ops.lora_shrink(xd, s.a, slots)
+            ops.lora_expand(shrunk, s.b, slots, out, s.out_offset, self.batch.scaling)
+        if out is not y:
+            y.add_(out.to(y.dtype))
