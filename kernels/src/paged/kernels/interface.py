@@ -4,7 +4,8 @@
 satisfy this Protocol structurally; mypy checks it where ``paged.kernels.ops``
 assigns them to a ``KernelBackend`` variable, so the two cannot drift apart.
 Shapes: T tokens, R requests, Hq/Hkv query/KV heads, D head size, N blocks of
-B tokens, M block-table columns, V vocab.
+B tokens, M block-table columns, V vocab. LoRA: S adapter slots, Rk max rank, In/N a layer's
+in/out features, W the width of a (fused) output.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from paged.kernels.lora import LoRARowGroups
 from paged.kernels.rope import RopeScaling
 
 
@@ -106,4 +108,25 @@ class KernelBackend(Protocol):
         dst: torch.Tensor,
         src_block_ids: torch.Tensor,
         dst_block_ids: torch.Tensor,
+    ) -> None: ...
+
+    def lora_shrink(
+        self,
+        x: torch.Tensor,  # [T, In]
+        lora_a: torch.Tensor,  # [S, Rk, In]
+        token_slots: torch.Tensor,  # [T] int32/int64, -1 = no adapter
+        *,
+        groups: LoRARowGroups | None = None,  # group_lora_rows(token_slots), once per step
+    ) -> torch.Tensor: ...  # [T, Rk], dtype of x, zero rows where slot == -1
+
+    def lora_expand(
+        self,
+        y: torch.Tensor,  # [T, Rk]
+        lora_b: torch.Tensor,  # [S, N, Rk]
+        token_slots: torch.Tensor,  # [T]
+        out: torch.Tensor,  # [T, W]: out[:, off:off+N] += scaling[slot] * y @ B^T, in place
+        out_offset: int,
+        scaling: torch.Tensor,  # [S] float32
+        *,
+        groups: LoRARowGroups | None = None,
     ) -> None: ...

@@ -17,11 +17,14 @@ import torch
 
 from paged.kernels import reference
 from paged.kernels.interface import KernelBackend
+from paged.kernels.lora import LoRARowGroups as LoRARowGroups
+from paged.kernels.lora import group_lora_rows as group_lora_rows
 from paged.kernels.rope import RopeScaling as RopeScaling
 from paged.kernels.rope import compute_cos_sin_cache as compute_cos_sin_cache
 
 __all__ = [
     "BackendName",
+    "LoRARowGroups",
     "RopeScaling",
     "apply_penalties",
     "apply_top_k_top_p",
@@ -31,6 +34,9 @@ __all__ = [
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
     "get_backend",
+    "group_lora_rows",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
@@ -193,3 +199,26 @@ def copy_blocks(
     src: torch.Tensor, dst: torch.Tensor, src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor
 ) -> None:
     backend_for(src, dst).copy_blocks(src, dst, src_block_ids, dst_block_ids)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    token_slots: torch.Tensor,
+    *,
+    groups: LoRARowGroups | None = None,
+) -> torch.Tensor:
+    return backend_for(x).lora_shrink(x, lora_a, token_slots, groups=groups)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    out_offset: int,
+    scaling: torch.Tensor,
+    *,
+    groups: LoRARowGroups | None = None,
+) -> None:
+    backend_for(y, out).lora_expand(y, lora_b, token_slots, out, out_offset, scaling, groups=groups)

@@ -12,6 +12,7 @@ from paged.kernels.reference.layers import (
     rms_norm,
     silu_and_mul,
 )
+from paged.kernels.reference.lora import lora_expand, lora_shrink
 from paged.kernels.reference.rotary import rotary_embedding
 from paged.kernels.reference.sampling import apply_penalties, apply_top_k_top_p
 from paged.kernels.rope import RopeScaling, compute_cos_sin_cache
@@ -24,6 +25,8 @@ __all__ = [
     "copy_blocks",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

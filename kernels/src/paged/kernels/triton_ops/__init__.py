@@ -34,6 +34,7 @@ from paged.kernels.triton_ops.layers import (
     rms_norm,
     silu_and_mul,
 )
+from paged.kernels.triton_ops.lora import lora_expand, lora_shrink
 from paged.kernels.triton_ops.rotary import rotary_embedding
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "copy_blocks",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention",
     "paged_attention_split_kv",
     "reshape_and_cache",
