@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from paged.kernels import ops
+from paged.kernels.lora import LoRARowGroups
 
 __all__ = ["LoRABatch", "LoRALinear", "LoRASlice"]
 
@@ -37,11 +38,14 @@ class LoRABatch:
     `token_slots` [T] int64 on the device: the device slot of each token's
     adapter, -1 for base-model rows; None for a step without any LoRA row (the
     layers then do nothing, and the fused CPU path and CUDA graphs stay usable).
-    `scaling` [S] float32: each slot's adapter scaling.
+    `scaling` [S] float32: each slot's adapter scaling. `groups`: the rows
+    grouped by slot once per step (built from the host copy: no device sync),
+    shared by every shrink/expand call of the step.
     """
 
     scaling: torch.Tensor
     token_slots: torch.Tensor | None = None
+    groups: LoRARowGroups | None = None
 
     @property
     def active(self) -> bool:
@@ -90,16 +94,13 @@ class LoRALinear:
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, out_local] += this step's deltas for x [T, in_local]; nothing without LoRA rows."""
-        slots = self.batch.token_slots
+        slots, groups = self.batch.token_slots, self.batch.groups
         if slots is None:
             return
         dtype = self.slices[0].a.dtype
+        # The delta runs in lora_dtype (A @ x rounded to it); expand accumulates in
+        # float32 and rounds once into y, whatever y's dtype (bf16 on the quantised path).
         xd = x if x.dtype == dtype else x.to(dtype)
-        # The delta is computed in lora_dtype; a base output of another dtype
-        # (bf16 on the quantised CPU path) receives it once, converted.
-        out = y if y.dtype == dtype else torch.zeros(y.shape, dtype=dtype, device=y.device)
         for s in self.slices:
-            shrunk = ops.lora_shrink(xd, s.a, slots)
-            ops.lora_expand(shrunk, s.b, slots, out, s.out_offset, self.batch.scaling)
-        if out is not y:
-            y.add_(out.to(y.dtype))
+            shrunk = ops.lora_shrink(xd, s.a, slots, groups=groups)
+            ops.lora_expand(shrunk, s.b, slots, y, s.out_offset, self.batch.scaling, groups=groups)

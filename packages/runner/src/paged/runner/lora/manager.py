@@ -26,6 +26,7 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
+from paged.kernels.lora import group_lora_rows
 from paged.runner.cpu_step.fused import FusedLayers
 from paged.runner.lora.config import LoRAAdapterSpec, LoRAConfig
 from paged.runner.lora.layer import LoRABatch, LoRASlice
@@ -108,7 +109,7 @@ class LoRAManager:
         self._step += 1
         wanted = list(dict.fromkeys(n for n in row_adapters if n is not None))
         if not wanted:
-            self.batch.token_slots = None
+            self.end_step()
             return
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(
@@ -118,10 +119,13 @@ class LoRAManager:
         slot_of = {name: self._slot_for(name, set(wanted)) for name in wanted}
         row_slots = np.array([slot_of[n] if n is not None else -1 for n in row_adapters])
         token_slots = np.repeat(row_slots.astype(np.int64), num_scheduled[: len(row_adapters)])
-        self.batch.token_slots = torch.from_numpy(token_slots).to(self.device)
+        host = torch.from_numpy(token_slots)
+        self.batch.groups = group_lora_rows(host, self.device)
+        self.batch.token_slots = host.to(self.device)
 
     def end_step(self) -> None:
         self.batch.token_slots = None
+        self.batch.groups = None
 
     # ------------------------------------------------------------ internals
 
