@@ -20,8 +20,14 @@ import pytest
 import torch
 
 from paged.kvcache import get_kv_cache_config
-from paged.runner.config import CacheConfig, EngineConfig, ModelConfig, SchedulerLimits
-from paged.runner.executor import Executor, UniProcExecutor
+from paged.runner.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerLimits,
+)
+from paged.runner.executor import Executor, MultiprocExecutor, UniProcExecutor
 from paged.runner.lora.config import LoRAAdapterSpec, LoRAConfig
 from paged.scheduler.boundary import EngineCoreRequest
 from paged.scheduler.config import SchedulerConfig
@@ -49,14 +55,15 @@ ADAPTERS: dict[str, dict[str, Any]] = {
 }
 
 
-def _llama(path: Path) -> Path:
+def _llama(path: Path, **overrides: Any) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
+    kwargs: dict[str, Any] = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+    }  # fmt: skip
+    config = LlamaConfig(**{**kwargs, **overrides})
     torch.manual_seed(0)
     model: Any = LlamaForCausalLM(config).float()
     model.save_pretrained(str(path))
@@ -91,22 +98,24 @@ def _hf_base(path: Path) -> Any:
     return auto.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def make_adapters(base: Path, out: Path) -> dict[str, Path]:
-    """Random PEFT adapters of `base` saved under `out` (B != 0)."""
+def _save_peft(base: Path, out: Path, kwargs: dict[str, Any]) -> None:
     from peft import LoraConfig, get_peft_model
 
+    peft_model: Any = get_peft_model(_hf_base(base), LoraConfig(init_lora_weights=False, **kwargs))
+    with torch.no_grad():  # PEFT's random B is small; make the deltas count
+        for pname, param in peft_model.named_parameters():
+            if "lora_B" in pname:
+                param.mul_(20.0)
+    peft_model.save_pretrained(str(out))
+
+
+def make_adapters(base: Path, out: Path) -> dict[str, Path]:
+    """Random PEFT adapters of `base` saved under `out` (B != 0)."""
     dirs = {}
     for i, (name, kwargs) in enumerate(ADAPTERS.items()):
         torch.manual_seed(100 + i)
-        peft_model: Any = get_peft_model(
-            _hf_base(base), LoraConfig(init_lora_weights=False, **kwargs)
-        )
-        with torch.no_grad():  # PEFT's random B is small; make the deltas count
-            for pname, param in peft_model.named_parameters():
-                if "lora_B" in pname:
-                    param.mul_(20.0)
         dirs[name] = out / name
-        peft_model.save_pretrained(str(dirs[name]))
+        _save_peft(base, dirs[name], kwargs)
     return dirs
 
 
@@ -194,6 +203,32 @@ def _jobs(seed: int) -> dict[str, tuple[str | None, list[int]]]:
     }
 
 
+def engine_config(base: Path, tp: int = 1) -> EngineConfig:
+    return EngineConfig(
+        model_config=ModelConfig.from_pretrained(str(base), max_model_len=MAX_LEN),
+        cache_config=CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=1 << 20),
+        scheduler_limits=SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=24),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        lora_config=LoRAConfig(
+            max_loras=4, max_lora_rank=16, max_cpu_loras=4, lora_dtype="float32"
+        ),
+    )
+
+
+def check_against(
+    expected: dict[str, tuple[list[int], list[float]]],
+    got: dict[str, tuple[list[int], list[float]]],
+) -> None:
+    for rid, (tokens, logprobs) in expected.items():
+        assert got[rid][0] == tokens, rid
+        close = [
+            math.isclose(a, b, abs_tol=1e-4) for a, b in zip(got[rid][1], logprobs, strict=True)
+        ]
+        assert all(close), rid
+    # the adapters change the output (else the comparison proves nothing)
+    assert expected["r8a"] != expected["base0"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_mixed_adapters_match_transformers_peft(tmp_path: Path, family: str) -> None:
@@ -202,21 +237,31 @@ def test_mixed_adapters_match_transformers_peft(tmp_path: Path, family: str) -> 
     jobs = _jobs(1)
     n = 6
     expected = hf_reference(base, adapters, jobs, n)
-    config = EngineConfig(
-        model_config=ModelConfig.from_pretrained(str(base), max_model_len=MAX_LEN),
-        cache_config=CacheConfig(block_size=BLOCK, kv_cache_memory_bytes=1 << 20),
-        scheduler_limits=SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=24),
-        lora_config=LoRAConfig(max_loras=4, max_lora_rank=16, max_cpu_loras=4, lora_dtype="float32"),
-    )
-    with UniProcExecutor(config) as executor:
+    with UniProcExecutor(engine_config(base)) as executor:
         executor.add_lora(LoRAAdapterSpec("r8", str(adapters["r8"]), 1))
         assert executor.list_loras() == ["r8"]
         # the others load from each request's lora_path on first use
         got, preempted = paged_run(executor, jobs, adapters, n, num_blocks=26)
         assert sorted(executor.list_loras()) == sorted(ADAPTERS)
     assert preempted > 0, "the run was meant to preempt"
-    for rid, (tokens, logprobs) in expected.items():
-        assert got[rid][0] == tokens, rid
-        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(got[rid][1], logprobs)), rid
-    # the adapters change the output (else the comparison proves nothing)
-    assert expected["r8a"][0] != expected["base0"][0] or expected["r8a"][1] != expected["base0"][1]
+    check_against(expected, got)
+
+
+@pytest.mark.slow  # two worker processes importing torch
+def test_tensor_parallel_2_matches_transformers_peft(tmp_path: Path) -> None:
+    """TP=2 over gloo (mp executor): adapters sharded like the base, row deltas before the sum."""
+    base = _llama(tmp_path / "base")
+    adapters = make_adapters(base, tmp_path / "adapters")
+    jobs = _jobs(2)
+    expected = hf_reference(base, adapters, jobs, 4)
+    with MultiprocExecutor(engine_config(base, tp=2)) as executor:
+        # add_lora reaches every worker; a refusal comes back as the worker's ValueError
+        executor.add_lora(LoRAAdapterSpec("r8", str(adapters["r8"]), 1))
+        with pytest.raises(ValueError, match="'r8' is already loaded"):
+            executor.add_lora(LoRAAdapterSpec("r8", str(adapters["r8"]), 1))
+        with pytest.raises(ValueError, match="does not exist"):
+            executor.add_lora(LoRAAdapterSpec("bad", str(tmp_path / "nowhere"), 2))
+        assert executor.list_loras() == ["r8"]
+        got, _ = paged_run(executor, jobs, adapters, 4, num_blocks=64)
+        assert executor.remove_lora("rs16") is True and executor.remove_lora("rs16") is False
+    check_against(expected, got)

@@ -41,6 +41,7 @@ from typing import Any, cast
 
 import msgspec
 import torch
+from torch import nn
 
 from paged.kvcache import KVCacheConfig
 from paged.runner.attention.backends import select_attention_backend
@@ -60,6 +61,7 @@ from paged.runner.kv_cache_dtype import with_kv_cache_dtype
 from paged.runner.kv_cache_setup import allocate_kv_caches, available_kv_cache_memory
 from paged.runner.kv_connector import KVConnectorStep, KVConnectorWorker
 from paged.runner.lora.config import LoRAAdapterSpec, LoRAConfig
+from paged.runner.lora.loading import BaseModelFacts, load_adapter
 from paged.runner.lora.manager import LoRAManager
 from paged.runner.models.interface import CausalLM, SupportsMultiModal, supports_multimodal
 from paged.runner.pipeline.forward import StageForward
@@ -220,9 +222,7 @@ class ModelRunner:
         if self.lora_config is not None:
             if self.model_config.is_pooling:
                 raise ValueError("enable_lora: LoRA adapters serve generation models only")
-            self.lora = LoRAManager(
-                self.lora_config, cast(Any, model), self.model_config.dtype, self.device
-            )
+            self.lora = self._make_lora_manager(self.lora_config, cast(nn.Module, model))
         if supports_multimodal(model):
             self.encoder_runner = self._make_encoder_runner(cast(SupportsMultiModal, model))
         elif self.ec_connector is not None:
@@ -237,6 +237,16 @@ class ModelRunner:
                 )
             if self.spec_decoder.draft.model is None:
                 self.spec_decoder.draft.load_model()
+
+    def _make_lora_manager(self, config: LoRAConfig, model: nn.Module) -> LoRAManager:
+        facts = BaseModelFacts.of(self.model_config.text_config)
+        return LoRAManager(
+            config,
+            model,
+            self.model_config.dtype,
+            self.device,
+            loader=lambda path: load_adapter(path, config, facts),
+        )
 
     def _make_encoder_runner(self, model: SupportsMultiModal) -> EncoderRunner:
         """The encoder runner with its preallocated cache, sized as the scheduler's."""

@@ -194,7 +194,9 @@ class Worker:
     def remove_lora(self, name: str) -> bool:
         runner = self.model_runner
         # Without LoRA nothing is loaded: False, as for an unknown name.
-        return isinstance(runner, ModelRunner) and runner.lora is not None and runner.remove_lora(name)
+        return (
+            isinstance(runner, ModelRunner) and runner.lora is not None and runner.remove_lora(name)
+        )
 
     def list_loras(self) -> list[str]:
         runner = self.model_runner

@@ -22,7 +22,6 @@ from typing import Any, cast
 
 from paged.kvcache import KVCacheConfig, KVCacheSpec
 from paged.runner.config import EngineConfig
-from paged.runner.lora.config import LoRAAdapterSpec
 from paged.runner.executor.messages import (
     AddLoRA,
     CheckHealth,
@@ -36,6 +35,7 @@ from paged.runner.executor.messages import (
     WorkerCall,
     kv_config_to_wire,
 )
+from paged.runner.lora.config import LoRAAdapterSpec
 from paged.runner.pipeline.stage import output_rank
 from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 

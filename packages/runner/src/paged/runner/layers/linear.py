@@ -45,7 +45,7 @@ CheckpointTensor = torch.Tensor | QuantizedCheckpointTensor
 
 
 class LinearDelta(Protocol):
-    """Something that adds a per-row correction to a layer's output (a LoRA delta, lora/layer.py)."""
+    """Adds a per-row correction to a layer's output (a LoRA delta, lora/layer.py)."""
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, out_local] += delta(x [T, in_local]), in place, before any collective."""

@@ -30,14 +30,14 @@ from paged.kernels.lora import group_lora_rows
 from paged.runner.cpu_step.fused import FusedLayers
 from paged.runner.lora.config import LoRAAdapterSpec, LoRAConfig
 from paged.runner.lora.layer import LoRABatch, LoRASlice
-from paged.runner.lora.loading import load_adapter
 from paged.runner.lora.targets import attach_lora_layers
 from paged.runner.lora.weights import LoRAAdapterWeights
 from paged.scheduler.boundary import NewRequestData
 
 __all__ = ["LoRAManager", "check_adapter_fits"]
 
-AdapterLoader = Callable[[str, LoRAConfig], LoRAAdapterWeights]
+# path -> weights (lora/loading.py's load_adapter with the config and model facts bound).
+AdapterLoader = Callable[[str], LoRAAdapterWeights]
 
 
 class LoRAManager:
@@ -49,11 +49,13 @@ class LoRAManager:
         model: nn.Module,
         model_dtype: torch.dtype,
         device: torch.device,
-        loader: AdapterLoader = load_adapter,
+        loader: AdapterLoader,
     ) -> None:
         self.config = config
         self.device = device
-        self.dtype = model_dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+        self.dtype = (
+            model_dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+        )
         self.batch = LoRABatch(
             scaling=torch.zeros(config.max_loras, dtype=torch.float32, device=device)
         )
@@ -139,7 +141,9 @@ class LoRAManager:
             for module, target in self.targets.items():
                 pair = weights.modules.get(module)
                 target.write(
-                    slot, None if pair is None else pair.lora_a, None if pair is None else pair.lora_b
+                    slot,
+                    None if pair is None else pair.lora_a,
+                    None if pair is None else pair.lora_b,
                 )
             self.batch.scaling[slot] = weights.scaling
             self._slot_names[slot] = name
@@ -153,13 +157,15 @@ class LoRAManager:
             return weights
         path = self._paths.get(name)
         if path is None:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded and no lora_path is known for it")
+            raise ValueError(
+                f"LoRA adapter {name!r} is not loaded and no lora_path is known for it"
+            )
         weights = self._load(name, path)
         self._keep(name, weights)
         return weights
 
     def _load(self, name: str, path: str) -> LoRAAdapterWeights:
-        weights = self._loader(path, self.config)
+        weights = self._loader(path)
         check_adapter_fits(name, weights, self.config, self.targets)
         return weights
 
@@ -193,7 +199,11 @@ def check_adapter_fits(
             )
         a, b = tuple(pair.lora_a.shape), tuple(pair.lora_b.shape)
         rank = a[0] if len(a) == 2 else -1
-        if a != (rank, target.full_in) or b != (target.full_out, rank) or rank > config.max_lora_rank:
+        if (
+            a != (rank, target.full_in)
+            or b != (target.full_out, rank)
+            or rank > config.max_lora_rank
+        ):
             raise ValueError(
                 f"LoRA adapter {name!r}: module {module!r} has lora_A {a} and lora_B {b}; the "
                 f"base layer needs lora_A [r, {target.full_in}] and lora_B [{target.full_out}, r] "

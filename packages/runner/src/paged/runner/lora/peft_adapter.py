@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from paged.runner.lora.config import LoRAConfig
 from paged.runner.lora.weights import LORA_TARGET_MODULES, LoRAAdapterWeights, LoRAModuleWeights
@@ -31,7 +31,9 @@ from paged.runner.lora.weights import LORA_TARGET_MODULES, LoRAAdapterWeights, L
 __all__ = ["load_peft_adapter"]
 
 # PEFT's key: "base_model.model.<module path>.lora_A.weight" (or lora_B).
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$"
+)
 # Inits that change the base weights when PEFT loads the adapter (vLLM refuses them too).
 _SAFE_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
@@ -151,7 +153,7 @@ def _read_tensors(root: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 module, ab = _parse_key(key, file)
                 (a_of if ab == "A" else b_of)[module] = f.get_tensor(key).to(torch.float32)
-    except (OSError, RuntimeError) as exc:  # safetensors' error for a corrupt header
+    except (OSError, SafetensorError) as exc:  # a missing or corrupt file
         raise ValueError(f"{file}: cannot read ({exc})") from exc
     if not a_of and not b_of:
         raise ValueError(f"{file} holds no LoRA tensors")
@@ -167,7 +169,9 @@ def _parse_key(key: str, file: Path) -> tuple[str, str]:
         raise ValueError(f"{file}: {key!r} ({what}) is not supported")
     match = _KEY.match(key)
     if match is None:
-        raise ValueError(f"{file}: {key!r} is not a LoRA tensor (expected '<module>.lora_A.weight')")
+        raise ValueError(
+            f"{file}: {key!r} is not a LoRA tensor (expected '<module>.lora_A.weight')"
+        )
     module = match["module"]
     if module.rsplit(".", 1)[-1] not in LORA_TARGET_MODULES:
         raise ValueError(
