@@ -61,6 +61,29 @@ def test_group_lora_rows_layout() -> None:
         zip(g.block_slot.tolist(), g.block_start.tolist(), g.block_end.tolist(), strict=True)
     )
     assert blocks == [(0, 0, 2), (1, 2, 4), (2, 4, 6)]
+    # Three groups of 2 rows: one padded [3 slots, 2 rows] bmm, nothing left to the loop.
+    assert g.padded is not None and g.loop == ()
+    assert (g.padded.slot_lo, g.padded.num_slots, g.padded.rows_per_slot) == (0, 3, 2)
+    assert g.padded.rows.tolist() == [2, 4, 0, 3, 5, 6]
+    assert g.padded.index.tolist() == [0, 1, 2, 3, 4, 5]
+    assert g.padded.entry_slots.tolist() == [0, 0, 1, 1, 2, 2] and g.padded.dense
+
+
+def test_group_lora_rows_leaves_large_groups_to_the_loop() -> None:
+    # A 30-row prefill chunk of slot 2 next to decode rows of slots 0, 1 and 3.
+    slots = torch.tensor([0, 1, *([2] * 30), 3, 1])
+    g = group_lora_rows(slots)
+    assert g.slots == (0, 1, 2, 3) and g.loop == (2,) and g.rows[2] == slice(2, 32)
+    p = g.padded
+    assert p is not None and (p.slot_lo, p.num_slots, p.rows_per_slot) == (0, 4, 2)
+    assert p.rows.tolist() == [0, 1, 33, 32]
+    assert p.index.tolist() == [0, 2, 3, 6]  # slot 2's positions 4, 5 are padding
+    assert not p.dense
+    # Slots far apart: padding would exceed twice the rows, every group loops.
+    sparse = group_lora_rows(torch.tensor([0, 7, 0, 7]))
+    assert sparse.padded is None and sparse.loop == (0, 1)
+    single = group_lora_rows(torch.tensor([3, 3, -1]))
+    assert single.padded is None and single.loop == (0,)
 
 
 def test_group_lora_rows_splits_long_segments_into_blocks() -> None:
@@ -84,12 +107,21 @@ def test_group_lora_rows_rejects_bad_slots() -> None:
 
 
 # ------------------------------------------------------------------ reference
+@pytest.mark.parametrize("layout", ["random", "prefill+decode", "sparse", "one-slot"])
 @pytest.mark.parametrize("t", [1, 7, 40])
-def test_reference_matches_per_row_definition(t: int, gen: torch.Generator) -> None:
-    s, r, n_in, n_out, width, off = 3, 8, 24, 20, 50, 13
+def test_reference_matches_per_row_definition(t: int, layout: str, gen: torch.Generator) -> None:
+    s, r, n_in, n_out, width, off = 6, 8, 24, 20, 50, 13
     x, a = _randn(gen, t, n_in), _randn(gen, s, r, n_in)
     b, out = _randn(gen, s, n_out, r), _randn(gen, t, width)
-    slots, scaling = _slots(gen, t, s), torch.rand(s, generator=gen) + 0.5
+    scaling = torch.rand(s, generator=gen) + 0.5
+    if layout == "random":  # mostly the padded bmm
+        slots = _slots(gen, t, s)
+    elif layout == "prefill+decode":  # a chunk in the loop, the rest padded
+        slots = torch.cat([torch.full((t - t // 4,), 2), _slots(gen, t // 4, s)])
+    elif layout == "sparse":  # slots 0 and 5 only: the loop
+        slots = torch.where(torch.arange(t) % 2 == 0, 0, 5)
+    else:
+        slots = torch.where(torch.arange(t) % 3 == 0, -1, 4)
     y = reference.lora_shrink(x, a, slots)
     torch.testing.assert_close(y.double(), _per_row_shrink(x, a, slots), rtol=1e-5, atol=1e-5)
     assert y[slots == -1].abs().sum() == 0

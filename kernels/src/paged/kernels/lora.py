@@ -15,6 +15,19 @@ slot; Triton programs each take ``LORA_BLOCK_T`` consecutive entries of one slot
     token_slots   [ 1, -1,  0,  1,  0]
     order         [ 2,  4,  0,  3]          rows of slot 0, then rows of slot 1
     blocks        (slot 0, 0..2) (slot 1, 2..4)   start/end index into order
+
+Many small groups (a decode step: one row per request, several adapters) make
+the reference's per-slot loop cost a few torch calls per adapter, per call,
+which dominates on a CPU. When padding every group to the largest one wastes at
+most ``_MAX_PAD_WASTE`` x the rows, ``padded`` lays the rows out as
+``[slots lo..hi, rows_per_slot]`` so that one ``bmm`` against the weight stack's
+slice ``lo..hi`` (a view, no copy) serves all of them::
+
+    padded rows   slot 0: [2, 4]   slot 1: [0, 3]     rows_per_slot 2
+    rows, index   [2, 4, 0, 3], [0, 1, 2, 3]   flat positions in the [2 * 2] layout
+
+Groups too large for that (a prefill chunk next to decode rows) stay in the
+per-slot loop (``loop``), the small ones still share one ``bmm``.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import torch
 __all__ = [
     "LORA_BLOCK_T",
     "LoRARowGroups",
+    "PaddedLoRARows",
     "check_lora_expand",
     "check_lora_groups",
     "check_lora_shrink",
@@ -34,9 +48,26 @@ __all__ = [
 
 # Rows per Triton program: tl.dot needs every tile dimension >= 16.
 LORA_BLOCK_T = 16
+# The padded [slots, rows_per_slot] layout is used while it holds at most this
+# many times the real rows (a prefill chunk next to decode rows would pad every
+# other adapter to the chunk's length: the per-slot loop is cheaper then).
+_MAX_PAD_WASTE = 2
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _INT = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedLoRARows:
+    """Active rows as ``[num_slots, rows_per_slot]`` for slots ``slot_lo..`` (module docstring)."""
+
+    slot_lo: int
+    num_slots: int  # hi - lo + 1; slots without rows are all padding
+    rows_per_slot: int
+    rows: torch.Tensor  # [P] int64: the rows laid out (those of the chosen groups)
+    index: torch.Tensor  # [P] int64: flat position of rows[i] in [num_slots * rows_per_slot]
+    entry_slots: torch.Tensor  # [P] int64: slot of rows[i]
+    dense: bool  # no padding at all: index == arange(P), gathers/scatters can be skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +77,10 @@ class LoRARowGroups:
     ``slots`` ascending, without -1; ``rows[i]`` selects the rows of ``slots[i]``:
     a ``slice`` when they are consecutive (a prefill chunk: views, no copies), else
     an int64 index tensor on ``device``. ``order``/``block_*`` are the Triton
-    layout described in the module docstring, on ``device``.
+    layout described in the module docstring, on ``device``. ``padded`` is the
+    one-``bmm`` layout of the small groups when it pays (several slots, little
+    padding), else None; ``loop`` indexes the groups (into ``slots``/``rows``)
+    the reference handles one matmul at a time: all of them without ``padded``.
     """
 
     num_tokens: int
@@ -57,6 +91,8 @@ class LoRARowGroups:
     block_start: torch.Tensor  # [NB] int32, index into order
     block_end: torch.Tensor  # [NB] int32, exclusive
     device: torch.device
+    padded: PaddedLoRARows | None
+    loop: tuple[int, ...]
 
     @property
     def num_blocks(self) -> int:
@@ -87,6 +123,8 @@ def group_lora_rows(
     values, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
     slots: list[int] = []
     rows: list[slice | torch.Tensor] = []
+    group_sizes: list[int] = []
+    host_rows: list[torch.Tensor] = []
     block_meta: list[tuple[int, int, int]] = []
     start = 0
     active_from = 0
@@ -100,11 +138,14 @@ def group_lora_rows(
         # Stable sort keeps each slot's rows ascending: consecutive iff the span fits.
         rows.append(slice(first, last + 1) if last - first + 1 == count else idx.to(target))
         slots.append(value)
+        group_sizes.append(count)
+        host_rows.append(idx)
         for b in range(start - active_from, start - active_from + count, LORA_BLOCK_T):
             end = min(b + LORA_BLOCK_T, start - active_from + count)
             block_meta.append((value, b, end))
         start += count
     meta = torch.tensor(block_meta, dtype=torch.int32).reshape(-1, 3).to(target)
+    padded, loop = _padded(slots, group_sizes, host_rows, target)
     return LoRARowGroups(
         num_tokens=int(host.shape[0]),
         slots=tuple(slots),
@@ -114,7 +155,45 @@ def group_lora_rows(
         block_start=meta[:, 1].contiguous(),
         block_end=meta[:, 2].contiguous(),
         device=meta.device,  # normalised ("cuda" -> "cuda:0"), compared with tensors' devices
+        padded=padded,
+        loop=loop,
     )
+
+
+def _padded(
+    slots: list[int],
+    counts: list[int],
+    host_rows: list[torch.Tensor],
+    device: torch.device,
+) -> tuple[PaddedLoRARows | None, tuple[int, ...]]:
+    """The padded layout over the smallest groups that keep the padding bounded.
+
+    Returns it (None when fewer than two groups qualify) and the indices into
+    ``slots`` of the groups left to the per-slot loop (e.g. a long prefill chunk).
+    """
+    by_size = sorted(range(len(slots)), key=lambda i: counts[i])
+    for k in range(len(slots), 1, -1):
+        chosen = sorted(by_size[:k])
+        lo, hi = slots[chosen[0]], slots[chosen[-1]]
+        per_slot = max(counts[i] for i in chosen)
+        active = sum(counts[i] for i in chosen)
+        if (hi - lo + 1) * per_slot <= _MAX_PAD_WASTE * active:
+            break
+    else:
+        return None, tuple(range(len(slots)))
+    row_ids = torch.cat([host_rows[i] for i in chosen])
+    entry_slots = torch.cat([torch.full((counts[i],), slots[i]) for i in chosen])
+    index = torch.cat([(slots[i] - lo) * per_slot + torch.arange(counts[i]) for i in chosen])
+    padded = PaddedLoRARows(
+        slot_lo=lo,
+        num_slots=hi - lo + 1,
+        rows_per_slot=per_slot,
+        rows=row_ids.to(device),
+        index=index.to(device),
+        entry_slots=entry_slots.to(device),
+        dense=(hi - lo + 1) * per_slot == len(row_ids),
+    )
+    return padded, tuple(i for i in range(len(slots)) if i not in set(chosen))
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
