@@ -179,7 +179,7 @@ def test_lora_requests_need_lora_enabled() -> None:
         "a", [1, 2], SamplingParams(), ([1],), 0, lora_request="adapter", lora_path="/x"
     )
     step = SchedulerOutput(scheduled_new_reqs=[lora], num_scheduled_tokens={"a": 2})
-    with pytest.raises(ValueError, match="LoRA is not enabled.*--enable-lora"):
+    with pytest.raises(ValueError, match=r"LoRA is not enabled.*--enable-lora"):
         update_states(requests, batch, step, batch.device)
     update_states(requests, batch, step, batch.device, lora_enabled=True)
     assert requests["a"].lora_request == "adapter" and batch.req_ids == ["a"]

@@ -55,7 +55,7 @@ def test_add_remove_list_and_refusals(tiny_checkpoint: Callable[..., Path], tmp_
             r"the base layer needs lora_A \[r, 64\] and lora_B \[128, r\]",
         ):
             executor.add_lora(LoRAAdapterSpec("wide", wide, 2))
-        with pytest.raises(ValueError, match="'model.layers.2.mlp.up_proj' does not exist"):
+        with pytest.raises(ValueError, match=r"'model.layers.2.mlp.up_proj' does not exist"):
             executor.add_lora(LoRAAdapterSpec("deep", deep, 3))
         with pytest.raises(ValueError, match="rank 32 is greater than max_lora_rank 16"):
             executor.add_lora(LoRAAdapterSpec("big", big, 4))

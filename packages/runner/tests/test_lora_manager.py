@@ -11,6 +11,7 @@ gloo group satisfies TPGroup's check; no collective runs).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 import pytest
@@ -59,11 +60,21 @@ def full_weights(heads: int, kv_heads: int, seed: int) -> dict[str, torch.Tensor
     return {m: torch.randn(o, i, generator=gen) for m, (i, o) in shapes(heads, kv_heads).items()}
 
 
+class Attn(nn.Module):
+    def __init__(self, qkv: QKVParallelLinear, o: RowParallelLinear) -> None:
+        super().__init__()
+        self.qkv_proj, self.o_proj = qkv, o
+
+
+class MLP(nn.Module):
+    def __init__(self, gate_up: MergedColumnParallelLinear, down: RowParallelLinear) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up, down
+
+
 class Layer(nn.Module):
     def __init__(self, tp: TPGroup, heads: int, kv_heads: int, w: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.self_attn = nn.Module()
-        self.mlp = nn.Module()
         qkv = QKVParallelLinear(HIDDEN, HEAD, heads, kv_heads, tp=tp, dtype=F32)
         o = RowParallelLinear(
             heads * HEAD, HIDDEN, tp=tp, dtype=F32, shard=qkv.o_proj_shard, reduce_results=False
@@ -76,21 +87,26 @@ class Layer(nn.Module):
         gate_up.load_weight("weight", w["gate_proj"], 0)
         gate_up.load_weight("weight", w["up_proj"], 1)
         down.load_weight("weight", w["down_proj"], None)
-        self.self_attn.qkv_proj, self.self_attn.o_proj = qkv, o
-        self.mlp.gate_up_proj, self.mlp.down_proj = gate_up, down
+        self.self_attn = Attn(qkv, o)
+        self.mlp = MLP(gate_up, down)
+
+
+class Layers(nn.Module):
+    def __init__(self, layer: Layer) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([layer])
 
 
 class Tiny(nn.Module):
+    """Hugging Face-like paths: model.layers.0.self_attn.qkv_proj, ..."""
+
     def __init__(self, tp: TPGroup, heads: int, kv_heads: int, w: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.model = nn.Module()
-        self.model.layers = nn.ModuleList([Layer(tp, heads, kv_heads, w)])
+        self.model = Layers(Layer(tp, heads, kv_heads, w))
 
     @property
     def layer(self) -> Layer:
-        layer = self.model.layers[0]
-        assert isinstance(layer, Layer)
-        return layer
+        return cast(Layer, self.model.layers[0])
 
 
 def adapter(
@@ -186,7 +202,7 @@ def test_slot_packing_and_token_slots() -> None:
     lm.begin_step(["a", "c"], np.array([1, 1], dtype=np.int32))
     assert lm.batch.token_slots.tolist() == [0, 1]
     assert lm.batch.scaling.tolist() == [0.5, 2.5]
-    with pytest.raises(RuntimeError, match="3 distinct LoRA adapters .* more than max_loras=2"):
+    with pytest.raises(RuntimeError, match=r"3 distinct LoRA adapters .* more than max_loras=2"):
         lm.begin_step(["a", "b", "c"], np.array([1, 1, 1], dtype=np.int32))
     lm.begin_step([None, None], np.array([1, 1], dtype=np.int32))
     assert lm.batch.token_slots is None and not lm.batch.active
@@ -231,7 +247,7 @@ def test_validation_against_the_model() -> None:
     ):
         lm.add_lora(LoRAAdapterSpec("kv", "kv"))
     with pytest.raises(
-        ValueError, match="'model.layers.7.mlp.up_proj' does not exist in this model"
+        ValueError, match=r"'model.layers.7.mlp.up_proj' does not exist in this model"
     ):
         lm.add_lora(LoRAAdapterSpec("extra", "extra"))
     with pytest.raises(ValueError, match="rank 16 is greater than max_lora_rank 8"):

@@ -103,7 +103,7 @@ def test_missing_config_and_required_fields(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a directory"):
         load_peft_adapter(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="adapter_config.json is missing"):
+    with pytest.raises(ValueError, match=r"adapter_config.json is missing"):
         load_peft_adapter(str(tmp_path / "empty"))
     path = write_adapter(tmp_path / "a")
     (path / "adapter_config.json").write_text(json.dumps({"r": 4}))
