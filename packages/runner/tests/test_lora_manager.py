@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paged.runner.cpu_step.fused import FusedDecoderStack, FusedLayers
 from paged.runner.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -103,6 +104,7 @@ class Tiny(nn.Module):
     def __init__(self, tp: TPGroup, heads: int, kv_heads: int, w: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.model = Layers(Layer(tp, heads, kv_heads, w))
+        self.cpu_fused = FusedLayers()  # as LlamaModel / Gemma3TextModel hold it
 
     @property
     def layer(self) -> Layer:
@@ -253,3 +255,18 @@ def test_validation_against_the_model() -> None:
     with pytest.raises(ValueError, match="rank 16 is greater than max_lora_rank 8"):
         lm.add_lora(LoRAAdapterSpec("big", "big"))
     assert lm.list_loras() == []
+
+
+def test_steps_with_lora_rows_leave_the_fused_stack() -> None:
+    """The fused CPU stack bypasses module forwards: it must not run a step with LoRA rows."""
+    model = Tiny(TPGroup(), 4, 2, full_weights(4, 2, 0))
+    lm, _ = manager(model, {"a": adapter(4, 2, 2, 0)})
+    lm.add_lora(LoRAAdapterSpec("a", "a"))
+    kernel, stack = object(), cast(FusedDecoderStack, object())
+    assert model.cpu_fused.stack(kernel, lambda: stack) is stack
+    lm.begin_step([None, "a"], np.array([1, 1], dtype=np.int32))
+    assert model.cpu_fused.stack(kernel, lambda: stack) is None
+    lm.end_step()
+    assert model.cpu_fused.stack(kernel, lambda: stack) is stack
+    lm.begin_step([None], np.array([3], dtype=np.int32))
+    assert model.cpu_fused.stack(kernel, lambda: stack) is stack
