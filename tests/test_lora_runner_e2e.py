@@ -65,7 +65,8 @@ def _llama(path: Path, **overrides: Any) -> Path:
     }  # fmt: skip
     config = LlamaConfig(**{**kwargs, **overrides})
     torch.manual_seed(0)
-    model: Any = LlamaForCausalLM(config).float()
+    model: Any = LlamaForCausalLM(config)
+    model = model.float()
     model.save_pretrained(str(path))
     return path
 
@@ -82,7 +83,8 @@ def _gemma3(path: Path) -> Path:
     )  # fmt: skip
     config.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(0)
-    model: Any = Gemma3ForCausalLM(config).float()
+    model: Any = Gemma3ForCausalLM(config)
+    model = model.float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
