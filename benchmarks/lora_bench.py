@@ -8,6 +8,8 @@ of each rank, and reports output tokens per second of process CPU time (a
 shared machine's load does not count) against:
 
     "no_lora":     LoRA disabled (the fused C decoder layers for every step)
+    "no_lora_per_op": LoRA disabled, fused layers off ($PAGED_CPU_FUSED_LAYERS=off):
+                   the path a step with LoRA rows takes, without the deltas
     "lora_0":      LoRA enabled, no adapter rows (must cost nothing)
     "lora_N_rR":   N distinct rank-R adapters (steps with LoRA rows take the per-op path)
 
@@ -165,6 +167,12 @@ def main() -> None:
         n, secs, _ = base.run(prompts, [None] * args.streams, args.max_tokens)
         results["no_lora"] = n / secs
         base.close()
+        os.environ["PAGED_CPU_FUSED_LAYERS"] = "off"
+        per_op = Engine(cfg, None, args.streams)
+        n, secs, _ = per_op.run(prompts, [None] * args.streams, args.max_tokens)
+        results["no_lora_per_op"] = n / secs
+        per_op.close()
+        del os.environ["PAGED_CPU_FUSED_LAYERS"]
         for rank in ranks:
             engine = Engine(
                 cfg, LoRAConfig(max_loras=8, max_lora_rank=max(ranks, default=16)), args.streams
@@ -187,7 +195,9 @@ def main() -> None:
                 results["ttft_adapter_loaded_s"] = ttft_warm[0]
             engine.close()
     ratios = {
-        k: round(v / results["no_lora"], 3) for k, v in results.items() if k.startswith("lora_")
+        k: round(v / results["no_lora"], 3)
+        for k, v in results.items()
+        if k.startswith(("lora_", "no_lora_"))
     }
     print(json.dumps({
         "bench": "lora_bench", "model": "SmolLM2-135M-Instruct Q4 GGUF (quantised CPU path)",
