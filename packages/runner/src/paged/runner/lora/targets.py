@@ -50,23 +50,29 @@ def attach_lora_layers(
         specs = _slice_specs(module, leaf)
         if specs is None:
             continue
-        in_local = module.weight.shape[1]
+        in_local, n = module.weight.shape[1], len(specs)
+        # One stack for all slices: A rows and B columns per slice, B block diagonal.
+        a_all = torch.zeros(slots, n * rank, in_local, dtype=dtype, device=device)
+        b_all = torch.zeros(slots, module.weight.shape[0], n * rank, dtype=dtype, device=device)
         layer_slices = []
-        for name, full_in, full_out, in_start, out_start, out_offset, out_local in specs:
+        for i, (name, full_in, full_out, in_start, out_start, offset, out_local) in enumerate(
+            specs
+        ):
             hf_path = f"{parent}.{name}" if parent else name
+            ranks = slice(i * rank, (i + 1) * rank)
             lora_slice = LoRASlice(
                 module=hf_path,
                 full_in=full_in,
                 full_out=full_out,
                 in_start=in_start,
                 out_start=out_start,
-                out_offset=out_offset,
-                a=torch.zeros(slots, rank, in_local, dtype=dtype, device=device),
-                b=torch.zeros(slots, out_local, rank, dtype=dtype, device=device),
+                out_offset=offset,
+                a=a_all[:, ranks],
+                b=b_all[:, offset : offset + out_local, ranks],
             )
             targets[hf_path] = lora_slice
             layer_slices.append(lora_slice)
-        module.lora = LoRALinear(batch, layer_slices, module.weight.shape[0])
+        module.lora = LoRALinear(batch, layer_slices, a_all, b_all)
     if not targets:
         raise ValueError(
             f"enable_lora: {type(model).__name__} has no layer LoRA can target "
