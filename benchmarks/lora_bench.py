@@ -148,6 +148,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="rank 16 only; 0, 1 and 8 adapters")
+    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     cfg = ModelConfig.from_pretrained(None, max_model_len=256)
@@ -174,9 +175,9 @@ def main() -> None:
         per_op.close()
         del os.environ["PAGED_CPU_FUSED_LAYERS"]
         for rank in ranks:
-            engine = Engine(
-                cfg, LoRAConfig(max_loras=8, max_lora_rank=max(ranks, default=16)), args.streams
-            )
+            # slots as wide as this rank (--max-lora-rank sized to the adapters served)
+            lora = LoRAConfig(max_loras=8, max_lora_rank=rank, lora_dtype=args.lora_dtype)
+            engine = Engine(cfg, lora, args.streams)
             if rank == ranks[0]:
                 n, secs, _ = engine.run(prompts, [None] * args.streams, args.max_tokens)
                 results["lora_0"] = n / secs
@@ -201,7 +202,8 @@ def main() -> None:
     }
     print(json.dumps({
         "bench": "lora_bench", "model": "SmolLM2-135M-Instruct Q4 GGUF (quantised CPU path)",
-        "streams": args.streams, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
+        "streams": args.streams, "lora_dtype": args.lora_dtype, "max_tokens": args.max_tokens,
+        "prompt_len": args.prompt_len,
         "threads": 1, "unit": "output tok/s of process CPU time",
         "results": {k: round(v, 3) for k, v in results.items()},
         "relative_to_no_lora": ratios, "load": os.getloadavg()[0], "machine": platform.machine(),
