@@ -266,3 +266,64 @@ def test_ops_dispatch_lora(gen: torch.Generator) -> None:
     ops.lora_expand(y, b, slots, out, 0, torch.ones(2))
     reference.lora_expand(y, b, slots, want, 0, torch.ones(2))
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fused_qkv_usage_with_strided_views(
+    backend: str, triton_device: str, gen: torch.Generator
+) -> None:
+    """How a fused qkv layer calls the ops: one shrink with q/k/v A stacked along the
+    rank, then one expand per slice from a column view of y into its output columns.
+    ``x`` is a strided view too. Must equal three independent per-row computations."""
+    impl = reference if backend == "reference" else triton_ops
+    dev, s, r, hidden = triton_device, 3, 16, 40
+    widths = [32, 16, 16]  # q, k, v out features
+    x = _randn(gen, 11, hidden + 8)[:, 4 : 4 + hidden].to(dev)  # row stride 48
+    a = [_randn(gen, s, r, hidden) for _ in widths]
+    b = [_randn(gen, s, w, r) for w in widths]
+    slots = torch.tensor([2, 0, -1, 2, 2, 1, 0, -1, 1, 2, 0])
+    scaling = torch.tensor([0.5, 1.0, 2.0])
+    groups = group_lora_rows(slots.to(dev))
+    y = impl.lora_shrink(x, torch.cat(a, dim=1).to(dev), slots.to(dev), groups=groups)
+    out = torch.zeros(11, sum(widths), device=dev)
+    offset = 0
+    for i, w in enumerate(widths):
+        y_slice = y[:, i * r : (i + 1) * r]  # row stride 3r
+        impl.lora_expand(
+            y_slice, b[i].to(dev), slots.to(dev), out, offset, scaling.to(dev), groups=groups
+        )
+        offset += w
+    want = torch.cat(
+        [
+            _per_row_expand(
+                _per_row_shrink(x.cpu(), a[i], slots).float(), b[i], slots,
+                torch.zeros(11, w), 0, scaling,
+            )
+            for i, w in enumerate(widths)
+        ],
+        dim=1,
+    )  # fmt: skip
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_groups_on_another_device_are_refused(gen: torch.Generator) -> None:
+    groups = group_lora_rows(torch.tensor([0, 1]), device="meta")
+    with pytest.raises(ValueError, match="groups are on meta"):
+        reference.lora_shrink(_randn(gen, 2, 8), _randn(gen, 2, 4, 8), torch.tensor([0, 1]),
+                              groups=groups)  # fmt: skip
+
+
+def test_empty_step(triton_device: str) -> None:
+    dev = triton_device
+    slots = torch.zeros(0, dtype=torch.int64, device=dev)
+    g = group_lora_rows(slots)
+    assert g.num_tokens == 0 and g.slots == () and g.num_blocks == 0
+    for impl in (reference, triton_ops):
+        y = impl.lora_shrink(
+            torch.zeros(0, 16, device=dev), torch.ones(2, 16, 16, device=dev), slots
+        )
+        assert y.shape == (0, 16)
+        out = torch.zeros(0, 16, device=dev)
+        impl.lora_expand(y, torch.ones(2, 16, 16, device=dev), slots, out, 0,
+                         torch.ones(2, device=dev), groups=g)  # fmt: skip
+        assert out.shape == (0, 16)
