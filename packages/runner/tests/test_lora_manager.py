@@ -10,6 +10,7 @@ gloo group satisfies TPGroup's check; no collective runs).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import cast
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paged.kernels import ops
 from paged.runner.cpu_step.fused import FusedDecoderStack, FusedLayers
 from paged.runner.layers.linear import (
     MergedColumnParallelLinear,
@@ -270,3 +272,24 @@ def test_steps_with_lora_rows_leave_the_fused_stack() -> None:
     assert model.cpu_fused.stack(kernel, lambda: stack) is stack
     lm.begin_step([None], np.array([3], dtype=np.int32))
     assert model.cpu_fused.stack(kernel, lambda: stack) is stack
+
+
+@pytest.mark.skipif(
+    not (ops.triton_available() and os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="the Triton LoRA kernels run on CPU only under TRITON_INTERPRET=1",
+)
+def test_triton_kernels_give_the_reference_deltas() -> None:
+    """The layers' calling pattern (stacked slices, block-diagonal B) on the Triton backend."""
+    model = Tiny(TPGroup(), 4, 2, full_weights(4, 2, 0))
+    loras = {"a": adapter(4, 2, 8, 1), "b": adapter(4, 2, 3, 2)}
+    lm, _ = manager(model, loras)
+    for name in loras:
+        lm.add_lora(LoRAAdapterSpec(name, name))
+    lm.begin_step(["b", None, "a"], np.array([3, 2, 17], dtype=np.int32))
+    x = torch.randn(22, HIDDEN, generator=torch.Generator().manual_seed(5))
+    qkv = model.layer.self_attn.qkv_proj
+    with ops.use_backend("reference"):
+        expected = qkv(x)
+    with ops.use_backend("triton"):
+        got = qkv(x)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
