@@ -171,8 +171,9 @@ def paged_run(
     adapters: dict[str, Path],
     n: int,
     num_blocks: int,
-) -> tuple[dict[str, tuple[list[int], list[float]]], int]:
-    """The engine loop; returns each request's tokens and logprobs, and the preemption count."""
+) -> tuple[dict[str, tuple[list[int], list[float]]], int, dict[str, int]]:
+    """The engine loop: each request's tokens and logprobs, the preemption count, and each
+    request's prefix-cache hit (tokens, at its first output)."""
     kv = get_kv_cache_config(
         executor.get_kv_cache_specs(),
         executor.determine_available_memory(),
@@ -193,6 +194,7 @@ def paged_run(
         scheduler.add_request(request)
     results: dict[str, tuple[list[int], list[float]]] = {rid: ([], []) for rid in jobs}
     preempted = 0
+    cached: dict[str, int] = {}
     for _ in range(2000):
         if not scheduler.has_requests():
             break
@@ -204,9 +206,10 @@ def paged_run(
         for outputs in scheduler.update_from_output(so, out).values():
             for o in outputs.outputs:
                 results[o.request_id][0].extend(o.new_token_ids)
+                cached.setdefault(o.request_id, o.num_cached_tokens)
                 assert o.new_logprobs is not None
                 results[o.request_id][1].extend(row[0] for row in o.new_logprobs.logprobs)
-    return results, preempted
+    return results, preempted, cached
 
 
 def _jobs(seed: int) -> dict[str, tuple[str | None, list[int]]]:
@@ -266,9 +269,11 @@ def test_mixed_adapters_match_transformers_peft(tmp_path: Path, family: str) -> 
         executor.add_lora(LoRAAdapterSpec("r8", str(adapters["r8"]), 1))
         assert executor.list_loras() == ["r8"]
         # the others load from each request's lora_path on first use
-        got, preempted = paged_run(executor, jobs, adapters, n, num_blocks=26)
+        got, preempted, cached = paged_run(executor, jobs, adapters, n, num_blocks=26)
         assert sorted(executor.list_loras()) == sorted({a for a, _ in jobs.values() if a})
     assert preempted > 0, "the run was meant to preempt"
+    # prefix caching per adapter: r8b hits r8a's blocks; r8a, same prompt as base0, does not
+    assert cached["r8b"] >= BLOCK and cached["r8a"] == 0
     check_against(expected, got)
 
 
@@ -287,6 +292,6 @@ def test_tensor_parallel_2_matches_transformers_peft(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="does not exist"):
             executor.add_lora(LoRAAdapterSpec("bad", str(tmp_path / "nowhere"), 2))
         assert executor.list_loras() == ["r8"]
-        got, _ = paged_run(executor, jobs, adapters, 4, num_blocks=64)
+        got, _, _ = paged_run(executor, jobs, adapters, 4, num_blocks=64)
         assert executor.remove_lora("rs16") is True and executor.remove_lora("rs16") is False
     check_against(expected, got)
