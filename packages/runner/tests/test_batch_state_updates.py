@@ -169,3 +169,17 @@ def test_bad_diffs_are_value_errors() -> None:
         update_states(
             requests, batch, SchedulerOutput(num_scheduled_tokens={"zz": 1}), batch.device
         )
+
+
+def test_lora_requests_need_lora_enabled() -> None:
+    """Refused without --enable-lora (naming it); with it the state carries the adapter name."""
+    batch = InputBatch(MAX_REQS, MAX_LEN, MAX_TOKENS, "cpu", 128, block_sizes=[B])
+    requests: dict[str, CachedRequestState] = {}
+    lora = NewRequestData(
+        "a", [1, 2], SamplingParams(), ([1],), 0, lora_request="adapter", lora_path="/x"
+    )
+    step = SchedulerOutput(scheduled_new_reqs=[lora], num_scheduled_tokens={"a": 2})
+    with pytest.raises(ValueError, match=r"LoRA is not enabled.*--enable-lora"):
+        update_states(requests, batch, step, batch.device)
+    update_states(requests, batch, step, batch.device, lora_enabled=True)
+    assert requests["a"].lora_request == "adapter" and batch.req_ids == ["a"]

@@ -41,6 +41,7 @@ from typing import Any, cast
 
 import msgspec
 import torch
+from torch import nn
 
 from paged.kvcache import KVCacheConfig
 from paged.runner.attention.backends import select_attention_backend
@@ -59,6 +60,9 @@ from paged.runner.input_prep import InputBuffers, StepInputs, prepare_inputs
 from paged.runner.kv_cache_dtype import with_kv_cache_dtype
 from paged.runner.kv_cache_setup import allocate_kv_caches, available_kv_cache_memory
 from paged.runner.kv_connector import KVConnectorStep, KVConnectorWorker
+from paged.runner.lora.config import LoRAAdapterSpec, LoRAConfig
+from paged.runner.lora.loading import BaseModelFacts, load_adapter
+from paged.runner.lora.manager import LoRAManager
 from paged.runner.models.interface import CausalLM, SupportsMultiModal, supports_multimodal
 from paged.runner.pipeline.forward import StageForward
 from paged.runner.pipeline.kv import stage_kv_cache_config
@@ -112,6 +116,7 @@ class ModelRunner:
         ec_connector: ECConnectorWorker | None = None,
         encoder_cache_size: int | None = None,
         stage_setup: StageSetup | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         if stage_setup is not None:
             tp_rank, tp_size = stage_setup.stage.tp_rank, stage_setup.stage.tp_size
@@ -157,6 +162,14 @@ class ModelRunner:
             raise ValueError(
                 "pipeline_parallel_size > 1 runs without a KV connector or speculative decoding"
             )
+        if lora_config is not None and (self.pipeline is not None or speculative_config):
+            # Draft and verification rows would need their own adapter slots; not built.
+            raise ValueError(
+                "enable_lora: LoRA runs without pipeline parallelism or speculative decoding"
+            )
+        self.lora_config = lora_config
+        # LoRA adapters (lora/manager.py), built by load_model when lora_config is set.
+        self.lora: LoRAManager | None = None
         # Speculative decoding (drafts, verification, a draft model): a component.
         self.spec_decoder = (
             SpecDecoder(
@@ -206,6 +219,10 @@ class ModelRunner:
             self.pooling = PoolingStep(
                 build_model_pooler(self.model_config), self.model_config.hidden_size
             )
+        if self.lora_config is not None:
+            if self.model_config.is_pooling:
+                raise ValueError("enable_lora: LoRA adapters serve generation models only")
+            self.lora = self._make_lora_manager(self.lora_config, cast(nn.Module, model))
         if supports_multimodal(model):
             self.encoder_runner = self._make_encoder_runner(cast(SupportsMultiModal, model))
         elif self.ec_connector is not None:
@@ -220,6 +237,16 @@ class ModelRunner:
                 )
             if self.spec_decoder.draft.model is None:
                 self.spec_decoder.draft.load_model()
+
+    def _make_lora_manager(self, config: LoRAConfig, model: nn.Module) -> LoRAManager:
+        facts = BaseModelFacts.of(self.model_config.text_config)
+        return LoRAManager(
+            config,
+            model,
+            self.model_config.dtype,
+            self.device,
+            loader=lambda path: load_adapter(path, config, facts),
+        )
 
     def _make_encoder_runner(self, model: SupportsMultiModal) -> EncoderRunner:
         """The encoder runner with its preallocated cache, sized as the scheduler's."""
@@ -357,7 +384,10 @@ class ModelRunner:
             scheduler_output,
             self.device,
             stage=self.pipeline.stage if self.pipeline is not None else None,
+            lora_enabled=self.lora is not None,
         )
+        if self.lora is not None:
+            self.lora.note_requests(scheduler_output.scheduled_new_reqs)
         pooling = self.pooling
         if pooling is not None:
             pooling.update(scheduler_output)
@@ -410,6 +440,8 @@ class ModelRunner:
             if stage_hidden is None:
                 return None  # sent on to the next stage; the last one samples
             hidden, kv_output = stage_hidden, None
+        elif self.lora is not None:
+            hidden, kv_output = self._forward_with_lora(self.lora, model, inputs, step)
         else:
             hidden, kv_output = self._forward_with_connector(model, inputs, step)
         if spec is not None:
@@ -444,6 +476,34 @@ class ModelRunner:
             raise
         return hidden, step.finish()
 
+    def _forward_with_lora(
+        self, lora: LoRAManager, model: CausalLM, inputs: StepInputs, step: KVConnectorStep | None
+    ) -> tuple[torch.Tensor, KVConnectorOutput | None]:
+        """The forward with this step's LoRA rows published to the LoRA layers, then withdrawn."""
+        adapters = [self.requests[req_id].lora_request for req_id in inputs.req_ids]
+        lora.begin_step(adapters, inputs.num_scheduled)
+        try:
+            return self._forward_with_connector(model, inputs, step)
+        finally:
+            lora.end_step()
+
+    # -------------------------------------------------------------- LoRA
+
+    def add_lora(self, spec: LoRAAdapterSpec) -> None:
+        """Load and validate an adapter (ValueError with the cause, or "already loaded")."""
+        self._require_lora().add_lora(spec)
+
+    def remove_lora(self, name: str) -> bool:
+        return self._require_lora().remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self._require_lora().list_loras()
+
+    def _require_lora(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (start with --enable-lora)")
+        return self.lora
+
     def _kv_connector_no_forward(self, step: KVConnectorStep | None) -> ModelRunnerOutput:
         """Nothing to compute: still let the connector finish pending transfers (seed)."""
         if step is None:
@@ -464,9 +524,11 @@ class ModelRunner:
         graphs = self.cuda_graphs
         # A captured graph would skip the connector's per-layer calls: run eagerly.
         connector = self.kv_connector if step is not None and step.bound else None
+        lora_rows = self.lora is not None and self.lora.batch.active
         if (
             connector is None
             and mm is None
+            and not lora_rows  # a captured graph holds no LoRA delta
             and graphs is not None
             and inputs.is_uniform_decode
             and graphs.padded_size(meta.num_reqs) is not None

@@ -32,8 +32,13 @@ def update_states(
     scheduler_output: SchedulerOutput,
     generator_device: torch.device,
     stage: PipelineStage | None = None,
+    lora_enabled: bool = False,
 ) -> None:
-    """Bring `requests` and `batch` to the state `scheduler_output` describes."""
+    """Bring `requests` and `batch` to the state `scheduler_output` describes.
+
+    A request naming a LoRA adapter is refused unless `lora_enabled` (the
+    runner was built with a LoRAConfig).
+    """
     for req_id in scheduler_output.finished_req_ids:
         requests.pop(req_id, None)
         batch.remove_request(req_id)
@@ -45,7 +50,7 @@ def update_states(
             batch.remove_request(req_id)
 
     for new_req in scheduler_output.scheduled_new_reqs:
-        requests[new_req.req_id] = _new_state(new_req, generator_device)
+        requests[new_req.req_id] = _new_state(new_req, generator_device, lora_enabled)
 
     cached = scheduler_output.scheduled_cached_reqs
     _check_cached_lengths(cached)
@@ -69,11 +74,13 @@ def update_states(
     batch.condense()
 
 
-def _new_state(new_req: NewRequestData, device: torch.device) -> CachedRequestState:
-    if new_req.lora_request is not None:
+def _new_state(
+    new_req: NewRequestData, device: torch.device, lora_enabled: bool
+) -> CachedRequestState:
+    if new_req.lora_request is not None and not lora_enabled:
         raise ValueError(
             f"scheduler_output: request {new_req.req_id!r} asks for LoRA adapter "
-            f"{new_req.lora_request!r}; the runner does not support LoRA"
+            f"{new_req.lora_request!r}, but LoRA is not enabled (start with --enable-lora)"
         )
     params = new_req.sampling_params
     generator = None

@@ -28,6 +28,7 @@ from paged.runner.config import EngineConfig
 from paged.runner.cpu_threads import CpuThreads, resolve_cpu_threads
 from paged.runner.encode_only import EncodeOnlyRunner
 from paged.runner.encoder_pooling_runner import EncoderPoolingRunner
+from paged.runner.lora.config import LoRAAdapterSpec
 from paged.runner.model_runner import ModelRunner
 from paged.runner.pipeline.stage import PipelineStage, StageSetup, init_tp_groups
 from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -110,6 +111,14 @@ class Worker:
             if ec_factory is not None
             else None
         )
+        encoder_only = model_config.is_encoder_only or (
+            ec_connector is not None and ec_connector.is_producer and not ec_connector.is_consumer
+        )
+        if encoder_only and self.engine_config.lora_config is not None:
+            raise ValueError(
+                f"enable_lora: {model_config.architecture} runs as an encoder here; LoRA "
+                "adapters serve decoder generation models"
+            )
         if ec_connector is not None and ec_connector.is_producer and not ec_connector.is_consumer:
             # An EPD encoder producer: the vision encoder only, no KV cache, no sampling.
             self._runner = EncodeOnlyRunner(
@@ -147,6 +156,7 @@ class Worker:
             ec_connector=ec_connector,
             encoder_cache_size=self.engine_config.encoder_cache_size,
             stage_setup=stage_setup,
+            lora_config=self.engine_config.lora_config,
         )
 
     def load_model(self) -> None:
@@ -169,6 +179,30 @@ class Worker:
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
+
+    def add_lora(self, spec: LoRAAdapterSpec) -> str | None:
+        """Load an adapter; None, or the reason it was refused (the executor raises it)."""
+        runner = self.model_runner
+        try:
+            if not isinstance(runner, ModelRunner):
+                raise ValueError("LoRA is not enabled (start with --enable-lora)")
+            runner.add_lora(spec)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def remove_lora(self, name: str) -> bool:
+        runner = self.model_runner
+        # Without LoRA nothing is loaded: False, as for an unknown name.
+        return (
+            isinstance(runner, ModelRunner) and runner.lora is not None and runner.remove_lora(name)
+        )
+
+    def list_loras(self) -> list[str]:
+        runner = self.model_runner
+        if isinstance(runner, ModelRunner) and runner.lora is not None:
+            return runner.list_loras()
+        return []
 
     def check_health(self) -> None:
         """Raise if the device is unusable (a CUDA error surfaces on synchronize)."""

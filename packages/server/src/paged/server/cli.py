@@ -40,6 +40,7 @@ from paged.server.lora_cli import add_lora_args, add_lora_modules_arg, lora_engi
 from paged.server.metrics_names import METRICS_PREFIXES
 from paged.server.multi_node import add_multi_node_args, check_node_role
 from paged.server.openai.cors import add_cors_args, cors_config_from
+from paged.server.proxy_cli import add_proxy_parser, proxy_command
 from paged.server.tool_parsers.flags import add_tool_calling_args, check_tool_calling_args
 
 logger = logging.getLogger("paged.server.cli")
@@ -702,67 +703,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="a system message to start the conversation")
     _add_sampling_args(chat, max_tokens=256)
     _add_shared_engine_args(chat, "chat")
-    _add_proxy_parser(sub)
+    add_proxy_parser(sub)
     add_run_batch_parser(sub, add_engine_args, _int_at_least(1))
     add_tokenizer_parser(sub)
     return parser
-
-
-def _add_proxy_parser(sub: Any) -> None:
-    proxy = sub.add_parser(
-        "proxy",
-        help="route OpenAI requests to prefill and decode instances (P/D disaggregation)",
-        description="Send each request to a prefill instance (max_tokens 1, "
-        "kv_transfer_params do_remote_decode), then to a decode instance with the KV "
-        "it returned; round robin over each list. The instances run `paged serve` with "
-        "--kv-transfer-config naming PagedZmqConnector (or vLLM with NixlConnector).",
-    )
-    proxy.add_argument(
-        "--encode",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="an encoder-only instance (paged serve --ec-role producer); requests with "
-        "images go there first",
-    )
-    proxy.add_argument(
-        "--prefill",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a prefill instance (required unless --encode is given)",
-    )
-    proxy.add_argument(
-        "--decode", action="append", required=True, metavar="URL", help="a decode instance"
-    )
-    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    proxy.add_argument(
-        "--port", type=int, default=8000, help="TCP port to listen on (default 8000)"
-    )
-    proxy.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds to wait for an instance's answer"
-    )
-
-
-def _proxy(ns: argparse.Namespace) -> int:
-    from paged.server.proxy import run_proxy
-
-    try:
-        run_proxy(
-            ns.prefill,
-            ns.decode,
-            host=ns.host,
-            port=ns.port,
-            log_level=ns.log_level,
-            timeout_s=ns.timeout,
-            encode=ns.encode,
-        )
-    except ValueError as e:
-        print(f"paged proxy: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -774,7 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     check_compat_args(parser, ns)  # after logging: it logs what it accepts but ignores
     if ns.command == "proxy":
-        return _proxy(ns)
+        return proxy_command(ns)
     if ns.command == "tokenizer":
         return tokenizer_command(ns)
     args = engine_args_from(ns)

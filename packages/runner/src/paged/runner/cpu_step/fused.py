@@ -364,12 +364,21 @@ class FusedLayers:
     def __init__(self) -> None:
         self._key: object = None
         self._stack: FusedDecoderStack | None = None
+        # True for a step the fused stack cannot run (it bypasses the modules'
+        # forwards, so a step with LoRA rows takes the per-op path); None: never.
+        self._per_op: Callable[[], bool] | None = None
+
+    def run_per_op_when(self, predicate: Callable[[], bool]) -> None:
+        """Steps for which `predicate()` is true skip the fused stack (the LoRA manager's hook)."""
+        self._per_op = predicate
 
     def stack(
         self, first_kernel: object, build: Callable[[], FusedDecoderStack | None]
     ) -> FusedDecoderStack | None:
         if first_kernel is None:
             return None  # not quantised (or not loaded yet)
+        if self._per_op is not None and self._per_op():
+            return None
         if first_kernel is not self._key:
             self._stack = build()
             self._key = first_kernel

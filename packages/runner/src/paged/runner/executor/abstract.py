@@ -23,15 +23,19 @@ from typing import Any, cast
 from paged.kvcache import KVCacheConfig, KVCacheSpec
 from paged.runner.config import EngineConfig
 from paged.runner.executor.messages import (
+    AddLoRA,
     CheckHealth,
     DetermineAvailableMemory,
     ExecuteModel,
     GetKVCacheSpec,
     InitializeFromConfig,
+    ListLoRAs,
+    RemoveLoRA,
     SampleTokens,
     WorkerCall,
     kv_config_to_wire,
 )
+from paged.runner.lora.config import LoRAAdapterSpec
 from paged.runner.pipeline.stage import output_rank
 from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -117,6 +121,26 @@ class Executor(abc.ABC):
 
     def check_health(self) -> None:
         self.collective_rpc(CheckHealth(), timeout=60.0)
+
+    # LoRA adapters, on every worker (vLLM's executor add_lora / remove_lora / list_loras).
+
+    def add_lora(self, spec: LoRAAdapterSpec) -> None:
+        """Load `spec` on every worker; ValueError with the cause (ranks that loaded undo it)."""
+        refusals = cast(list[str | None], self.collective_rpc(AddLoRA(spec)))
+        reasons = [r for r in refusals if r is not None]
+        if not reasons:
+            return
+        if len(reasons) < len(refusals):
+            self.collective_rpc(RemoveLoRA(spec.name))
+        raise ValueError(reasons[0])
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload `name` everywhere; False if it was not loaded."""
+        return any(cast(list[bool], self.collective_rpc(RemoveLoRA(name))))
+
+    def list_loras(self) -> list[str]:
+        """The adapters loaded (every rank holds the same set)."""
+        return cast(list[list[str]], self.collective_rpc(ListLoRAs()))[self.output_rank]
 
     def __enter__(self) -> Executor:
         return self

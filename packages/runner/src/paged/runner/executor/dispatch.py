@@ -6,12 +6,15 @@ import os
 from typing import Any
 
 from paged.runner.executor.messages import (
+    AddLoRA,
     CheckHealth,
     Crash,
     DetermineAvailableMemory,
     ExecuteModel,
     GetKVCacheSpec,
     InitializeFromConfig,
+    ListLoRAs,
+    RemoveLoRA,
     SampleTokens,
     Shutdown,
     WorkerCall,
@@ -37,6 +40,12 @@ def serve_call(worker: Worker, call: WorkerCall) -> Any:
         case CheckHealth():
             worker.check_health()
             return None
+        case AddLoRA(spec=spec):
+            return worker.add_lora(spec)
+        case RemoveLoRA(name=name):
+            return worker.remove_lora(name)
+        case ListLoRAs():
+            return worker.list_loras()
         case Shutdown():
             worker.shutdown()
             return None

@@ -30,6 +30,7 @@ from paged.kvcache import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
+from paged.runner.lora.config import LoRAAdapterSpec
 from paged.scheduler.boundary import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 _SPEC_CLASSES: dict[str, type[KVCacheSpec]] = {
@@ -126,6 +127,20 @@ class CheckHealth(msgspec.Struct, tag=True, array_like=True, frozen=True):
     pass
 
 
+class AddLoRA(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """Load a LoRA adapter; the result is None or the reason it was refused (str)."""
+
+    spec: LoRAAdapterSpec
+
+
+class RemoveLoRA(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    name: str
+
+
+class ListLoRAs(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    pass
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True, frozen=True):
     pass
 
@@ -143,6 +158,9 @@ WorkerCall = (
     | DetermineAvailableMemory
     | InitializeFromConfig
     | CheckHealth
+    | AddLoRA
+    | RemoveLoRA
+    | ListLoRAs
     | Shutdown
     | Crash
 )
@@ -205,4 +223,10 @@ def decode_result(call: WorkerCall, data: bytes) -> Any:
         return msgspec.msgpack.decode(data, type=ModelRunnerOutput)
     if isinstance(call, DetermineAvailableMemory):
         return msgspec.msgpack.decode(data, type=int)
+    if isinstance(call, AddLoRA):
+        return msgspec.msgpack.decode(data, type=str | None)
+    if isinstance(call, RemoveLoRA):
+        return msgspec.msgpack.decode(data, type=bool)
+    if isinstance(call, ListLoRAs):
+        return msgspec.msgpack.decode(data, type=list[str])
     return msgspec.msgpack.decode(data, type=None)

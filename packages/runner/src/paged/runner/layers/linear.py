@@ -22,7 +22,7 @@ tensor instead of a broadcasting error.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,13 @@ from paged.runner.layers.quantized_linear import (
 # What a checkpoint hands to load_weight: a plain tensor, or quantised blocks
 # (kept quantised by a layer that is staging a quantised load).
 CheckpointTensor = torch.Tensor | QuantizedCheckpointTensor
+
+
+class LinearDelta(Protocol):
+    """Adds a per-row correction to a layer's output (a LoRA delta, lora/layer.py)."""
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [T, out_local] += delta(x [T, in_local]), in place, before any collective."""
 
 
 def check_shape(what: str, loaded: CheckpointTensor, expected: tuple[int, ...]) -> None:
@@ -107,6 +114,9 @@ class ShardedLinear(nn.Module, ABC):
         # checkpoint's rows while loading, `quant` is the kernel that replaces `weight`.
         self.quant_staging: QuantStaging | None = None
         self.quant: QuantizedMatmul | None = None
+        # LoRA adapters on this layer (set by the runner's LoRA manager; None: base only).
+        # Added to the local output before a row-parallel all-reduce (see lora/layer.py).
+        self.lora: LinearDelta | None = None
 
     def start_quantized_load(self) -> None:
         """Stage the next weight loads so that quantised checkpoint rows stay quantised."""
@@ -206,6 +216,8 @@ class ColumnParallelLinear(ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
         return self.tp.all_gather_last_dim(y) if self.gather_output else y
 
     def load_weight(self, name: str, loaded: CheckpointTensor, shard_id: str | int | None) -> None:
@@ -328,6 +340,8 @@ class RowParallelLinear(ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)
+        if self.lora is not None:
+            self.lora.add_to(x, y)  # this rank's partial delta: the all-reduce sums it
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         # The bias is added after the sum so that it counts once, not tp times.
