@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import redis
 import safetensors
 import torch
 
@@ -27,7 +28,8 @@ from paged.connectors.kv.groups import (
 )
 from paged.connectors.kv.offloading import OffloadingConnector
 from paged.connectors.kv.offloading.chunks import ChunkKey, chunk_keys, group_chunk_key
-from paged.connectors.kv.offloading.metadata import OffloadingMetadata
+from paged.connectors.kv.offloading.metadata import OffloadingMetadata, Tier
+from paged.connectors.kv.offloading.redis_server import RedisServer
 from paged.connectors.kv.p2p import PagedZmqConnector
 from paged.connectors.kv.shared_storage import SharedStorageConnector, prefix_key
 from paged.connectors.kv.testing import (
@@ -473,3 +475,42 @@ def test_offloading_refuses_layerwise_for_a_hybrid_model_at_start_up() -> None:
     # one group's layers each, so the combination is refused when the caches register.
     with pytest.raises(ValueError, match="use_layerwise needs a model with one KV cache group"):
         _OffloadEngine(extra={"kv_bytes_per_rank": 1 << 20, "use_layerwise": True})
+
+
+def test_redis_tier_carries_both_groups_between_two_engines() -> None:
+    # Engine A computes the prompt and writes each group's chunks to Redis (the sliding
+    # group only those near the prompt's end); engine B, which never saw it, loads the
+    # full group's chunks and the sliding group's window from Redis and resumes at 24.
+    with RedisServer() as server:
+        extra: dict[str, object] = {
+            "spec_name": "TieringOffloadingSpec",
+            "secondary_tiers": [{"type": "redis", "url": server.url, "read_timeout_s": 2.0}],
+        }
+        a = _OffloadEngine(extra=extra)
+        a.run("a", PROMPT)
+        writer = a.worker_side.worker_side.redis_writer
+        assert writer is not None
+        writer.flush()
+        stored = redis.Redis.from_url(server.url).keys("paged:kv:*")
+        assert len(stored) == 5  # 3 full-group chunks + 2 sliding-group chunks
+
+        b = _OffloadEngine(extra=extra)
+        b.sched.add_request(make_request("b", PROMPT, max_tokens=1))
+        so = b.sched.schedule()
+        assert so.scheduled_new_reqs[0].num_computed_tokens == 24
+        assert so.kv_connector_metadata is not None
+        meta = msgspec.msgpack.decode(so.kv_connector_metadata, type=OffloadingMetadata)
+        keys = _chunk_keys(PROMPT)
+        loaded = {(load.group, load.key, load.source) for load in meta.loads}
+        assert loaded == {
+            (0, keys[0], Tier.REDIS), (0, keys[1], Tier.REDIS), (0, keys[2], Tier.REDIS),
+            (1, keys[2] + "_g1", Tier.REDIS),
+        }  # fmt: skip
+        out = b.sim.execute(so)
+        assert out.kv_connector_output is not None
+        assert out.kv_connector_output.invalid_block_ids == []
+        _assert_window_kv(b.sim, "b", PROMPT, 24)
+        b.sched.update_from_output(so, out)
+        for engine in (a, b):
+            engine.worker_side.shutdown()
+            engine.sched_side.shutdown()

@@ -15,7 +15,7 @@ corrupt value is a load error and the request recomputes).
 
 Who does what:
 
-    scheduler  RemoteLookup.present_prefix   one pipelined EXISTS per lookup, deadline
+    scheduler  RemoteLookup.present          one pipelined EXISTS per lookup, deadline
                RemoteLookup.should_write     a bounded set of keys known to be stored
     worker     RedisStore.get                GET with a deadline, then decode + verify
                RedisWriter.offer             bounded queue -> one background thread: SET
@@ -117,10 +117,11 @@ class RemoteLookup:
         # key -> when it was last known stored; oldest first.
         self._known: OrderedDict[ChunkKey, float] = OrderedDict()
 
-    def present_prefix(self, keys: Sequence[ChunkKey]) -> int:
-        """How many of `keys`, from the first, are stored for every rank (0 on any fault)."""
+    def present(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each of `keys` is stored for every rank, in one pipelined round trip
+        (all False on any fault: the request recomputes)."""
         if not keys:
-            return 0
+            return []
         names = [self.keyspace.key(k, r) for k in keys for r in range(self.keyspace.world_size)]
 
         def exists(client: redis.Redis) -> list[object]:
@@ -134,18 +135,16 @@ class RemoteLookup:
             found = self.redis.call(exists)
         except RedisFault as fault:
             self.counters.add(f"lookup_{fault.reason}")
-            return 0
+            return [False] * len(keys)
         if len(found) != len(names) or any(type(f) is not int for f in found):
             self.counters.add("lookup_garbage")
-            return 0
+            return [False] * len(keys)
         ws = self.keyspace.world_size
-        count = 0
-        for i, key in enumerate(keys):
-            if not all(found[i * ws : (i + 1) * ws]):
-                break
-            self._remember(key)  # stored by someone: no need to write it again
-            count += 1
-        return count
+        present = [all(found[i * ws : (i + 1) * ws]) for i in range(len(keys))]
+        for key, stored in zip(keys, present, strict=True):
+            if stored:
+                self._remember(key)  # stored by someone: no need to write it again
+        return present
 
     def should_write(self, key: ChunkKey) -> bool:
         """True unless `key` was found or written in the last _KNOWN_TTL_S seconds."""

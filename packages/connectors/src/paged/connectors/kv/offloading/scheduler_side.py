@@ -167,20 +167,22 @@ class OffloadingScheduler:
 
         # One token must be left to compute (the logits of the last prompt token).
         cap = (request.num_tokens - 1) // self.block_size * self.block_size
-        redis_end: dict[int, int] = {}
+        in_redis_of: dict[int, list[bool]] = {}
 
         def in_redis(group: int, idx: int) -> bool:
             # Below host and disk, asked only after a local miss: one pipelined query
-            # per group for the run of chunks from `first` up to the cap.
+            # per group for its chunks from `first` up to the cap (a sliding group may
+            # hold only the later ones).
             if self.redis is None:
                 return False
-            if group not in redis_end:
+            if group not in in_redis_of:
                 wanted = [
                     group_chunk_key(keys[i], group)
                     for i in range(first, min(len(keys), -(-cap // chunk)))
                 ]
-                redis_end[group] = first + self.redis.present_prefix(wanted)
-            return idx < redis_end[group]
+                in_redis_of[group] = self.redis.present(wanted)
+            found = in_redis_of[group]
+            return 0 <= idx - first < len(found) and found[idx - first]
 
         def tier_of(group: int, idx: int) -> Tier | None:
             if (group, idx) not in found:
