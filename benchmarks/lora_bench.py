@@ -125,7 +125,8 @@ async def _stream(
                 raise RuntimeError(event["error"]["message"])
             if event.get("usage"):
                 result.tokens = int(event["usage"]["completion_tokens"])
-            if result.ttft == 0.0 and any(c.get("text") for c in event.get("choices", [])):
+            if result.ttft == 0.0 and event.get("choices"):
+                # The first token's chunk (its text may be empty: part of a character).
                 result.ttft = time.perf_counter() - start
     return result
 
