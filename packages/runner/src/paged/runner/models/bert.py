@@ -12,8 +12,8 @@ no T x T mask is built. How sequences meet SDPA depends on the device:
   call costs ~10-20 us, nothing next to a sequence's attention). The packed
   batch also runs through the layers in slices of about `CPU_SLICE_TOKENS`
   whole sequences, so each layer's activations ([tokens, 4 * hidden] for the
-  FFN) stay in cache instead of streaming through memory: ~8% less CPU time
-  for an 8,192-token step of a 6x384 model (pooling-speed.md).
+  FFN) stay nearer the cores than in one pass over a large step
+  (pooling-speed.md has the measurements).
 - other devices: sequences are sorted by length and cut into groups whose
   padding stays under a quarter of the group's tokens; each group runs one
   SDPA call ([B, heads, L, d], a key mask only when lengths differ), so a
@@ -62,9 +62,11 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 # A group of sequences padded to its longest may hold at most this share of padding.
 _MAX_PAD_FRACTION = 0.25
-# On CPU the layers run over slices of about this many tokens (whole sequences):
-# measured on a 6x384 model, 512-4,096 all beat one 8,192-token pass by ~8%.
-CPU_SLICE_TOKENS = 2048
+# On CPU the layers run over slices of about this many tokens (whole sequences).
+# Measured on a 6x384 model: at one thread 512-4,096 all beat one 8,192-token
+# pass by ~5-8% of CPU time; at two threads smaller slices cost more (an OpenMP
+# barrier per op and slice) and 4,096 is level with no slicing.
+CPU_SLICE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
