@@ -11,6 +11,13 @@ sides' embeddings (they must agree: same weights, same pooling).
 
 paged batches by tokens (`--max-num-batched-tokens` per step, no padding rows);
 sentence-transformers pads each `--st-batch-size` batch of length-sorted texts.
+Both run float32 by default; `--paged-dtype bfloat16` runs paged in bf16
+against float32 sentence-transformers (the JSON names both dtypes, and
+max_abs_diff then shows bf16's error, not a bug).
+
+Besides wall-clock rates, the JSON gives CPU-time rates (inputs per CPU second
+of this process, all threads): on a machine shared with other jobs, wall time
+swings with their load while CPU time mostly does not.
 
 Run: .venvs/all/bin/python benchmarks/embed_bench.py [--num-inputs 1000 --runs 3 --threads 2]
 Prints one JSON line.
@@ -99,6 +106,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--st-batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--paged-dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from sentence_transformers import SentenceTransformer
@@ -113,7 +121,7 @@ def main() -> None:
         st: Any = SentenceTransformer(str(path), device="cpu")
         llm = LLM(
             str(path),
-            dtype="float32",
+            dtype=args.paged_dtype,
             device="cpu",
             max_model_len=512,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -125,16 +133,21 @@ def main() -> None:
         num_tokens = int(st.tokenize(texts)["attention_mask"].sum())  # unpadded
         paged_rates: list[float] = []
         st_rates: list[float] = []
+        paged_cpu_rates: list[float] = []
+        st_cpu_rates: list[float] = []
         max_diff = 0.0
         for _ in range(args.runs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             ours = llm.embed(texts, use_tqdm=False)
             paged_rates.append(len(texts) / (time.perf_counter() - start))
-            start = time.perf_counter()
+            paged_cpu_rates.append(len(texts) / (time.process_time() - cpu))
+            start, cpu = time.perf_counter(), time.process_time()
             theirs = st.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True)
             st_rates.append(len(texts) / (time.perf_counter() - start))
+            st_cpu_rates.append(len(texts) / (time.process_time() - cpu))
             got = torch.tensor([o.outputs.embedding for o in ours])
             max_diff = max(max_diff, float((got - theirs.float().cpu()).abs().max()))
+        st_dtype = str(next(st.parameters()).dtype).removeprefix("torch.")
         llm.shutdown()
     paged_median = statistics.median(paged_rates)
     st_median = statistics.median(st_rates)
@@ -154,6 +167,15 @@ def main() -> None:
                 "speedup": round(paged_median / st_median, 3),
                 "paged_runs": [round(r, 2) for r in paged_rates],
                 "sentence_transformers_runs": [round(r, 2) for r in st_rates],
+                "paged_dtype": args.paged_dtype,
+                "sentence_transformers_dtype": st_dtype,
+                "paged_embeddings_per_cpu_s": round(statistics.median(paged_cpu_rates), 2),
+                "sentence_transformers_embeddings_per_cpu_s": round(
+                    statistics.median(st_cpu_rates), 2
+                ),
+                "cpu_speedup": round(
+                    statistics.median(paged_cpu_rates) / statistics.median(st_cpu_rates), 3
+                ),
                 "max_abs_diff": max_diff,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "st_batch_size": args.st_batch_size,

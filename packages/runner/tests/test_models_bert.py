@@ -14,7 +14,13 @@ import pytest
 import torch
 import transformers
 
-from paged.runner.models.bert import ENCODER_ONLY_ARCHITECTURES, BertModel, load_bert_model
+from paged.runner.models.bert import (
+    ENCODER_ONLY_ARCHITECTURES,
+    BertModel,
+    cpu_slices,
+    load_bert_model,
+    plan_attention,
+)
 from paged.runner.pooling import (
     PoolingInput,
     build_pooler,
@@ -91,6 +97,47 @@ def test_packed_encoder_matches_transformers(
         for prompt, got in zip(prompts, _run_packed(ours, prompts), strict=True):
             ref = hf(input_ids=prompt[None]).last_hidden_state[0]
             torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
+def test_cpu_slices_are_runs_of_whole_sequences() -> None:
+    # A run closes once it holds max_tokens; a longer sequence is a run alone.
+    assert cpu_slices([5, 9, 3, 9, 17, 1, 4, 4], 10) == [(0, 2), (2, 4), (4, 5), (5, 8)]
+    assert cpu_slices([3, 3], 100) == [(0, 2)]
+    assert cpu_slices([], 10) == []
+    with pytest.raises(ValueError, match="max_tokens"):
+        cpu_slices([3], 0)
+
+
+def test_cpu_attention_needs_no_padding() -> None:
+    # One span per sequence over the packed rows: no padded copy, no mask.
+    plan = plan_attention([5, 9, 3], torch.device("cpu"))
+    assert [(p.start, p.length) for p in plan] == [(0, 5), (5, 9), (14, 3)]  # type: ignore[union-attr]
+
+
+def test_cpu_slices_run_the_layers_and_match_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, hf = _save(tmp_path / "m", "BertModel", "BertConfig", pad_token_id=0)
+    model = load_bert_model(path)
+    model.cpu_slice_tokens = 10
+    rows_seen: list[int] = []
+    first_layer = model.layers[0]
+    forward = first_layer.forward
+
+    def counting_forward(x: torch.Tensor, plan: Any) -> torch.Tensor:
+        rows_seen.append(x.shape[0])
+        out: torch.Tensor = forward(x, plan)
+        return out
+
+    monkeypatch.setattr(first_layer, "forward", counting_forward)
+    prompts = _prompts()
+    with torch.inference_mode():
+        got = _run_packed(model, prompts)
+        for p, g in zip(prompts, got, strict=True):
+            want = hf(input_ids=p[None]).last_hidden_state[0]
+            torch.testing.assert_close(g, want, atol=ATOL, rtol=0)
+    # LENS = [5, 9, 3, 9, 17, 1, 4, 4] in runs of >= 10 tokens: 14, 12, 17, 9.
+    assert rows_seen == [14, 12, 17, 9]
 
 
 def test_token_type_ids_match_transformers(tmp_path: Path) -> None:
