@@ -17,7 +17,8 @@ median of `--runs` runs. Scenarios:
     a  one stream, ~100-token prompt, 128 tokens: TTFT and decode tok/s
        (decode = (tokens - 1) / (last token time - first token time))
     b  32 prompts of 32..512 tokens sent at once, non-streaming: output tok/s
-    c  32 concurrent streams (~100-token prompts, 128 tokens each): output tok/s,
+    c  `--streams` concurrent streams (default 32; ~100-token prompts, 128 tokens
+       each): output tok/s,
        TTFT p50/p99, inter-token latency p50
 
 Beside every figure: threads, the 1-minute load average before and after, and
@@ -235,7 +236,7 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]:
+async def scenario(server: Server, name: str, max_tokens: int, streams: int = 32) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=1800, limits=limits) as client:
         await _complete(client, _prompt(20, 999), 4)  # warm-up
@@ -255,7 +256,7 @@ async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]
             result = {"output_tokens": sum(counts), "output_tok_s": sum(counts) / wall}
         else:
             streams = await asyncio.gather(
-                *(_stream(client, _prompt(75, 100 + i), max_tokens) for i in range(32))
+                *(_stream(client, _prompt(75, 100 + i), max_tokens) for i in range(streams))
             )
             wall = time.perf_counter() - t0
             ttft = [s["times"][0] - s["start"] for s in streams]
@@ -263,7 +264,7 @@ async def scenario(server: Server, name: str, max_tokens: int) -> dict[str, Any]
             tokens = sum(len(s["times"]) for s in streams)
             result = {"output_tokens": tokens, "output_tok_s": tokens / wall,
                       "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-                      "itl_p50_s": _pct(itl, 0.5)}  # fmt: skip
+                      "itl_p50_s": _pct(itl, 0.5), "streams": streams}  # fmt: skip
         wall = time.perf_counter() - t0
         client_cpu = time.process_time() - client_cpu0
         cpu1 = _cpu_seconds(server.process.pid)
@@ -368,6 +369,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--scenarios", default="abc")
     parser.add_argument(
+        "--streams", type=int, default=32, help="scenario c's concurrent streams (at most 32)"
+    )
+    parser.add_argument(
         "--paged-args",
         default="",
         help="extra `paged serve` arguments, one string (e.g. '--max-num-batched-tokens 512')",
@@ -379,6 +383,8 @@ def main() -> None:
         "run covers all its scenarios: trace one scenario at a time; cProfile slows the API)",
     )
     args = parser.parse_args()
+    if not 1 <= args.streams <= 32:  # both servers are started with 32 sequence slots
+        parser.error(f"--streams {args.streams}: must be between 1 and 32")
     if not args.model and args.no_default_model and not args.shapes:
         parser.error("--no-default-model needs --shapes or --model")
     sides = [s for s in ("paged", "llama.cpp") if s in args.sides.split(",")]
@@ -432,7 +438,7 @@ def run_config(
                 startup = time.perf_counter() - t
                 try:
                     for sc in args.scenarios:
-                        r = asyncio.run(scenario(server, sc, args.max_tokens))
+                        r = asyncio.run(scenario(server, sc, args.max_tokens, args.streams))
                         results[side].setdefault(sc, []).append(r)
                         line = {"run": run, "side": side, "scenario": sc,
                                 "gguf": Path(gguf).name, "startup_s": round(startup, 1),
