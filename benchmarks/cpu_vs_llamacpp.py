@@ -207,20 +207,30 @@ MODEL_ID = [""]  # the served model's id, read from /v1/models when a server sta
 
 
 async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: the arrival time of each text piece, and its token count.
+
+    A random-weight model can emit tokens whose text is empty or held back (special
+    tokens, bytes of an unfinished UTF-8 character): `times` holds only the chunks with
+    text, `tokens` the server's own count (`usage`, asked with include_usage).
+    """
     body = {"model": MODEL_ID[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     start = time.perf_counter()
     times: list[float] = []
+    tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or {}
+            tokens = int(usage.get("completion_tokens") or tokens)
             choices = chunk.get("choices") or []
             if choices and choices[0].get("text"):
                 times.append(time.perf_counter())
-    return {"start": start, "times": times}
+    return {"start": start, "times": times, "tokens": tokens or len(times)}
 
 
 async def _complete(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> int:
@@ -259,9 +269,10 @@ async def scenario(server: Server, name: str, max_tokens: int, streams: int = 32
                 *(_stream(client, _prompt(75, 100 + i), max_tokens) for i in range(streams))
             )
             wall = time.perf_counter() - t0
-            ttft = [s["times"][0] - s["start"] for s in streams]
-            itl = [b - a for s in streams for a, b in zip(s["times"], s["times"][1:], strict=False)]
-            tokens = sum(len(s["times"]) for s in streams)
+            timed = [s for s in streams if s["times"]]  # see _stream: text may be held back
+            ttft = [s["times"][0] - s["start"] for s in timed]
+            itl = [b - a for s in timed for a, b in zip(s["times"], s["times"][1:], strict=False)]
+            tokens = sum(s["tokens"] for s in streams)
             result = {"output_tokens": tokens, "output_tok_s": tokens / wall,
                       "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
                       "itl_p50_s": _pct(itl, 0.5), "streams": streams}  # fmt: skip
