@@ -265,14 +265,14 @@ async def scenario(server: Server, name: str, max_tokens: int, streams: int = 32
             wall = time.perf_counter() - t0
             result = {"output_tokens": sum(counts), "output_tok_s": sum(counts) / wall}
         else:
-            streams = await asyncio.gather(
+            runs = await asyncio.gather(
                 *(_stream(client, _prompt(75, 100 + i), max_tokens) for i in range(streams))
             )
             wall = time.perf_counter() - t0
-            timed = [s for s in streams if s["times"]]  # see _stream: text may be held back
+            timed = [s for s in runs if s["times"]]  # see _stream: text may be held back
             ttft = [s["times"][0] - s["start"] for s in timed]
             itl = [b - a for s in timed for a, b in zip(s["times"], s["times"][1:], strict=False)]
-            tokens = sum(s["tokens"] for s in streams)
+            tokens = sum(s["tokens"] for s in runs)
             result = {"output_tokens": tokens, "output_tok_s": tokens / wall,
                       "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
                       "itl_p50_s": _pct(itl, 0.5), "streams": streams}  # fmt: skip
