@@ -94,24 +94,18 @@ def engine_core_factory_for(
 
 
 def start_engine_client(
-    args: EngineArgs,
-    config: EngineConfig,
-    tokenizer: TokenizerLike,
-    core_options: dict[str, Any],
-    data_parallel: DataParallelOptions,
-) -> tuple[AsyncMPClient | DPLBAsyncClient, GrammarCompiler | None]:
-    """Start the engine process(es) (the model loads here) and say how to reach them.
+    factory: EngineCoreFactory, config: EngineConfig, data_parallel: DataParallelOptions
+) -> AsyncMPClient | DPLBAsyncClient:
+    """Start the engine process(es) from `factory` (the model loads here); their client.
 
     The caller owns the client: it calls `client.shutdown()` when it is done.
     """
-    factory, compiler = engine_core_factory_for(args, config, tokenizer, core_options)
-    client = build_engine_client(
+    return build_engine_client(
         factory,
         data_parallel,
         device=config.model_config.device,
         world_size=engines_world_size(config),
     )
-    return client, compiler
 
 
 def build_async_llm(

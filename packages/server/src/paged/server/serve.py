@@ -87,8 +87,9 @@ def run_server(
     resolve_for_tokenizer(tool_config or ToolCallingConfig(), tokenizer)
     # Images: a vision model's processor, loaded before the engine starts (fails fast).
     mm_frontend = build_frontend_for(args, config, bind_host=host)
+    factory, compiler = engine_core_factory_for(args, config, tokenizer, core_options)
     dp = data_parallel if data_parallel is not None else DataParallelOptions()
-    client, compiler = start_engine_client(args, config, tokenizer, core_options, dp)
+    client = start_engine_client(factory, config, dp)
     try:
         info = client.info
         logger.info(

@@ -54,6 +54,7 @@ def batch_serving(
     """
     from paged.server.async_llm_builder import (
         build_async_llm,
+        engine_core_factory_for,
         pooling_tasks_for,
         start_engine_client,
     )
@@ -77,9 +78,8 @@ def batch_serving(
     # As `paged serve`: the generic tool format when the template ignores tools.
     tool_flags = resolve_for_tokenizer(tools, tokenizer)
     mm_frontend = build_frontend_for(args, config)
-    client, compiler = start_engine_client(
-        args, config, tokenizer, core_options, DataParallelOptions()
-    )
+    factory, compiler = engine_core_factory_for(args, config, tokenizer, core_options)
+    client = start_engine_client(factory, config, DataParallelOptions())
     llm = build_async_llm(
         args,
         config,
