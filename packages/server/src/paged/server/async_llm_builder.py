@@ -16,6 +16,7 @@ vllm/entrypoints/launchers/run_batch.py:1092-1104 calls too.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paged.server.data_parallel import DataParallelOptions, build_engine_client, engines_world_size
@@ -108,15 +109,23 @@ def start_engine_client(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class FrontendParts:
+    """What the `AsyncLLM` is built from besides the engine, all made before the engine
+    starts (so a bad file or flag among them fails before the model loads)."""
+
+    tokenizer: TokenizerLike  # with --chat-template applied
+    generation_defaults: GenerationDefaults  # --generation-config
+    mm_frontend: MultiModalFrontend | None  # a vision model's processor
+    grammar_compiler: GrammarCompiler | None  # from `engine_core_factory_for`
+
+
 def build_async_llm(
     args: EngineArgs,
     config: EngineConfig,
     client: AsyncMPClient | DPLBAsyncClient,
-    tokenizer: TokenizerLike,
+    parts: FrontendParts,
     *,
-    grammar_compiler: GrammarCompiler | None,
-    mm_frontend: MultiModalFrontend | None,
-    generation_defaults: GenerationDefaults,
     stat_loggers: Sequence[StatLogger] = (),
     log_requests: bool = False,
 ) -> AsyncLLM:
@@ -127,15 +136,15 @@ def build_async_llm(
     mc = config.model_config
     return AsyncLLM(
         client,
-        tokenizer,
+        parts.tokenizer,
         max_model_len=mc.max_model_len,
         vocab_size=mc.vocab_size,
-        eos_token_ids=generation_defaults.eos_token_ids_for(mc.eos_token_ids),
+        eos_token_ids=parts.generation_defaults.eos_token_ids_for(mc.eos_token_ids),
         max_logprobs=config.scheduler_limits.max_logprobs,
         stat_loggers=stat_loggers,
-        grammar_compiler=grammar_compiler,
-        mm_frontend=mm_frontend,
-        generation_defaults=generation_defaults,
+        grammar_compiler=parts.grammar_compiler,
+        mm_frontend=parts.mm_frontend,
+        generation_defaults=parts.generation_defaults,
         log_requests=log_requests,
         pooling=PoolingFrontend.from_model_config(mc, args.model_name()),
     )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from paged.server.async_llm_builder import (
+    FrontendParts,
     build_async_llm,
     engine_core_factory_for,
     pooling_tasks_for,
@@ -88,6 +89,7 @@ def run_server(
     # Images: a vision model's processor, loaded before the engine starts (fails fast).
     mm_frontend = build_frontend_for(args, config, bind_host=host)
     factory, compiler = engine_core_factory_for(args, config, tokenizer, core_options)
+    parts = FrontendParts(tokenizer, generation_defaults, mm_frontend, compiler)
     dp = data_parallel if data_parallel is not None else DataParallelOptions()
     client = start_engine_client(factory, config, dp)
     try:
@@ -117,10 +119,7 @@ def run_server(
             args,
             config,
             client,
-            tokenizer,
-            grammar_compiler=compiler,
-            mm_frontend=mm_frontend,
-            generation_defaults=generation_defaults,
+            parts,
             stat_loggers=[] if args.disable_log_stats else [stats],
             log_requests=front.enable_log_requests,
         )

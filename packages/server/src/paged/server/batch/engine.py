@@ -53,6 +53,7 @@ def batch_serving(
     `tool_config`: vLLM's tool flags; `chat_template`: --chat-template's text.
     """
     from paged.server.async_llm_builder import (
+        FrontendParts,
         build_async_llm,
         engine_core_factory_for,
         pooling_tasks_for,
@@ -79,16 +80,9 @@ def batch_serving(
     tool_flags = resolve_for_tokenizer(tools, tokenizer)
     mm_frontend = build_frontend_for(args, config)
     factory, compiler = engine_core_factory_for(args, config, tokenizer, core_options)
+    parts = FrontendParts(tokenizer, generation_defaults, mm_frontend, compiler)
     client = start_engine_client(factory, config, DataParallelOptions())
-    llm = build_async_llm(
-        args,
-        config,
-        client,
-        tokenizer,
-        grammar_compiler=compiler,
-        mm_frontend=mm_frontend,
-        generation_defaults=generation_defaults,
-    )
+    llm = build_async_llm(args, config, client, parts)
     tasks = pooling_tasks_for(llm, config, chat_template)
     try:
         yield BatchServing(
