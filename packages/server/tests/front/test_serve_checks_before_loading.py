@@ -30,6 +30,15 @@ class EngineStarted(Exception):
     """Raised by the stand-in for the engine start: the checks had all passed."""
 
 
+class FakeClient:
+    """An engine client that started nothing: what serve logs of it, and shutdown."""
+
+    info = SimpleNamespace(num_gpu_blocks=4, block_size=16, kv_cache_memory_bytes=1024)
+
+    def shutdown(self) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
     import torch
@@ -149,12 +158,6 @@ def test_frontend_options_reach_the_server(
 
     from paged.server.openai import api_server
 
-    class FakeClient:
-        info = SimpleNamespace(num_gpu_blocks=4, block_size=16, kv_cache_memory_bytes=1024)
-
-        def shutdown(self) -> None:
-            pass
-
     built: dict[str, Any] = {}
     real_build_app = api_server.build_app
 
@@ -190,12 +193,6 @@ def test_run_batch_starts_the_engine_and_llm_that_serve_does(
 
     from paged.server.batch.engine import batch_serving
     from paged.server.openai import api_server
-
-    class FakeClient:
-        info = SimpleNamespace(num_gpu_blocks=4, block_size=16, kv_cache_memory_bytes=1024)
-
-        def shutdown(self) -> None:
-            pass
 
     starts: list[tuple[Any, Any, dict[str, Any]]] = []
 
