@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import LiveServer, _free_port, _paged_command
+from tests.conftest import LiveServer, _free_port
+from tests.connector_setup import Proxy, metric_total, start_proxy, zmq_config
 
 BLOCK = 16
 MAX_TOKENS = 8
@@ -43,57 +43,6 @@ def _engine_args(model: Path) -> list[str]:
     return [str(model), "--device", "cpu", "--block-size", str(BLOCK), "--kv-cache-memory", "64MiB"]
 
 
-def _zmq_config(role: str, side_port: int, **extra: Any) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "PagedZmqConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {
-                "side_channel_host": "127.0.0.1",
-                "side_channel_port": side_port,
-                **extra,
-            },
-        }
-    )
-
-
-@dataclass
-class Proxy:
-    process: subprocess.Popen[str]
-    port: int
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-def start_proxy(tmp: Path, prefill: list[str], decode: list[str]) -> Proxy:
-    port = _free_port()
-    log_path = tmp / f"proxy-{port}.log"
-    args = ["proxy", "--port", str(port)]
-    for url in prefill:
-        args += ["--prefill", url]
-    for url in decode:
-        args += ["--decode", url]
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [*_paged_command(), *args], stdout=log, stderr=subprocess.STDOUT, text=True
-        )
-    proxy = Proxy(process, port, log_path)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"paged proxy exited:\n{log_path.read_text()}")
-        try:
-            httpx.get(proxy.base_url + "/health", timeout=2)
-            return proxy
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    process.kill()
-    raise RuntimeError("paged proxy did not start")
-
-
 @dataclass
 class Cluster:
     prefill: LiveServer
@@ -112,17 +61,18 @@ def cluster(
     side_port = _free_port()
     args = _engine_args(tiny_word_llama)
     configs = [
-        ["--kv-transfer-config", _zmq_config("kv_producer", side_port)],
-        ["--kv-transfer-config", _zmq_config("kv_consumer", _free_port())],
+        ["--kv-transfer-config", zmq_config("kv_producer", side_port)],
+        ["--kv-transfer-config", zmq_config("kv_consumer")],
         [],  # the single colocated instance the outputs are compared with
     ]
     # Started together: most of a start-up is waiting on imports and the engine spawn.
     with ThreadPoolExecutor(3) as pool:
         prefill, decode, reference = pool.map(lambda extra: launch_server(*args, *extra), configs)
-    proxy = start_proxy(tmp_path_factory.mktemp("proxy"), [prefill.base_url], [decode.base_url])
+    proxy = start_proxy(
+        tmp_path_factory.mktemp("proxy"), "--prefill", prefill.base_url, "--decode", decode.base_url
+    )
     yield Cluster(prefill, decode, reference, proxy, str(tiny_word_llama))
-    proxy.process.terminate()
-    proxy.process.wait(timeout=30)
+    proxy.stop()
 
 
 def _body(cluster: Cluster, prompt: list[int], **extra: Any) -> dict[str, Any]:
@@ -140,19 +90,6 @@ def _body(cluster: Cluster, prompt: list[int], **extra: Any) -> dict[str, Any]:
 def _tokens(choice: dict[str, Any]) -> list[str]:
     tokens: list[str] = choice["logprobs"]["tokens"]
     return tokens
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    """The sum of a series' samples with these labels; AssertionError if there is none."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    assert found, f"no {name} {labels} in /metrics"
-    return total
 
 
 @pytest.mark.slow
@@ -176,21 +113,22 @@ def test_32_prompts_through_the_proxy_equal_a_single_instance(cluster: Cluster) 
     deadline = time.monotonic() + 10
     while True:
         prefill_metrics = httpx.get(cluster.prefill.base_url + "/metrics").text
-        usage = _metric(prefill_metrics, "paged:kv_cache_usage_perc")
+        usage = metric_total(prefill_metrics, "paged:kv_cache_usage_perc")
         if usage == 0.0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert usage == 0.0, prefill_metrics
     decode_metrics = httpx.get(cluster.decode.base_url + "/metrics").text
-    assert _metric(prefill_metrics, "paged:kv_transfer_transfers_total", direction="send") >= 32
-    recv = _metric(decode_metrics, "paged:kv_transfer_transfers_total", direction="recv")
+    sent = metric_total(prefill_metrics, "paged:kv_transfer_transfers_total", direction="send")
+    assert sent >= 32
+    recv = metric_total(decode_metrics, "paged:kv_transfer_transfers_total", direction="recv")
     assert recv >= 32
-    moved = _metric(decode_metrics, "paged:kv_transfer_bytes_total", direction="recv")
+    moved = metric_total(decode_metrics, "paged:kv_transfer_bytes_total", direction="recv")
     # Every prompt's blocks but the one its last token sits in may be partial:
     # at least (len - 1) tokens x 2 layers x K/V x 2 heads x 16 dims x 4 bytes.
     assert moved >= sum(len(p) - 1 for p in PROMPTS) * 2 * 2 * 2 * 16 * 4
-    assert _metric(decode_metrics, "paged:kv_transfer_requests_waiting") == 0
-    assert _metric(decode_metrics, "paged:kv_transfer_failures_total") == 0  # (runs first)
+    assert metric_total(decode_metrics, "paged:kv_transfer_requests_waiting") == 0
+    assert metric_total(decode_metrics, "paged:kv_transfer_failures_total") == 0  # (runs first)
 
 
 @pytest.mark.slow
@@ -290,5 +228,5 @@ def test_dead_prefill_is_recomputed_by_the_decoder(cluster: Cluster) -> None:
         assert _tokens(got.json()["choices"][0]) == _tokens(ref.json()["choices"][0])
         assert elapsed < 30
         metrics = client.get(cluster.decode.base_url + "/metrics").text
-    assert _metric(metrics, "paged:kv_transfer_failures_total", direction="recv") >= 1
+    assert metric_total(metrics, "paged:kv_transfer_failures_total", direction="recv") >= 1
     assert "no reply from the prefill engine" in cluster.decode.log()

@@ -21,60 +21,23 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from paged.server.mm_testing import png_data_url, save_tiny_gemma3_model
-from tests.conftest import LiveServer, _free_port, _paged_command
-from tests.test_e2e_disagg import _metric
+from tests.conftest import LiveServer, _free_port
+from tests.connector_setup import Proxy, metric_total, start_proxy
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 6
 TRANSFER_TIMEOUT_S = 2.0
-
-
-@dataclass
-class Proxy:
-    process: subprocess.Popen[str]
-    port: int
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-def start_proxy(tmp: Path, *args: str) -> Proxy:
-    port = _free_port()
-    log_path = tmp / f"proxy-{port}.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [*_paged_command(), "proxy", "--port", str(port), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    proxy = Proxy(process, port, log_path)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"paged proxy exited:\n{log_path.read_text()}")
-        try:
-            httpx.get(proxy.base_url + "/health", timeout=2)
-            return proxy
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    process.kill()
-    raise RuntimeError("paged proxy did not start")
 
 
 @dataclass
@@ -129,8 +92,7 @@ def epd(
         tmp_path_factory.mktemp("proxy"), "--encode", prod.base_url, "--decode", cons.base_url
     )
     yield EPD(str(model), reference, prod, cons, strict, proxy, zmq_port)
-    proxy.process.terminate()
-    proxy.process.wait(timeout=30)
+    proxy.stop()
 
 
 def chat(epd: EPD, seeds: list[int], **extra: Any) -> dict[str, Any]:
@@ -159,7 +121,7 @@ def metrics(server: LiveServer) -> str:
 
 
 def counter(server: LiveServer, name: str) -> float:
-    return _metric(metrics(server), name + "_total")
+    return metric_total(metrics(server), name + "_total")
 
 
 def wait_for_counter(server: LiveServer, name: str, value: float, timeout: float = 15) -> None:
@@ -216,7 +178,7 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_cluster_serving(epd: EP
         for _ in resp.iter_lines():
             break  # the first event, then hang up
     deadline = time.monotonic() + 20
-    while _metric(metrics(epd.consumer), "paged:num_requests_running") > 0:
+    while metric_total(metrics(epd.consumer), "paged:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the consumer kept the aborted request"
         time.sleep(0.2)
     follow = chat(epd, [300])

@@ -11,7 +11,6 @@ the prompt's end.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,16 +23,21 @@ import pytest
 from paged.connectors.kv.offloading import OffloadingConnector
 from paged.connectors.kv.offloading.chunks import ChunkKey, split_group_key
 from paged.connectors.kv.shared_storage import SharedStorageConnector
-from paged.scheduler.sampling_params import SamplingParams
-from paged.server.input_processor import TokensPrompt
-from paged.server.llm import LLM
-from tests.conftest import LiveServer, _free_port
+from tests.conftest import LiveServer
+from tests.connector_setup import (
+    greedy,
+    greedy_body,
+    offloading_config,
+    scheduler_connector,
+    shared_storage_config,
+    small_cpu_engine,
+    small_cpu_serve_args,
+    zmq_config,
+)
 
-BLOCK = 8
 WINDOW = 12
 CHUNK = 16
 PROMPT = [(11 * i + 7) % 120 + 5 for i in range(61)]
-MAX_TOKENS = 6
 OFFLOAD_HIT = 48  # three full chunks; the window of token 48 is in chunk 2
 STORAGE_HIT = 56  # the last block boundary before the last prompt token
 
@@ -76,54 +80,18 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-text"))
 
 
-def _engine(model: Path, kv_transfer_config: dict[str, Any] | None = None) -> LLM:
-    options: dict[str, Any] = {}
-    if kv_transfer_config is not None:
-        options["kv_transfer_config"] = kv_transfer_config
-    return LLM(
-        str(model),
-        device="cpu",
-        block_size=BLOCK,
-        kv_cache_memory_bytes=4 << 20,
-        max_model_len=128,
-        **options,
-    )
-
-
-def _greedy(llm: LLM) -> tuple[list[int], int]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompt: TokensPrompt = {"prompt_token_ids": PROMPT}
-    (out,) = llm.generate([prompt], params, use_tqdm=False)
-    return out.outputs[0].token_ids, out.num_cached_tokens
-
-
-def _scheduler_connector(llm: LLM) -> Any:
-    core: Any = llm.engine_client
-    return core.core.kv_connector
-
-
 @pytest.mark.slow
 def test_offload_and_shared_storage_serve_gemma3_with_colocated_tokens(
     gemma3: Path, tmp_path: Path
 ) -> None:
-    baseline = _engine(gemma3)
-    try:
-        expected, _ = _greedy(baseline)
-    finally:
-        baseline.engine_client.shutdown()
+    with small_cpu_engine(gemma3) as baseline:
+        expected, _ = greedy(baseline, PROMPT)
 
-    offload = _engine(
-        gemma3,
-        {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"chunk_size": CHUNK, "kv_bytes_per_rank": 1 << 20},
-        },
-    )
-    try:
-        first, first_cached = _greedy(offload)
+    offload_config = offloading_config({"chunk_size": CHUNK, "kv_bytes_per_rank": 1 << 20})
+    with small_cpu_engine(gemma3, kv_transfer_config=offload_config) as offload:
+        first, first_cached = greedy(offload, PROMPT)
         assert first == expected and first_cached == 0
-        conn = _scheduler_connector(offload)
+        conn = scheduler_connector(offload)
         assert isinstance(conn, OffloadingConnector)
         host = conn.scheduler_side.host
         assert host is not None
@@ -134,60 +102,34 @@ def test_offload_and_shared_storage_serve_gemma3_with_colocated_tokens(
         per_group = Counter(split_group_key(ChunkKey(k))[1] for k in keys)
         assert sorted(per_group.values()) == [2, 2, 3], keys
         assert offload.reset_prefix_cache()
-        second, second_cached = _greedy(offload)
+        second, second_cached = greedy(offload, PROMPT)
         assert second_cached == OFFLOAD_HIT  # from the host tier: the device cache was empty
         assert second == expected
-    finally:
-        offload.engine_client.shutdown()
 
-    storage = _engine(
-        gemma3,
-        {
-            "kv_connector": "SharedStorageConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")},
-        },
-    )
-    try:
-        first, _ = _greedy(storage)
+    storage_config = shared_storage_config(tmp_path / "kv")
+    with small_cpu_engine(gemma3, kv_transfer_config=storage_config) as storage:
+        first, _ = greedy(storage, PROMPT)
         assert first == expected
         assert storage.reset_prefix_cache()
-        second, second_cached = _greedy(storage)
+        second, second_cached = greedy(storage, PROMPT)
         assert second_cached == STORAGE_HIT
         assert second == expected
-        conn = _scheduler_connector(storage)
+        conn = scheduler_connector(storage)
         assert isinstance(conn, SharedStorageConnector) and conn.stats.num_hits == 1
-    finally:
-        storage.engine_client.shutdown()
-
-
-def _zmq_config(role: str) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "PagedZmqConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {
-                "side_channel_host": "127.0.0.1",
-                "side_channel_port": _free_port(),
-            },
-        }
-    )
 
 
 @pytest.mark.slow
 def test_pd_producer_to_consumer_gives_gemma3_colocated_tokens(
     gemma3: Path, launch_server: Callable[..., LiveServer]
 ) -> None:
-    args = [str(gemma3), "--device", "cpu", "--block-size", str(BLOCK)]
-    args += ["--max-model-len", "128", "--kv-cache-memory", "4MiB"]
+    args = small_cpu_serve_args(gemma3)
     # Started together: most of a start-up is waiting on imports and the engine spawn.
     with ThreadPoolExecutor(2) as pool:
         prefill, decode = pool.map(
-            lambda role: launch_server(*args, "--kv-transfer-config", _zmq_config(role)),
+            lambda role: launch_server(*args, "--kv-transfer-config", zmq_config(role)),
             ["kv_producer", "kv_consumer"],
         )
-    body = {"model": str(gemma3), "prompt": PROMPT, "max_tokens": MAX_TOKENS}
-    body |= {"temperature": 0.0, "ignore_eos": True}
+    body = greedy_body(gemma3, PROMPT)
     with (
         httpx.Client(base_url=prefill.base_url, timeout=120) as p,
         httpx.Client(base_url=decode.base_url, timeout=120) as d,

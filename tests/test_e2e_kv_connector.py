@@ -23,11 +23,18 @@ from paged.scheduler.sampling_params import SamplingParams
 from paged.server.input_processor import TokensPrompt
 from paged.server.kv_transfer import KVConnectorBuilder
 from paged.server.llm import LLM
+from tests.connector_setup import (
+    MAX_TOKENS,
+    greedy,
+    greedy_body,
+    scheduler_connector,
+    shared_storage_config,
+    small_cpu_engine,
+    small_cpu_serve_args,
+)
 
-BLOCK = 8
 PROMPT = [(7 * i + 3) % 120 + 5 for i in range(37)]  # 37 tokens: prefix of 4 blocks (32)
 PREFIX = 32
-MAX_TOKENS = 6
 
 # mypy proves the server's builder satisfies the runner's factory Protocol.
 _FACTORY_CHECK: type[KVConnectorWorkerFactory] = KVConnectorBuilder
@@ -38,63 +45,30 @@ def tiny_model(tiny_word_llama: Path) -> Path:
     return tiny_word_llama
 
 
-def _storage_config(path: Path) -> dict[str, Any]:
-    return {
-        "kv_connector": "SharedStorageConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"shared_storage_path": str(path)},
-    }
-
-
-def _engine(model: Path, **options: Any) -> LLM:
-    return LLM(
-        str(model),
-        device="cpu",
-        block_size=BLOCK,
-        kv_cache_memory_bytes=4 << 20,
-        max_model_len=128,
-        **options,
-    )
-
-
-def _greedy(llm: LLM) -> tuple[list[int], int]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompt: TokensPrompt = {"prompt_token_ids": PROMPT}
-    (out,) = llm.generate([prompt], params, use_tqdm=False)
-    return out.outputs[0].token_ids, out.num_cached_tokens
-
-
-def _scheduler_connector(llm: LLM) -> SharedStorageConnector:
-    core: Any = llm.engine_client
-    conn = core.core.kv_connector
+def _storage_connector(llm: LLM) -> SharedStorageConnector:
+    conn = scheduler_connector(llm)
     assert isinstance(conn, SharedStorageConnector)
     return conn
 
 
 @pytest.mark.slow
 def test_offline_prefix_comes_back_from_shared_storage(tiny_model: Path, tmp_path: Path) -> None:
-    baseline = _engine(tiny_model)
-    try:
-        expected, _ = _greedy(baseline)
-    finally:
-        baseline.engine_client.shutdown()
+    with small_cpu_engine(tiny_model) as baseline:
+        expected, _ = greedy(baseline, PROMPT)
 
     storage = tmp_path / "kv"
-    llm = _engine(tiny_model, kv_transfer_config=_storage_config(storage))
-    try:
-        first, first_cached = _greedy(llm)
+    with small_cpu_engine(tiny_model, kv_transfer_config=shared_storage_config(storage)) as llm:
+        first, first_cached = greedy(llm, PROMPT)
         assert first == expected and first_cached == 0
         key = prefix_key(PROMPT[:PREFIX], [])
         assert (storage / key / "rank0" / "COMPLETE").is_file()
 
         assert llm.reset_prefix_cache()
-        second, second_cached = _greedy(llm)
-        stats = _scheduler_connector(llm).stats
+        second, second_cached = greedy(llm, PROMPT)
+        stats = _storage_connector(llm).stats
         assert stats.num_hits == 1 and stats.num_hit_tokens == PREFIX
         assert second_cached == PREFIX  # all of it external: the device cache was reset
         assert second == expected
-    finally:
-        llm.engine_client.shutdown()
 
 
 @pytest.mark.slow
@@ -103,21 +77,12 @@ def test_http_kv_transfer_params_and_reset_prefix_cache(
 ) -> None:
     storage = tmp_path / "kv-http"
     server = launch_server(
-        str(tiny_model),
-        "--device",
-        "cpu",
-        "--block-size",
-        str(BLOCK),
-        "--max-model-len",
-        "128",
-        "--kv-cache-memory",
-        "4MiB",
+        *small_cpu_serve_args(tiny_model),
         "--kv-transfer-config",
-        json.dumps(_storage_config(storage)),
+        json.dumps(shared_storage_config(storage)),
     )
     url = server.base_url
-    body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": MAX_TOKENS}
-    body |= {"temperature": 0.0, "ignore_eos": True}
+    body = greedy_body(tiny_model, PROMPT)
     with httpx.Client(base_url=url, timeout=120) as client:
         bad_params = {"remote_port": "not a port"}
         bad = client.post("/v1/completions", json={**body, "kv_transfer_params": bad_params})
@@ -157,11 +122,10 @@ def test_offline_fail_policy_errors_a_corrupt_load_and_keeps_serving(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     storage = tmp_path / "kv-fail"
-    config = _storage_config(storage) | {"kv_load_failure_policy": "fail"}
-    llm = _engine(tiny_model, kv_transfer_config=config)
+    config = shared_storage_config(storage) | {"kv_load_failure_policy": "fail"}
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    try:
-        _greedy(llm)  # saves the prefix
+    with small_cpu_engine(tiny_model, kv_transfer_config=config) as llm:
+        greedy(llm, PROMPT)  # saves the prefix
         rank_dir = storage / prefix_key(PROMPT[:PREFIX], []) / "rank0"
         saved = sorted(rank_dir.glob("*.safetensors"))
         assert saved
@@ -176,5 +140,3 @@ def test_offline_fail_policy_errors_a_corrupt_load_and_keeps_serving(
         (ok,) = llm.generate([other], params, use_tqdm=False)
         assert ok.outputs[0].finish_reason == "length"
         assert len(ok.outputs[0].token_ids) == MAX_TOKENS
-    finally:
-        llm.engine_client.shutdown()

@@ -21,15 +21,20 @@ import httpx
 import pytest
 
 from paged.connectors.kv.offloading import OffloadingConnector
-from paged.scheduler.sampling_params import SamplingParams
-from paged.server.input_processor import TokensPrompt
 from paged.server.llm import LLM
+from tests.connector_setup import (
+    complete,
+    greedy,
+    greedy_body,
+    offloading_config,
+    scheduler_connector,
+    small_cpu_engine,
+    small_cpu_serve_args,
+)
 
-BLOCK = 8
 CHUNK = 16
 PROMPT = [(5 * i + 11) % 120 + 5 for i in range(37)]
 HIT = 32  # two full chunks; the last block boundary before token 36 is 32
-MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -37,58 +42,21 @@ def tiny_model(tiny_word_llama: Path) -> Path:
     return tiny_word_llama
 
 
-def _engine(model: Path, extra: dict[str, Any] | None = None) -> LLM:
-    options: dict[str, Any] = {}
-    if extra is not None:
-        options["kv_transfer_config"] = _offload_config(extra)
-    return LLM(
-        str(model),
-        device="cpu",
-        block_size=BLOCK,
-        kv_cache_memory_bytes=4 << 20,
-        max_model_len=128,
-        **options,
-    )
-
-
-def _offload_config(extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"chunk_size": CHUNK, **extra},
-    }
-
-
-def _offload_config_chunks(extra: dict[str, Any]) -> dict[str, Any]:
-    """`_offload_config` with the chunk size (and everything else) given by `extra`."""
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
-
-
-def _greedy(llm: LLM) -> tuple[list[int], int]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompt: TokensPrompt = {"prompt_token_ids": PROMPT}
-    (out,) = llm.generate([prompt], params, use_tqdm=False)
-    return out.outputs[0].token_ids, out.num_cached_tokens
+def _chunked(extra: dict[str, Any]) -> dict[str, Any]:
+    """An OffloadingConnector config of `CHUNK`-token chunks and the options in `extra`."""
+    return offloading_config({"chunk_size": CHUNK, **extra})
 
 
 def _connector(llm: LLM) -> OffloadingConnector:
-    core: Any = llm.engine_client
-    conn = core.core.kv_connector
+    conn = scheduler_connector(llm)
     assert isinstance(conn, OffloadingConnector)
     return conn
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_model: Path) -> list[int]:
-    baseline = _engine(tiny_model)
-    try:
-        tokens, _ = _greedy(baseline)
-    finally:
-        baseline.engine_client.shutdown()
+    with small_cpu_engine(tiny_model) as baseline:
+        tokens, _ = greedy(baseline, PROMPT)
     return tokens
 
 
@@ -96,50 +64,40 @@ def expected(tiny_model: Path) -> list[int]:
 def test_host_tier_serves_the_prefix_after_a_device_cache_reset(
     tiny_model: Path, expected: list[int]
 ) -> None:
-    llm = _engine(tiny_model, {"kv_bytes_per_rank": 1 << 20})
-    try:
-        first, first_cached = _greedy(llm)
+    config = _chunked({"kv_bytes_per_rank": 1 << 20})
+    with small_cpu_engine(tiny_model, kv_transfer_config=config) as llm:
+        first, first_cached = greedy(llm, PROMPT)
         assert first == expected and first_cached == 0
         host = _connector(llm).scheduler_side.host
         assert host is not None and len(host) == 2  # both full chunks saved
         assert llm.reset_prefix_cache()
-        second, second_cached = _greedy(llm)
+        second, second_cached = greedy(llm, PROMPT)
         assert second_cached == HIT  # all from the host tier: the device cache was empty
         assert second == expected
-    finally:
-        llm.engine_client.shutdown()
 
 
 @pytest.mark.slow
 def test_disk_tier_serves_a_new_engine_on_the_same_directory(
     tiny_model: Path, expected: list[int], tmp_path: Path
 ) -> None:
-    extra = {"disk_path": str(tmp_path / "kv")}
-    first = _engine(tiny_model, extra)
-    try:
-        tokens, cached = _greedy(first)
+    config = _chunked({"disk_path": str(tmp_path / "kv")})
+    with small_cpu_engine(tiny_model, kv_transfer_config=config) as first:
+        tokens, cached = greedy(first, PROMPT)
         assert tokens == expected and cached == 0
-    finally:
-        first.engine_client.shutdown()  # flushes the background writer
+    # (leaving the block shut the engine down, which flushed the background writer)
     assert len(list((tmp_path / "kv").glob("*.kvchunk"))) == 2
-    second = _engine(tiny_model, extra)
-    try:
-        tokens, cached = _greedy(second)
+    with small_cpu_engine(tiny_model, kv_transfer_config=config) as second:
+        tokens, cached = greedy(second, PROMPT)
         assert cached == HIT and tokens == expected
-    finally:
-        second.engine_client.shutdown()
 
 
 @pytest.mark.slow
 def test_a_corrupt_chunk_is_recomputed_with_identical_tokens(
     tiny_model: Path, expected: list[int], tmp_path: Path
 ) -> None:
-    extra = {"disk_path": str(tmp_path / "kv")}
-    first = _engine(tiny_model, extra)
-    try:
-        _greedy(first)
-    finally:
-        first.engine_client.shutdown()
+    config = _chunked({"disk_path": str(tmp_path / "kv")})
+    with small_cpu_engine(tiny_model, kv_transfer_config=config) as first:
+        greedy(first, PROMPT)
     files = sorted((tmp_path / "kv").glob("*.kvchunk"))
     assert len(files) == 2
     damaged: dict[Path, bytes] = {}
@@ -148,22 +106,19 @@ def test_a_corrupt_chunk_is_recomputed_with_identical_tokens(
         data[-100] ^= 0x40
         path.write_bytes(bytes(data))
         damaged[path] = bytes(data)
-    second = _engine(tiny_model, extra)
-    try:
-        tokens, _ = _greedy(second)
+    with small_cpu_engine(tiny_model, kv_transfer_config=config) as second:
+        tokens, _ = greedy(second, PROMPT)
         assert tokens == expected  # recomputed, not loaded
         assert llm_round_trip(second) == expected  # the recomputed chunks were saved again
-    finally:
-        second.engine_client.shutdown()
     for path, bad in damaged.items():
         assert path.read_bytes() != bad  # the corrupt files were replaced
 
 
 def llm_round_trip(llm: LLM) -> list[int]:
     """Run the prompt (saving it), reset the device cache, run it again from the tiers."""
-    _greedy(llm)
+    greedy(llm, PROMPT)
     assert llm.reset_prefix_cache()
-    tokens, cached = _greedy(llm)
+    tokens, cached = greedy(llm, PROMPT)
     assert cached == HIT
     return tokens
 
@@ -173,20 +128,11 @@ def test_http_host_tier_and_its_metrics(
     tiny_model: Path, expected: list[int], launch_server: Callable[..., Any]
 ) -> None:
     server = launch_server(
-        str(tiny_model),
-        "--device",
-        "cpu",
-        "--block-size",
-        str(BLOCK),
-        "--max-model-len",
-        "128",
-        "--kv-cache-memory",
-        "4MiB",
+        *small_cpu_serve_args(tiny_model),
         "--kv-transfer-config",
-        json.dumps(_offload_config({"kv_bytes_per_rank": 1 << 20})),
+        json.dumps(_chunked({"kv_bytes_per_rank": 1 << 20})),
     )
-    body = {"model": str(tiny_model), "prompt": PROMPT, "max_tokens": MAX_TOKENS}
-    body |= {"temperature": 0.0, "ignore_eos": True}
+    body = greedy_body(tiny_model, PROMPT)
     with httpx.Client(base_url=server.base_url, timeout=120) as client:
         first = client.post("/v1/completions", json=body)
         assert first.status_code == 200, first.text
@@ -222,7 +168,7 @@ def test_http_2048_token_prompt_host_tier_disk_restart_and_corruption(
     # The issue's scenario through real `paged serve` processes on loopback: a 2,048-token
     # prompt, reset, host-tier hit; a new server on the same directory, disk-tier hit;
     # every chunk corrupted, a new server recomputes: identical greedy tokens each time.
-    config = _offload_config_chunks(
+    config = offloading_config(
         {
             "chunk_size": 256,
             "kv_bytes_per_rank": 64 << 20,
@@ -232,31 +178,26 @@ def test_http_2048_token_prompt_host_tier_disk_restart_and_corruption(
     )
     args = ["--device", "cpu", "--max-model-len", "2200", "--kv-cache-memory", "64MiB"]
     args += ["--kv-transfer-config", json.dumps(config)]
-    body = {"model": str(tiny_model), "prompt": LONG_PROMPT, "max_tokens": MAX_TOKENS}
-    body |= {"temperature": 0.0, "ignore_eos": True}
+    body = greedy_body(tiny_model, LONG_PROMPT)
 
-    def complete(server: Any) -> tuple[str, int]:
-        with httpx.Client(base_url=server.base_url, timeout=300) as client:
-            resp = client.post("/v1/completions", json=body)
-            assert resp.status_code == 200, resp.text
-            out = resp.json()
-            return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    def run(server: Any) -> tuple[str, int]:
+        return complete(server.base_url, body)
 
     reference = launch_server(str(tiny_model), "--device", "cpu", "--max-model-len", "2200")
-    expected, _ = complete(reference)
+    expected, _ = run(reference)
     _stop(reference)
 
     first = launch_server(str(tiny_model), *args)
-    assert complete(first) == (expected, 0)
+    assert run(first) == (expected, 0)
     with httpx.Client(base_url=first.base_url, timeout=60) as client:
         assert client.post("/reset_prefix_cache").status_code == 200
-    assert complete(first) == (expected, LONG_HIT)  # from host memory
+    assert run(first) == (expected, LONG_HIT)  # from host memory
     _stop(first)
     files = sorted((tmp_path / "kv").rglob("*.kvchunk"))
     assert len(files) == 8  # every full chunk of the prompt, written through to disk
 
     second = launch_server(str(tiny_model), *args)
-    assert complete(second) == (expected, LONG_HIT)  # from disk, after a restart
+    assert run(second) == (expected, LONG_HIT)  # from disk, after a restart
     _stop(second)
 
     for path in files:  # one payload byte each; the headers stay valid
@@ -264,7 +205,7 @@ def test_http_2048_token_prompt_host_tier_disk_restart_and_corruption(
         data[-100] ^= 0x40
         path.write_bytes(bytes(data))
     third = launch_server(str(tiny_model), *args)
-    text, _ = complete(third)
+    text, _ = run(third)
     assert text == expected  # the checksums failed: recomputed, never wrong tokens
     _stop(third)
 
@@ -289,24 +230,14 @@ def test_vllm_docs_multi_tier_config_is_accepted_and_serves(
             }
         ],
     }
-    llm = LLM(
-        str(tiny_model),
-        device="cpu",
-        block_size=BLOCK,
-        kv_cache_memory_bytes=4 << 20,
-        max_model_len=128,
-        kv_transfer_config=_offload_config_chunks(extra),
-    )
-    try:
-        tokens, cached = _greedy(llm)
+    with small_cpu_engine(tiny_model, kv_transfer_config=offloading_config(extra)) as llm:
+        tokens, cached = greedy(llm, PROMPT)
         assert tokens == expected and cached == 0
         conn = _connector(llm)
         assert conn.offload_config.disk_path == tmp_path / "kv"
         host = conn.scheduler_side.host
         assert host is not None and len(host) == 2
         assert llm.reset_prefix_cache()
-        tokens, cached = _greedy(llm)
+        tokens, cached = greedy(llm, PROMPT)
         assert cached == HIT and tokens == expected
-    finally:
-        llm.engine_client.shutdown()
     assert len(list((tmp_path / "kv").glob("*.kvchunk"))) == 2

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,8 @@ import redis
 from paged.connectors.events import KVEventSubscriber
 from paged.connectors.events.wire import BlockStored
 from paged.connectors.kv.offloading.redis_server import RedisServer
+from tests.conftest import _free_port
+from tests.connector_setup import complete, offloading_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -34,12 +35,6 @@ HIT = 1008  # the last block boundary (16 tokens) before the last prompt token
 MAX_TOKENS = 8
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     with RedisServer() as server:
@@ -47,15 +42,13 @@ def redis_url() -> Iterator[str]:
 
 
 def _args(redis_url: str, events: tuple[str, str]) -> list[str]:
-    transfer = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
+    transfer = offloading_config(
+        {
             "spec_name": "TieringOffloadingSpec",
             "block_size": CHUNK,
             "secondary_tiers": [{"type": "redis", "url": redis_url, "enable_kv_events": True}],
-        },
-    }
+        }
+    )
     kv_events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -71,11 +64,7 @@ def _args(redis_url: str, events: tuple[str, str]) -> list[str]:
 
 def _complete(server: Any) -> tuple[str, int]:
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
-    with httpx.Client(base_url=server.base_url, timeout=300) as client:
-        resp = client.post("/v1/completions", json=body)
-    assert resp.status_code == 200, resp.text
-    out = resp.json()
-    return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return complete(server.base_url, body)
 
 
 def _wait_for_chunks(url: str, n: int) -> None:
@@ -104,7 +93,9 @@ def _events(endpoints: tuple[str, str]) -> list[Any]:
 def test_engine_b_answers_engine_a_prompt_from_redis(
     redis_url: str, launch_server: Callable[..., Any]
 ) -> None:
-    ends = [(f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}") for _ in range(2)]
+    ends = [
+        (f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}") for _ in range(2)
+    ]
     with ThreadPoolExecutor(2) as pool:
         a, b = pool.map(lambda e: launch_server(*_args(redis_url, e)), ends)
     text_a, cached_a = _complete(a)

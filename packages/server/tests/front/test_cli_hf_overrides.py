@@ -54,3 +54,23 @@ def test_bad_hf_overrides_exit_2(
     err = capsys.readouterr().err
     assert "--hf-overrides" in err and message in err
     assert served == {}  # nothing started
+
+
+@pytest.mark.parametrize(
+    ("flag", "name"), [("--hf-overrides", "hf_overrides"), ("--pooler-config", "pooler_config")]
+)
+@pytest.mark.parametrize(("value", "got"), [("[1, 2]", "list"), ('"text"', "str"), ("3", "int")])
+def test_json_object_flags_refuse_other_json_alike(
+    served: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+    flag: str,
+    name: str,
+    value: str,
+    got: str,
+) -> None:
+    # One parser (paged.runner.json_flag) for both flags: the same message, naming the flag.
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "/m", flag, value])
+    assert info.value.code == 2
+    assert f"{name}: must be a JSON object, got {got}" in capsys.readouterr().err
+    assert served == {}  # nothing started

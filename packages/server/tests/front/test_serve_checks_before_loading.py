@@ -1,8 +1,9 @@
 """`paged serve` checks every option before the engine starts (the model loads).
 
-`build_engine_client` is where the engine process starts and loads the
-weights; here it is replaced by one that records the call and stops, so a
-check that ran too late shows as "the engine was started".
+`build_engine_client` (called by `async_llm_builder.start_engine_client`) is
+where the engine process starts and loads the weights; here it is replaced
+by one that records the call and stops, so a check that ran too late shows
+as "the engine was started".
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from paged.server import serve
+from paged.server import async_llm_builder, serve
 from paged.server.compat_cli import FrontendOptions
 from paged.server.engine_args import EngineArgs
 from paged.server.openai.tools import ToolCallingConfig
@@ -27,6 +28,15 @@ HERMES = "{% for m in messages %}<tool_call>{{ m['content'] }}</tool_call>{% end
 
 class EngineStarted(Exception):
     """Raised by the stand-in for the engine start: the checks had all passed."""
+
+
+class FakeClient:
+    """An engine client that started nothing: what serve logs of it, and shutdown."""
+
+    info = SimpleNamespace(num_gpu_blocks=4, block_size=16, kv_cache_memory_bytes=1024)
+
+    def shutdown(self) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +70,7 @@ def engine_starts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         started.append(args)
         raise EngineStarted
 
-    monkeypatch.setattr(serve, "build_engine_client", fake_build_engine_client)
+    monkeypatch.setattr(async_llm_builder, "build_engine_client", fake_build_engine_client)
     return started
 
 
@@ -148,12 +158,6 @@ def test_frontend_options_reach_the_server(
 
     from paged.server.openai import api_server
 
-    class FakeClient:
-        info = SimpleNamespace(num_gpu_blocks=4, block_size=16, kv_cache_memory_bytes=1024)
-
-        def shutdown(self) -> None:
-            pass
-
     built: dict[str, Any] = {}
     real_build_app = api_server.build_app
 
@@ -161,7 +165,7 @@ def test_frontend_options_reach_the_server(
         built["llm"] = llm
         return real_build_app(llm, **kw)
 
-    monkeypatch.setattr(serve, "build_engine_client", lambda *a, **kw: FakeClient())
+    monkeypatch.setattr(async_llm_builder, "build_engine_client", lambda *a, **kw: FakeClient())
     monkeypatch.setattr(api_server, "build_app", build_app)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: built.update(uvicorn=kw))
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.25}')
@@ -178,3 +182,50 @@ def test_frontend_options_reach_the_server(
     assert llm.generation_defaults.sampling == {"temperature": 0.25}
     assert llm.stat_loggers == []  # --disable-log-stats
     llm.shutdown()
+
+
+def test_run_batch_starts_the_engine_and_llm_that_serve_does(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`paged serve` and `run-batch` build through `async_llm_builder`: for the same
+    options, the same engine-core recipe and an AsyncLLM with the same limits."""
+    import uvicorn
+
+    from paged.server.batch.engine import batch_serving
+    from paged.server.openai import api_server
+
+    starts: list[tuple[Any, Any, dict[str, Any]]] = []
+
+    def build_engine_client(factory: Any, options: Any, **kw: Any) -> FakeClient:
+        starts.append((factory, options, kw))
+        return FakeClient()
+
+    served: list[tuple[Any, Any]] = []
+    real_build_app = api_server.build_app
+
+    def build_app(llm: Any, **kw: Any) -> Any:
+        served.append((llm, kw["pooling_tasks"]))
+        return real_build_app(llm, **kw)
+
+    monkeypatch.setattr(async_llm_builder, "build_engine_client", build_engine_client)
+    monkeypatch.setattr(api_server, "build_app", build_app)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    args = EngineArgs(
+        model=str(tiny_model), device="cpu", kv_cache_memory_bytes=1 << 20, disable_log_stats=True
+    )
+    serve.run_server(args, host="127.0.0.1", port=0, api_key=None)
+    with batch_serving(args) as batch:
+        batch_llm, batch_tasks = batch.openai.llm, batch.tasks
+    ((serve_llm, serve_tasks),) = served
+    serve_llm.shutdown()
+    (serve_factory, *serve_where), (batch_factory, *batch_where) = starts
+    assert serve_where == batch_where  # one engine (no DP), the same device and world size
+    assert serve_factory.func is batch_factory.func
+    assert serve_factory.keywords.keys() == batch_factory.keywords.keys()
+    limits = [
+        (p.max_model_len, p.vocab_size, p.extra_eos_token_ids, p.max_logprobs)
+        for p in (serve_llm.input_processor, batch_llm.input_processor)
+    ]
+    assert limits[0] == limits[1]
+    assert serve_tasks == batch_tasks
+    assert serve_llm.stat_loggers == batch_llm.stat_loggers == []  # --disable-log-stats

@@ -12,27 +12,17 @@ callable offline; paged takes the JSON object only.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
+
+from paged.runner.json_flag import parse_json_object
 
 
 def parse_hf_overrides(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
     """`--hf-overrides` JSON text (or a dict from `LLM(...)`); ValueError naming the flag."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"hf_overrides: not valid JSON ({exc})") from exc
-    else:
-        parsed = value
-    if not isinstance(parsed, Mapping):
-        raise ValueError(
-            f"hf_overrides: must be a JSON object of config keys, got {type(parsed).__name__}"
-        )
-    out = {str(k): v for k, v in parsed.items()}
+    out = parse_json_object(value, "hf_overrides")
     if "architectures" in out:
         archs = out["architectures"]
         if (

@@ -27,6 +27,7 @@ from paged.server.client_protocols import (
     AsyncEngineClient,
     AsyncUtilityClient,
     DegradableClient,
+    NoEngineUtilities,
     RoutingClient,
 )
 from paged.server.collector import RequestOutputCollector
@@ -428,17 +429,14 @@ class AsyncLLM:
     def _utility_client(self) -> AsyncUtilityClient:
         client = self.engine_client
         if not isinstance(client, AsyncUtilityClient):
-            raise NotImplementedError(f"{type(client).__name__} cannot run engine utilities")
+            raise NoEngineUtilities(client)
         return client
 
-    # -- the output handler ----------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:
         """Drop the engine's cached prefix blocks; False while running requests hold blocks."""
-        client = self.engine_client
-        if not isinstance(client, AsyncUtilityClient):
-            raise NotImplementedError(f"{type(client).__name__} cannot run engine utilities")
-        return bool(await client.call_utility_async("reset_prefix_cache"))
+        return bool(await self._utility_client().call_utility_async("reset_prefix_cache"))
 
+    # -- the output handler ----------------------------------------------------------
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None or self._output_handler.done():
             self._output_handler = asyncio.get_running_loop().create_task(

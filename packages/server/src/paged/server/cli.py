@@ -92,14 +92,23 @@ def _kv_cache_dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("kv_cache_dtype: ")) from None
 
 
+def _checked_json_object(text: str, parse: Callable[[str], object]) -> str:
+    """The text of a JSON-object flag once `parse` accepts it (the engine parses it again).
+
+    `parse`'s ValueError (JSONDecodeError included) becomes argparse's error:
+    exit 2 naming the flag, before any model loads.
+    """
+    try:
+        parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _structured_outputs_config(text: str) -> str:
     from paged.server.structured_output.options import parse_structured_outputs_config
 
-    try:
-        parse_structured_outputs_config(text)  # checked here: a bad value exits 2 at once
-    except ValueError as e:  # JSONDecodeError included
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _checked_json_object(text, parse_structured_outputs_config)
 
 
 def _reasoning_parser(text: str) -> str | None:
@@ -114,21 +123,13 @@ def _reasoning_parser(text: str) -> str | None:
 def _hf_overrides(text: str) -> str:
     from paged.runner.hf_overrides import parse_hf_overrides
 
-    try:
-        parse_hf_overrides(text)  # not a JSON object: exit 2 before anything loads
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _checked_json_object(text, parse_hf_overrides)
 
 
 def _pooler_config(text: str) -> str:
     from paged.server.pooling_config import parse_pooler_config
 
-    try:
-        parse_pooler_config(text)  # a bad key or value exits 2 before anything loads
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _checked_json_object(text, parse_pooler_config)
 
 
 def _kv_events_config(text: str) -> Any:

@@ -70,6 +70,17 @@ class SyncUtilityClient(Protocol):
     def call_utility(self, method: str, *args: Any) -> Any: ...
 
 
+class NoEngineUtilities(NotImplementedError):
+    """The engine client runs no utilities (`reset_prefix_cache`, LoRA loads).
+
+    A test fake or a transport without them; raised by the `_utility_client()`
+    accessor of `LLM` and `AsyncLLM`, the one path their utility calls take.
+    """
+
+    def __init__(self, client: object) -> None:
+        super().__init__(f"{type(client).__name__} cannot run engine utilities")
+
+
 class SyncEngineClient(Protocol):
     """What `LLM` needs: `get_output()` advances the engine and returns what it produced."""
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from paged.scheduler import PoolingParams, RequestOutputKind, SamplingParams
 from paged.server.chat_utils import apply_chat_template, collect_image_urls
-from paged.server.client_protocols import SyncEngineClient, SyncUtilityClient
+from paged.server.client_protocols import NoEngineUtilities, SyncEngineClient, SyncUtilityClient
 from paged.server.engine_args import EngineArgs, build_frontend_for, tokenizer_path
 from paged.server.errors import InvalidRequestError
 from paged.server.generation_defaults import GenerationDefaults
@@ -188,10 +188,13 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Drop the engine's cached prefix blocks; False while running requests hold blocks."""
+        return bool(self._utility_client().call_utility("reset_prefix_cache"))
+
+    def _utility_client(self) -> SyncUtilityClient:
         client = self.engine_client
         if not isinstance(client, SyncUtilityClient):
-            raise NotImplementedError(f"{type(client).__name__} cannot run engine utilities")
-        return bool(client.call_utility("reset_prefix_cache"))
+            raise NoEngineUtilities(client)
+        return client
 
     def generate(
         self,
@@ -330,9 +333,7 @@ class LLM:
         """Load `lora` on the engine unless this LLM did (InvalidRequestError naming the cause)."""
         if self.loras.check_same(lora):
             return
-        client = self.engine_client
-        if not isinstance(client, SyncUtilityClient):
-            raise NotImplementedError(f"{type(client).__name__} cannot run engine utilities")
+        client = self._utility_client()
         try:
             client.call_utility("add_lora", lora.lora_name, lora.lora_path, lora.lora_int_id)
         except ValueError as exc:

@@ -12,7 +12,6 @@ raised to max_model_len as vLLM's SchedulerConfig does.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -28,17 +27,10 @@ def parse_pooler_config(value: str | dict[str, Any] | None) -> PoolerConfig | No
     """`--pooler-config` JSON text (or a dict from `LLM(...)`); ValueError naming the key."""
     if value is None:
         return None
+    from paged.runner.json_flag import parse_json_object
     from paged.runner.pooling import PoolerConfig
 
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"pooler_config: not valid JSON ({exc})") from exc
-        if not isinstance(parsed, dict):
-            raise ValueError("pooler_config: must be a JSON object")
-        value = parsed
-    return PoolerConfig.from_json(value)
+    return PoolerConfig.from_json(parse_json_object(value, "pooler_config"))
 
 
 def _supports_chunking_and_caching(model_config: ModelConfig) -> bool:

@@ -8,23 +8,22 @@ import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from paged.server.data_parallel import (
-    DataParallelOptions,
-    build_engine_client,
-    engines_world_size,
-    run_headless_node,
+from paged.server.async_llm_builder import (
+    FrontendParts,
+    build_async_llm,
+    engine_core_factory_for,
+    pooling_tasks_for,
+    start_engine_client,
 )
+from paged.server.data_parallel import DataParallelOptions, engines_world_size, run_headless_node
 from paged.server.engine_args import EngineArgs, build_frontend_for, tokenizer_path
 from paged.server.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
-    from paged.runner.config import EngineConfig
     from paged.server.compat_cli import FrontendOptions
     from paged.server.lora import LoRAModulePath
     from paged.server.openai.cors import CorsConfig
     from paged.server.openai.tools import ToolCallingConfig
-    from paged.server.structured_output import GrammarCompiler, StructuredOutputConfig
-    from paged.server.tokenizer import TokenizerLike
 
 logger = logging.getLogger("paged.server.serve")
 
@@ -50,16 +49,12 @@ def run_server(
     import uvicorn
 
     from paged.server.api_profile import maybe_profile
-    from paged.server.async_llm import AsyncLLM
     from paged.server.compat_cli import FrontendOptions
-    from paged.server.engine.core import make_engine_core_factory
     from paged.server.metrics import PrometheusStatLogger
     from paged.server.metrics_names import metrics_naming
     from paged.server.openai.api_server import build_app
-    from paged.server.openai.pooling_tasks import ModelTasks
     from paged.server.openai.responses import ResponseStore, store_enabled_from_env
     from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
-    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.tokenizer import load_tokenizer
 
     front = frontend if frontend is not None else FrontendOptions()
@@ -93,14 +88,10 @@ def run_server(
     resolve_for_tokenizer(tool_config or ToolCallingConfig(), tokenizer)
     # Images: a vision model's processor, loaded before the engine starts (fails fast).
     mm_frontend = build_frontend_for(args, config, bind_host=host)
-    so_config, compiler = structured_outputs_for(args, config, tokenizer)
+    factory, compiler = engine_core_factory_for(args, config, tokenizer, core_options)
+    parts = FrontendParts(tokenizer, generation_defaults, mm_frontend, compiler)
     dp = data_parallel if data_parallel is not None else DataParallelOptions()
-    client = build_engine_client(
-        make_engine_core_factory(config, structured_output=so_config, **core_options),
-        dp,
-        device=mc.device,
-        world_size=engines_world_size(config),
-    )
+    client = start_engine_client(factory, config, dp)
     try:
         info = client.info
         logger.info(
@@ -124,19 +115,13 @@ def run_server(
             ),
             max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
         )
-        llm = AsyncLLM(
+        llm = build_async_llm(
+            args,
+            config,
             client,
-            tokenizer,
-            max_model_len=mc.max_model_len,
-            vocab_size=mc.vocab_size,
-            eos_token_ids=generation_defaults.eos_token_ids_for(mc.eos_token_ids),
-            max_logprobs=config.scheduler_limits.max_logprobs,
+            parts,
             stat_loggers=[] if args.disable_log_stats else [stats],
-            grammar_compiler=compiler,
-            mm_frontend=mm_frontend,
-            generation_defaults=generation_defaults,
             log_requests=front.enable_log_requests,
-            pooling=PoolingFrontend.from_model_config(mc, name),
         )
         app = build_app(
             llm,
@@ -149,12 +134,7 @@ def run_server(
             tool_config=tool_config,
             reasoning_parser=reasoning_parser,
             responses_store=responses_store,
-            pooling_tasks=ModelTasks.from_hf_config(
-                mc.hf_config,
-                llm.supported_tasks,
-                None if mc.pooler_config is None else mc.pooler_config.task,
-                score_template=front.chat_template,
-            ),
+            pooling_tasks=pooling_tasks_for(llm, config, front.chat_template),
             lora_modules=front.lora_modules,
         )
         logger.info(
@@ -207,56 +187,14 @@ def check_listen_address(host: str, port: int) -> None:
             raise ValueError(f"--host/--port: cannot listen on {host}:{port}: {e}") from None
 
 
-def structured_outputs_for(
-    args: EngineArgs, config: EngineConfig, tokenizer: TokenizerLike
-) -> tuple[StructuredOutputConfig | None, GrammarCompiler | None]:
-    """The engine's grammar-backend recipe and the API's compiler (None, None: off).
-
-    The engine process builds its grammar backend from the recipe; the API
-    process compiles constraints too, to refuse bad ones with a 400. A
-    tokenizer llguidance cannot read turns structured outputs off (logged).
-    """
-    from paged.server.structured_output import (
-        GrammarCompiler,
-        StructuredOutputConfig,
-        try_load_ll_tokenizer,
-    )
-
-    so_options = args.structured_output_options()
-    mc = config.model_config
-    ll_tokenizer = try_load_ll_tokenizer(tokenizer, mc.vocab_size, mc.eos_token_ids)
-    if ll_tokenizer is None:
-        return None, None
-    so_config = StructuredOutputConfig(
-        tokenizer_path(config, args.tokenizer),
-        mc.vocab_size,
-        tuple(mc.eos_token_ids),
-        cache_size=so_options.cache_size,
-        compile_timeout_s=so_options.compile_timeout_s,
-        json_options=so_options.json_options,
-        reasoning_parser=args.reasoning_parser_name(),
-        enable_in_reasoning=so_options.enable_in_reasoning,
-    )
-    compiler = GrammarCompiler(
-        ll_tokenizer,
-        eos_token_ids=mc.eos_token_ids,
-        cache_size=so_options.cache_size,
-        compile_timeout_s=so_options.compile_timeout_s,
-        json_options=so_options.json_options,
-    )
-    return so_config, compiler
-
-
 def run_headless(args: EngineArgs, data_parallel: DataParallelOptions) -> int:
     """`paged serve --headless`: this node's DP engines, no API server; the exit status."""
-    from paged.server.engine.core import make_engine_core_factory
     from paged.server.tokenizer import load_tokenizer
 
     core_options = args.engine_core_options()
     config = args.create_engine_config()
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
-    so_config, _ = structured_outputs_for(args, config, tokenizer)
-    factory = make_engine_core_factory(config, structured_output=so_config, **core_options)
+    factory, _ = engine_core_factory_for(args, config, tokenizer, core_options)
     return run_headless_node(
         factory,
         data_parallel,

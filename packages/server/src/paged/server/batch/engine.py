@@ -1,4 +1,5 @@
-"""The engine behind `run-batch`: what `paged serve` builds, without the HTTP server.
+"""The engine behind `run-batch`: what `paged serve` builds (both through
+async_llm_builder.py), without the HTTP server.
 
 Every option is checked before the model loads (as `run_server` does); the
 requests then go through the same `OpenAIServing` as the API's, so a batch
@@ -51,21 +52,19 @@ def batch_serving(
 
     `tool_config`: vLLM's tool flags; `chat_template`: --chat-template's text.
     """
-    from paged.server.async_llm import AsyncLLM
-    from paged.server.data_parallel import (
-        DataParallelOptions,
-        build_engine_client,
-        engines_world_size,
+    from paged.server.async_llm_builder import (
+        FrontendParts,
+        build_async_llm,
+        engine_core_factory_for,
+        pooling_tasks_for,
+        start_engine_client,
     )
-    from paged.server.engine.core import make_engine_core_factory
+    from paged.server.data_parallel import DataParallelOptions
     from paged.server.engine_args import build_frontend_for, tokenizer_path
-    from paged.server.openai.pooling_tasks import ModelTasks
     from paged.server.openai.serving import OpenAIServing
     from paged.server.openai.serving_pooling import PoolingServing
     from paged.server.openai.tools import ToolCallingConfig, resolve_for_tokenizer
-    from paged.server.pooling_frontend import PoolingFrontend
     from paged.server.reasoning import make_reasoning_parser
-    from paged.server.serve import structured_outputs_for
     from paged.server.tokenizer import load_tokenizer
 
     tools = tool_config if tool_config is not None else ToolCallingConfig()
@@ -74,38 +73,17 @@ def batch_serving(
     reasoning = make_reasoning_parser(args.reasoning_parser_name())
     generation_defaults = args.generation_defaults()
     config = args.create_engine_config()
-    mc = config.model_config
     tokenizer = load_tokenizer(tokenizer_path(config, args.tokenizer))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     # As `paged serve`: the generic tool format when the template ignores tools.
     tool_flags = resolve_for_tokenizer(tools, tokenizer)
     mm_frontend = build_frontend_for(args, config)
-    so_config, compiler = structured_outputs_for(args, config, tokenizer)
-    client = build_engine_client(
-        make_engine_core_factory(config, structured_output=so_config, **core_options),
-        DataParallelOptions(),
-        device=mc.device,
-        world_size=engines_world_size(config),
-    )
-    llm = AsyncLLM(
-        client,
-        tokenizer,
-        max_model_len=mc.max_model_len,
-        vocab_size=mc.vocab_size,
-        eos_token_ids=generation_defaults.eos_token_ids_for(mc.eos_token_ids),
-        max_logprobs=config.scheduler_limits.max_logprobs,
-        grammar_compiler=compiler,
-        mm_frontend=mm_frontend,
-        generation_defaults=generation_defaults,
-        pooling=PoolingFrontend.from_model_config(mc, args.model_name()),
-    )
-    tasks = ModelTasks.from_hf_config(
-        mc.hf_config,
-        llm.supported_tasks,
-        None if mc.pooler_config is None else mc.pooler_config.task,
-        score_template=chat_template,
-    )
+    factory, compiler = engine_core_factory_for(args, config, tokenizer, core_options)
+    parts = FrontendParts(tokenizer, generation_defaults, mm_frontend, compiler)
+    client = start_engine_client(factory, config, DataParallelOptions())
+    llm = build_async_llm(args, config, client, parts)
+    tasks = pooling_tasks_for(llm, config, chat_template)
     try:
         yield BatchServing(
             OpenAIServing(llm, args.model_name(), tool_flags, reasoning),

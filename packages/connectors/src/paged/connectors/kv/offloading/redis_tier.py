@@ -22,7 +22,8 @@ Who does what:
                                              (full queue, down, slow, OOM: dropped, counted)
 
 Nothing here ever raises into a step: faults become counters
-(`redis.{op}_{reason}`) and misses.
+(`redis.{role}_{reason}`, counted by the `CountedRedis` every call goes
+through) and misses.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     import redis
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Keys the scheduler side remembers as stored (found or written), so a chunk is
 # not written again by every request that shares it; a write may have been
@@ -101,6 +103,49 @@ class FaultCounters:
         return {f"redis.{name}": value for name, value in counts.items() if value}
 
 
+class CountedRedis:
+    """One role's guarded connection whose faults are counted as `{role}_{reason}`.
+
+    Every Redis operation of the tier goes through one: `GuardedRedis` puts
+    the deadline on it, backs off and drops the pool's sockets after a fault
+    (the next call reconnects); this names the fault in the role's counters
+    (`lookup_down`, `read_timeout`, `write_oom`, ...) before re-raising it.
+    """
+
+    def __init__(
+        self, config: RedisTierConfig, role: str, timeout_s: float, counters: FaultCounters
+    ) -> None:
+        self.role = role
+        self.counters = counters
+        self._redis = GuardedRedis(config, timeout_s)
+
+    def call(self, fn: Callable[[redis.Redis], T]) -> T:
+        """`fn(client)`; a `RedisFault` is counted, then raised."""
+        try:
+            return self._redis.call(fn)
+        except RedisFault as fault:
+            self.count(fault.reason)
+            raise
+
+    def count(self, what: str) -> None:
+        """Count an outcome of this role that is not a fault of the call (`read_miss`, ...)."""
+        self.counters.add(f"{self.role}_{what}")
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+@dataclass(frozen=True)
+class RedisRank:
+    """One worker rank's chunks in Redis: where their keys are, what their values must carry."""
+
+    keyspace: RedisKeyspace
+    fingerprint: Fingerprint  # `redis_fingerprint`: the layout and the model's name
+
+    def key(self, chunk: ChunkKey) -> str:
+        return self.keyspace.key(chunk, self.fingerprint.rank)
+
+
 class RemoteLookup:
     """Scheduler side: which leading chunks of a request every rank has in Redis."""
 
@@ -111,8 +156,8 @@ class RemoteLookup:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.keyspace = keyspace
-        self.redis = GuardedRedis(config, config.read_timeout_s)
         self.counters = FaultCounters()
+        self.redis = CountedRedis(config, "lookup", config.read_timeout_s, self.counters)
         self._clock = clock
         # key -> when it was last known stored; oldest first.
         self._known: OrderedDict[ChunkKey, float] = OrderedDict()
@@ -133,11 +178,10 @@ class RemoteLookup:
 
         try:
             found = self.redis.call(exists)
-        except RedisFault as fault:
-            self.counters.add(f"lookup_{fault.reason}")
+        except RedisFault:  # counted
             return [False] * len(keys)
         if len(found) != len(names) or any(type(f) is not int for f in found):
-            self.counters.add("lookup_garbage")
+            self.redis.count("garbage")
             return [False] * len(keys)
         ws = self.keyspace.world_size
         present = [all(found[i * ws : (i + 1) * ws]) for i in range(len(keys))]
@@ -171,40 +215,31 @@ class RemoteLookup:
 class RedisStore:
     """Worker side, reads: GET with the read deadline, then the value's checks."""
 
-    def __init__(
-        self,
-        config: RedisTierConfig,
-        keyspace: RedisKeyspace,
-        fingerprint: Fingerprint,
-        counters: FaultCounters,
-    ) -> None:
-        self.keyspace = keyspace
-        self.fingerprint = fingerprint
-        self.redis = GuardedRedis(config, config.read_timeout_s)
-        self.counters = counters
+    def __init__(self, config: RedisTierConfig, rank: RedisRank, counters: FaultCounters) -> None:
+        self.rank = rank
+        self.redis = CountedRedis(config, "read", config.read_timeout_s, counters)
 
     def get(self, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The chunk's tensor; `ChunkError` (counted by reason) for anything but a good value."""
-        name = self.keyspace.key(key, self.fingerprint.rank)
+        name = self.rank.key(key)
         try:
             data = self.redis.call(lambda c: c.get(name))
-        except RedisFault as fault:
-            self.counters.add(f"read_{fault.reason}")
+        except RedisFault as fault:  # counted
             raise ChunkError(str(fault)) from fault
         if data is None:  # evicted or expired since the lookup, or flushed
-            self.counters.add("read_miss")
+            self.redis.count("miss")
             raise ChunkError(f"chunk {key[:16]} is no longer in Redis")
         if not isinstance(data, bytes):
-            self.counters.add("read_garbage")
+            self.redis.count("garbage")
             raise ChunkError(f"redis answered {type(data).__name__} for chunk {key[:16]}")
         try:
-            payload = decode_chunk(memoryview(bytearray(data)), self.fingerprint)
+            payload = decode_chunk(memoryview(bytearray(data)), self.rank.fingerprint)
         except ChunkError:
-            self.counters.add("read_corrupt")
+            self.redis.count("corrupt")
             raise
         expected = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         if len(payload) != expected:
-            self.counters.add("read_corrupt")
+            self.redis.count("corrupt")
             raise ChunkError(f"redis chunk {key[:16]}: {len(payload)} bytes, want {expected}")
         return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape)
 
@@ -226,18 +261,11 @@ class RedisWriter:
     out of memory (maxmemory + noeviction), in backoff.
     """
 
-    def __init__(
-        self,
-        config: RedisTierConfig,
-        keyspace: RedisKeyspace,
-        fingerprint: Fingerprint,
-        counters: FaultCounters,
-    ) -> None:
+    def __init__(self, config: RedisTierConfig, rank: RedisRank, counters: FaultCounters) -> None:
         self.config = config
-        self.keyspace = keyspace
-        self.fingerprint = fingerprint
+        self.rank = rank
         self.counters = counters
-        self.redis = GuardedRedis(config, config.write_timeout_s)
+        self.redis = CountedRedis(config, "write", config.write_timeout_s, counters)
         self._queue: queue.Queue[_Write | None] = queue.Queue(config.max_pending_writes)
         self._thread = threading.Thread(target=self._run, name="paged-kv-redis", daemon=True)
         self._thread.start()
@@ -247,7 +275,7 @@ class RedisWriter:
         try:
             self._queue.put_nowait(_Write(key, chunk))
         except queue.Full:
-            self.counters.add("write_queue_full")
+            self.redis.count("queue_full")
             return False
         return True
 
@@ -279,13 +307,12 @@ class RedisWriter:
     def _write(self, op: _Write) -> None:
         start = time.perf_counter()
         flat = op.chunk.contiguous().view(torch.uint8).reshape(-1)
-        data = encode_chunk(self.fingerprint, memoryview(flat.numpy().data))
-        name = self.keyspace.key(op.key, self.fingerprint.rank)
+        data = encode_chunk(self.rank.fingerprint, memoryview(flat.numpy().data))
+        name = self.rank.key(op.key)
         ttl = self.config.ttl_s or None
         try:
             self.redis.call(lambda c: c.set(name, data, ex=ttl))
-        except RedisFault as fault:
-            self.counters.add(f"write_{fault.reason}")
+        except RedisFault:  # counted
             return
         self.counters.add("bytes_saved", len(data))
         self.counters.add("seconds_saved", time.perf_counter() - start)

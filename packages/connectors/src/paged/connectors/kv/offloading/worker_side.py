@@ -40,6 +40,7 @@ from paged.connectors.kv.offloading.metadata import ChunkLoad, OffloadingMetadat
 from paged.connectors.kv.offloading.redis_tier import (
     FaultCounters,
     RedisKeyspace,
+    RedisRank,
     RedisStore,
     RedisWriter,
     redis_fingerprint,
@@ -123,9 +124,9 @@ class OffloadingWorker:
                 config.chunk_size,
                 world_size,
             )
-            fp = redis_fingerprint(self.fingerprint, model_name)
-            self.redis = RedisStore(config.redis, keyspace, fp, self.redis_counters)
-            self.redis_writer = RedisWriter(config.redis, keyspace, fp, self.redis_counters)
+            rank_keys = RedisRank(keyspace, redis_fingerprint(self.fingerprint, model_name))
+            self.redis = RedisStore(config.redis, rank_keys, self.redis_counters)
+            self.redis_writer = RedisWriter(config.redis, rank_keys, self.redis_counters)
         self.stats = OffloadingStats()
         self._load_errors: set[int] = set()
         self.layerwise_timeout_s = config.layerwise_load_timeout_s
