@@ -29,6 +29,7 @@ from paged.runner.layers.linear import (
 )
 from paged.runner.layers.parallel import TPGroup
 from paged.runner.lora.config import LoRAAdapterSpec, LoRAConfig
+from paged.runner.lora.layer import LoRALinear
 from paged.runner.lora.manager import LoRAManager
 from paged.runner.lora.weights import LoRAAdapterWeights, LoRAModuleWeights
 
@@ -272,6 +273,19 @@ def test_steps_with_lora_rows_leave_the_fused_stack() -> None:
     assert model.cpu_fused.stack(kernel, lambda: stack) is stack
     lm.begin_step([None], np.array([3], dtype=np.int32))
     assert model.cpu_fused.stack(kernel, lambda: stack) is stack
+
+
+def test_cpu_layers_use_the_c_kernel_with_b_stored_transposed() -> None:
+    """On the CPU each layer has a C plan; B_all is a view of its transposed stack."""
+    model = Tiny(TPGroup(), 4, 2, full_weights(4, 2, 0))
+    lm, _ = manager(model, {"a": adapter(4, 2, 2, 0)})
+    lora = model.layer.self_attn.qkv_proj.lora
+    assert isinstance(lora, LoRALinear) and lora.native is not None
+    assert lora.b_all.transpose(1, 2).is_contiguous()
+    lm.add_lora(LoRAAdapterSpec("a", "a"))
+    lm.begin_step(["a"], np.array([2], dtype=np.int32))
+    assert lm.batch.ranks.tolist()[lm._slot_names.index("a")] == 2
+    lm.end_step()
 
 
 @pytest.mark.skipif(
