@@ -24,7 +24,8 @@ On the CPU (bfloat16 or float32 stacks, the C kernel built) B_all is stored
 transposed, `Bt_all [S, n*R, out_local]` with B_all its view, and the whole
 delta is ONE C call (cpu_kernels/lora_delta.c through `native`, a
 `LoRADeltaPlan`): rows of one slot together, only each slice's own block of B,
-only each slot's adapter rank.
+only each slot's adapter rank. The fused CPU decoder layers call the same C
+function with the same plan (cpu_step/fused.py), so both paths give the same bits.
 The torch/Triton ops serve every other case (CUDA, float16 stacks, no compiler).
 
 Tensor parallelism shards an adapter like its base layer:

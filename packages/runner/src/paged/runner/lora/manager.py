@@ -66,7 +66,9 @@ class LoRAManager:
         for module in model.modules():
             fused = getattr(module, "cpu_fused", None)
             if isinstance(fused, FusedLayers):
-                fused.run_per_op_when(lambda: self.batch.active)
+                # Steps with LoRA rows run fused when the stack carries every layer's C
+                # plan, else (float16 stacks, no compiler) per op.
+                fused.watch_lora(lambda: self.batch.active)
         self._loader = loader
         self._host: OrderedDict[str, LoRAAdapterWeights] = OrderedDict()  # LRU order
         self._paths: dict[str, str] = {}
