@@ -25,12 +25,14 @@
  * per ROWS rows and stay in cache across them (a decode step of 8 adapters x 4 rows
  * reads each adapter's weights once). Every output is computed in a fixed order that
  * does not depend on the instruction set: the AVX-512 path and the portable path do the
- * same float32 operations lane for lane (no fused multiply-adds: -ffp-contract=off), so
- * both builds give the same bits (tested), and so do the per-op and fused paths, which
- * call this same function with the same arguments.
+ * same float32 operations lane for lane (each product-sum one fused multiply-add,
+ * vfmadd231ps or C's fmaf, both rounded once; nothing else contracted:
+ * -ffp-contract=off), so both builds give the same bits (tested), and so do the per-op
+ * and fused paths, which call this same function with the same arguments.
  *
  * Returns 0 or LORA_E_* below; nothing is left allocated.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,7 +45,7 @@
 #define LORA_AVX512 0
 #endif
 
-int paged_lora_abi(void) { return 1; }
+int paged_lora_abi(void) { return 2; }
 int paged_lora_isa(void) { return LORA_AVX512; } /* 1: AVX-512, 0: portable */
 
 enum { MAX_SLICES = 4, ROWS = 4, LANES = 16, VECS = 4, COLS = VECS * LANES };
@@ -119,7 +121,7 @@ static inline __attribute__((always_inline)) void shrink_rows(
             const __m512 av = load16(a, bf16, row + k0, mask);
             for (int j = 0; j < nb; j++) {
                 const __m512 xv = _mm512_maskz_loadu_ps(mask, xf + j * in + k0);
-                acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(av, xv));
+                acc[j] = _mm512_fmadd_ps(av, xv, acc[j]);
             }
         }
         for (int j = 0; j < nb; j++) _mm512_storeu_ps(lanes[j], acc[j]);
@@ -134,7 +136,7 @@ static inline __attribute__((always_inline)) void shrink_rows(
             for (int j = 0; j < nb; j++)
                 for (int l = 0; l < LANES; l++) {
                     const float xv = l < len ? xf[j * in + k0 + l] : 0.0f;
-                    lanes[j][l] = lanes[j][l] + av[l] * xv;
+                    lanes[j][l] = fmaf(av[l], xv, lanes[j][l]);
                 }
         }
 #endif
@@ -162,7 +164,7 @@ static inline __attribute__((always_inline)) void expand_tile(
         for (int j = 0; j < nb; j++) {
             const __m512 uj = _mm512_set1_ps(u[j * u_stride + r]);
             for (int v = 0; v < VECS; v++)
-                acc[j][v] = _mm512_add_ps(acc[j][v], _mm512_mul_ps(b[v], uj));
+                acc[j][v] = _mm512_fmadd_ps(b[v], uj, acc[j][v]);
         }
     }
     for (int j = 0; j < nb; j++)
@@ -175,7 +177,7 @@ static inline __attribute__((always_inline)) void expand_tile(
         for (int j = 0; j < nb; j++) {
             const float uj = u[j * u_stride + r];
             for (int64_t c = 0; c < ncols; c++)
-                acc_out[j][c] = acc_out[j][c] + weight_at(bt, bf16, row + c) * uj;
+                acc_out[j][c] = fmaf(weight_at(bt, bf16, row + c), uj, acc_out[j][c]);
         }
     }
 #endif

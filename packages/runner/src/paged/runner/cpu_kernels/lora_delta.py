@@ -40,9 +40,9 @@ __all__ = ["ISA_ENV", "LoRADeltaLibrary", "LoRADeltaPlan", "load_lora_delta", "l
 ISA_ENV = "PAGED_CPU_LORA"
 ISAS = ("native", "scalar")
 MAX_SLICES = 4  # lora_delta.c's limit (q/k/v of a fused qkv is 3)
-_ABI = 1  # paged_lora_abi() of the source this module drives
-# -ffp-contract=off: a*b + c stays two roundings on every path, so the AVX-512 and
-# portable builds give the same bits (tested).
+_ABI = 2  # paged_lora_abi() of the source this module drives
+# -ffp-contract=off: only the source's explicit fused multiply-adds (fmaf, vfmadd) fuse,
+# so the AVX-512 and portable builds give the same bits (tested).
 _FLAGS = [
     "-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11",
     "-Werror=implicit-function-declaration", "-Wl,--no-undefined",
