@@ -9,9 +9,12 @@ shared machine's load does not count) against:
 
     "no_lora":     LoRA disabled (the fused C decoder layers for every step)
     "no_lora_per_op": LoRA disabled, fused layers off ($PAGED_CPU_FUSED_LAYERS=off):
-                   the path a step with LoRA rows takes, without the deltas
+                   the path a step with LoRA rows took before the fused layers could
+                   add deltas (and still takes with $PAGED_CPU_LORA=off)
     "lora_0":      LoRA enabled, no adapter rows (must cost nothing)
-    "lora_N_rR":   N distinct rank-R adapters (steps with LoRA rows take the per-op path)
+    "lora_N_rR":   N distinct rank-R adapters (steps with LoRA rows stay in the fused C
+                   layers, the deltas by cpu_kernels/lora_delta.c; with
+                   $PAGED_CPU_LORA=off: per op, the torch ops)
 
 and the time to first token of one request whose adapter must first be read
 from disk (PEFT safetensors) against the same request with the adapter loaded.

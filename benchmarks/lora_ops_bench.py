@@ -11,6 +11,11 @@ order of magnitude), with the grouping computed once per layer (``groups=``, as
 the runner does) and, for comparison, regrouped by every call. CPU figures are
 process CPU time with one torch thread (a shared machine's load does not count).
 
+On the CPU (float32/bfloat16) ``lora_c_us`` is the same layer's deltas as the runner
+computes them there: four calls of the C kernel (cpu_kernels/lora_delta.c) on the
+runner's stacked layouts (qkv: 3 slices, o, gate_up: 2 slices, down), B stored
+transposed, every slot at the full rank.
+
 Run: .venv/bin/python benchmarks/lora_ops_bench.py [--quick] [--device cpu|cuda]
 Prints one JSON line.
 """
@@ -31,6 +36,7 @@ import torch
 
 from paged.kernels import ops
 from paged.kernels.lora import LoRARowGroups
+from paged.runner.cpu_kernels.lora_delta import LoRADeltaPlan, load_lora_delta
 
 HIDDEN, KV, INTER = 576, 192, 1536
 # (in, out) of the 7 targets of one layer.
@@ -60,7 +66,7 @@ def _time(device: torch.device, fn: Callable[[], object], iters: int) -> float:
 
 def _layer(
     device: torch.device, dtype: torch.dtype, rows: int, adapters: int, rank: int, iters: int
-) -> dict[str, float | int]:
+) -> dict[str, float | int | None]:
     gen = torch.Generator().manual_seed(0)
     slots = torch.tensor([-1 if t % 8 == 7 else t % adapters for t in range(rows)], device=device)
     weights = []
@@ -89,13 +95,46 @@ def _layer(
 
     base_s = _time(device, base, iters)
     lora_s = _time(device, lambda: lora(None), iters)
+    c_kernel = _c_kernel(device, dtype, slots, adapters, rank, scaling)
+    c_us = round(_time(device, c_kernel, iters) * 1e6, 1) if c_kernel is not None else None
     return {
         "rows": rows, "adapters": adapters, "rank": rank,
         "base_matmuls_us": round(base_s * 1e6, 1),
         "lora_us": round(lora_s * 1e6, 1),
         "lora_regroup_each_call_us": round(_time(device, lora_regroup_each_call, iters) * 1e6, 1),
         "lora_over_base": round(lora_s / base_s, 3),
+        "lora_c_us": c_us,
     }  # fmt: skip
+
+
+def _c_kernel(
+    device: torch.device, dtype: torch.dtype, slots: torch.Tensor, adapters: int, rank: int,
+    scaling: torch.Tensor,
+) -> Callable[[], None] | None:  # fmt: skip
+    """The runner's four C calls for one layer (None off the CPU, float16, no compiler)."""
+    lib = load_lora_delta() if device.type == "cpu" and dtype != torch.float16 else None
+    if lib is None:
+        return None
+    gen = torch.Generator().manual_seed(1)
+    ranks = torch.full((adapters,), rank, dtype=torch.int64)
+    rows = slots.shape[0]
+    calls = []
+    for n_in, offsets in ((HIDDEN, [0, HIDDEN, HIDDEN + KV, HIDDEN + 2 * KV]),
+                          (HIDDEN, [0, HIDDEN]), (HIDDEN, [0, INTER, 2 * INTER]),
+                          (INTER, [0, HIDDEN])):  # fmt: skip
+        n = len(offsets) - 1
+        a = (torch.randn(adapters, n * rank, n_in, generator=gen) * 0.02).to(dtype)
+        bt = (torch.randn(adapters, n * rank, offsets[-1], generator=gen) * 0.02).to(dtype)
+        plan = LoRADeltaPlan(lib, a, bt, scaling, ranks, offsets)
+        x = torch.randn(rows, n_in, generator=gen).to(dtype)
+        calls.append((plan, x, torch.zeros(rows, offsets[-1], dtype=dtype)))
+    token_slots = slots.to(torch.int64)
+
+    def run() -> None:
+        for plan, x, out in calls:
+            plan.add_to(x, out, token_slots)
+
+    return run
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from paged.runner.layers.linear import QKVParallelLinear, ShardedLinear
 from paged.runner.layers.quantized_linear import QGemmMatmul, RowSplitMatmul
 from paged.runner.loader import load_model
 from paged.runner.loader.gguf_quant import GGUFQuantizedTensor
+from paged.runner.lora.layer import LoRALinear
 
 BF16 = torch.bfloat16
 Q = gguf.GGMLQuantizationType
@@ -283,3 +284,92 @@ def test_fused_stack_calls_the_connector_around_each_layer(model: Any) -> None:
         want.append(("wait", name, [j < i for j in range(n)]))
         want.append(("save", name, [j <= i for j in range(n)]))
     assert hooks.calls == want
+
+
+def _lora_manager(model: Any, max_loras: int = 2) -> Any:
+    """A LoRAManager on `model` with adapters "a" (rank 8) and "b" (rank 3, q/v/down only)."""
+    from paged.runner.lora.config import LoRAAdapterSpec, LoRAConfig
+    from paged.runner.lora.manager import LoRAManager
+    from paged.runner.lora.weights import LoRAAdapterWeights, LoRAModuleWeights
+
+    adapters: dict[str, LoRAAdapterWeights] = {}
+    config = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
+    lm = LoRAManager(config, model, BF16, torch.device("cpu"), lambda path: adapters[path])
+    gen = torch.Generator().manual_seed(11)
+    for name, rank, only in (("a", 8, None), ("b", 3, ("q_proj", "v_proj", "down_proj"))):
+        modules = {
+            path: LoRAModuleWeights(
+                torch.randn(rank, t.full_in, generator=gen) * 0.2,
+                torch.randn(t.full_out, rank, generator=gen) * 0.2,
+            )
+            for path, t in lm.targets.items()
+            if only is None or path.rsplit(".", 1)[1] in only
+        }
+        adapters[name] = LoRAAdapterWeights(rank, 2.0, modules)
+        lm.add_lora(LoRAAdapterSpec(name, name))
+    return lm
+
+
+LORA_STEPS: list[list[str | None]] = [["a", "b"], [None, "a"], ["b", "b"], ["a", None]]
+NO_LORA_STEPS: list[list[str | None]] = [[None, None]] * len(STEPS)
+
+
+def _run_lora(model: Any, lm: Any, fused_on: bool, adapters: list[list[str | None]]) -> Any:
+    """`_run` with each step's rows on the given adapters (two requests)."""
+    inner = _inner(model)
+    inner.cpu_fused = fused.FusedLayers()
+    inner.cpu_fused.watch_lora(lambda: lm.batch.active)
+    table = torch.arange(12, dtype=torch.int32).view(2, 6).flip(1).contiguous()
+    caches = _caches(model, 12)
+    gen = torch.Generator().manual_seed(7)
+    outs = []
+    for (before, new), rows in zip(STEPS, adapters, strict=True):
+        meta, positions = _step(before, new, table)
+        ids = torch.randint(0, 96, (positions.shape[0],), generator=gen)
+        lm.begin_step(rows, np.array(new, dtype=np.int32))
+        with torch.no_grad():
+            outs.append(model(ids, positions, ForwardContext(meta, caches)))
+        if fused_on:
+            assert inner._fused_stack() is not None, "a LoRA step left the fused stack"
+        lm.end_step()
+    return outs, caches
+
+
+def test_fused_lora_steps_are_the_per_op_lora_steps_bit_for_bit(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused layers add each matmul's LoRA delta with the per-op path's own C call."""
+    if fused_build.load_fused() is None:
+        pytest.skip("no C compiler: the fused library cannot build")
+    lm = _lora_manager(model)
+    layers = [m.lora for m in model.modules() if isinstance(m, ShardedLinear) and m.lora]
+    assert layers and all(isinstance(x, LoRALinear) and x.native is not None for x in layers)
+    monkeypatch.setenv(fused_build.ENABLE_ENV, "off")
+    want_out, want_caches = _run_lora(model, lm, False, LORA_STEPS)
+    base_out, _ = _run_lora(model, lm, False, NO_LORA_STEPS)
+    monkeypatch.delenv(fused_build.ENABLE_ENV)
+    got_out, got_caches = _run_lora(model, lm, True, LORA_STEPS)
+    for step, (got, want) in enumerate(zip(got_out, want_out, strict=True)):
+        assert got.dtype is BF16 and torch.equal(got, want), f"step {step} differs"
+    for got, want in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(want_out[0], base_out[0]), "the adapters changed nothing"
+
+
+def test_lora_steps_without_c_plans_run_per_op(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No C LoRA kernel (or float16 stacks): base steps stay fused, LoRA steps run per op."""
+    if fused_build.load_fused() is None:
+        pytest.skip("no C compiler: the fused library cannot build")
+    from paged.runner.cpu_kernels import lora_delta
+
+    monkeypatch.setenv(lora_delta.ISA_ENV, "off")
+    lm = _lora_manager(model)
+    inner = _inner(model)
+    inner.cpu_fused = fused.FusedLayers()
+    inner.cpu_fused.watch_lora(lambda: lm.batch.active)
+    stack = inner._fused_stack()
+    assert stack is not None and not stack.lora_ready
+    lm.begin_step(["a", None], np.array([1, 1], dtype=np.int32))
+    assert inner._fused_stack() is None
+    lm.end_step()
+    assert inner._fused_stack() is stack

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import cast
 
 import numpy as np
@@ -29,6 +30,7 @@ from paged.runner.layers.linear import (
 )
 from paged.runner.layers.parallel import TPGroup
 from paged.runner.lora.config import LoRAAdapterSpec, LoRAConfig
+from paged.runner.lora.layer import LoRALinear
 from paged.runner.lora.manager import LoRAManager
 from paged.runner.lora.weights import LoRAAdapterWeights, LoRAModuleWeights
 
@@ -259,19 +261,40 @@ def test_validation_against_the_model() -> None:
     assert lm.list_loras() == []
 
 
-def test_steps_with_lora_rows_leave_the_fused_stack() -> None:
-    """The fused CPU stack bypasses module forwards: it must not run a step with LoRA rows."""
+def test_lora_steps_leave_only_a_fused_stack_that_cannot_add_deltas() -> None:
+    """A stack whose plans lack a LoRA layer's C plan must not run a step with LoRA rows;
+    one that carries them runs every step (fused_layer.c adds the deltas)."""
     model = Tiny(TPGroup(), 4, 2, full_weights(4, 2, 0))
     lm, _ = manager(model, {"a": adapter(4, 2, 2, 0)})
     lm.add_lora(LoRAAdapterSpec("a", "a"))
-    kernel, stack = object(), cast(FusedDecoderStack, object())
-    assert model.cpu_fused.stack(kernel, lambda: stack) is stack
-    lm.begin_step([None, "a"], np.array([1, 1], dtype=np.int32))
-    assert model.cpu_fused.stack(kernel, lambda: stack) is None
+    for ready in (False, True):
+        kernel = object()  # a new key: the stack is built again
+        stack = cast(FusedDecoderStack, SimpleNamespace(lora_ready=ready))
+
+        def build(s: FusedDecoderStack = stack) -> FusedDecoderStack:
+            return s
+
+        assert model.cpu_fused.stack(kernel, build) is stack
+        lm.begin_step([None, "a"], np.array([1, 1], dtype=np.int32))
+        assert model.cpu_fused.stack(kernel, build) is (stack if ready else None)
+        lm.end_step()
+        assert model.cpu_fused.stack(kernel, build) is stack
+        lm.begin_step([None], np.array([3], dtype=np.int32))
+        assert model.cpu_fused.stack(kernel, build) is stack
+        lm.end_step()
+
+
+def test_cpu_layers_use_the_c_kernel_with_b_stored_transposed() -> None:
+    """On the CPU each layer has a C plan; B_all is a view of its transposed stack."""
+    model = Tiny(TPGroup(), 4, 2, full_weights(4, 2, 0))
+    lm, _ = manager(model, {"a": adapter(4, 2, 2, 0)})
+    lora = model.layer.self_attn.qkv_proj.lora
+    assert isinstance(lora, LoRALinear) and lora.native is not None
+    assert lora.b_all.transpose(1, 2).is_contiguous()
+    lm.add_lora(LoRAAdapterSpec("a", "a"))
+    lm.begin_step(["a"], np.array([2], dtype=np.int32))
+    assert lm.batch.ranks.tolist()[lm._slot_names.index("a")] == 2
     lm.end_step()
-    assert model.cpu_fused.stack(kernel, lambda: stack) is stack
-    lm.begin_step([None], np.array([3], dtype=np.int32))
-    assert model.cpu_fused.stack(kernel, lambda: stack) is stack
 
 
 @pytest.mark.skipif(

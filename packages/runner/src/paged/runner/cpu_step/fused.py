@@ -19,6 +19,13 @@ up to MAX_ROWS; a step with more rows (a long prefill chunk) or any layer that
 does not qualify runs the model's per-op forward instead. The attention is
 called through its module so that every attention path (the C decode kernel,
 the torch backend for prefill, connectors' hooks) stays as it is.
+
+LoRA: a projection with a `LoRALinear` whose C plan exists (lora/layer.py's
+`native`) gets that plan in the layer plan, and a step with LoRA rows passes its
+token slots: each matmul is followed by the same paged_lora_delta call the per-op
+path makes, so a fused LoRA step equals the per-op one bit for bit (tested). A
+stack with a LoRA layer lacking a C plan (float16 stacks, no compiler) has
+`lora_ready` False, and `FusedLayers` sends its LoRA steps per op.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from paged.runner.layers.layernorm import RMSNorm
 from paged.runner.layers.linear import ShardedLinear
 from paged.runner.layers.quantized_linear import QGemmMatmul, RowSplitMatmul
 from paged.runner.layers.rotary import RotaryEmbedding
+from paged.runner.lora.layer import LoRABatch, LoRALinear
 
 BF16 = torch.bfloat16
 # Steps with more rows run the per-op path. 2048 is the scheduler's default token
@@ -55,6 +63,7 @@ _ERRORS = {
     -2: "a quantised matmul refused its arguments",
     -3: "out of memory",
     -4: "more rows than the scratch buffers hold",
+    -5: "the LoRA delta failed (a token slot out of range, or out of memory)",
 }
 
 _vp, _i64, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -63,7 +72,7 @@ _vp, _i64, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 class _Kernels(ctypes.Structure):
     _fields_ = [
         ("qgemm_q4", _vp), ("qgemm_q8", _vp), ("rms_norm", _vp), ("add_rms_norm", _vp),
-        ("gated_act", _vp), ("rotary_neox", _vp), ("qgemm_native", _vp),
+        ("gated_act", _vp), ("rotary_neox", _vp), ("qgemm_native", _vp), ("lora_delta", _vp),
     ]  # fmt: skip
 
 
@@ -97,6 +106,7 @@ class _LayerPlan(ctypes.Structure):
         ("input_norm", _vp), ("post_attn_norm", _vp), ("pre_ff_norm", _vp),
         ("post_ff_norm", _vp), ("q_norm", _vp), ("k_norm", _vp),
         ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+        ("lora_qkv", _vp), ("lora_o", _vp), ("lora_gate_up", _vp), ("lora_down", _vp),
     ]  # fmt: skip
 
 
@@ -196,6 +206,11 @@ class FusedDecoderStack:
         self.inter = first.down.weight.shape[1]
         self.qk_norm = first.q_norm is not None
         self._keep: list[torch.Tensor] = []  # every tensor a plan points at
+        # LoRA: the step's rows (shared by every LoRALinear); lora_ready: every LoRA
+        # layer has a C plan (else steps with LoRA rows must run per op).
+        self.lora_batch: LoRABatch | None = None
+        self.lora_ready = True
+        self._lora_plans: list[object] = []  # every LoRA C plan a layer plan points at
         self._plans = [self._plan(spec) for spec in specs]
         self._plan_ptrs = [ctypes.addressof(p) for p in self._plans]
         self._buffers: dict[str, torch.Tensor] = {}
@@ -217,7 +232,27 @@ class FusedDecoderStack:
             setattr(plan, field, None if norm is None else self._ptr(norm._float_weight()))
         for field in ("qkv", "o", "gate_up", "down"):
             self._fill_proj(getattr(plan, field), getattr(spec, field))
+            setattr(plan, f"lora_{field}", self._lora_plan(getattr(spec, field)))
         return plan
+
+    def _lora_plan(self, layer: ShardedLinear) -> int | None:
+        """The address of the layer's LoRA C plan; None without LoRA (or without a plan,
+        which clears lora_ready)."""
+        lora = layer.lora
+        if lora is None:
+            return None
+        if not isinstance(lora, LoRALinear) or lora.native is None:
+            self.lora_ready = False
+            return None
+        if self.lora_batch is not None and lora.batch is not self.lora_batch:
+            self.lora_ready = False  # one step, one set of token slots
+        self.lora_batch = lora.batch
+        address = lora.native.lib.address
+        if self._kernels.lora_delta not in (None, address):
+            self.lora_ready = False  # two builds of the kernel: one pointer only
+        self._kernels.lora_delta = address
+        self._lora_plans.append(lora.native)
+        return lora.native.address
 
     def _ptr(self, t: torch.Tensor) -> int:
         self._keep.append(t)
@@ -285,24 +320,41 @@ class FusedDecoderStack:
         if positions.shape != (m,):
             raise ValueError(f"positions: expected [{m}], got {tuple(positions.shape)}")
         pos = positions.data_ptr()
+        token_slots = self._token_slots(m)
+        slots = None if token_slots is None else token_slots.data_ptr()
         pending = None  # Llama: the previous MLP's output, added by the next norm
         pre, post, plans, specs = self._pre, self._post, self._plan_ptrs, self.specs
         mlp_ptr = None if self.sandwich else mlp_out.data_ptr()
         kv_caches = ctx.kv_caches
         for i in range(len(plans)):
             ctx.wait_for_layer_load(i)
-            _check(pre(plans[i], m, pending, pos))
+            _check(pre(plans[i], m, pending, pos, slots))
             out = specs[i].attn(q, k, v, kv_caches[i] if kv_caches else None, ctx.metadata_for(i))
             if out.dtype is not BF16 or out.shape != (m, self.q_size):
                 raise RuntimeError(f"attention returned {out.dtype} {tuple(out.shape)}")
             out = out.contiguous()  # bound to a name: it must outlive the C call
-            _check(post(plans[i], m, out.data_ptr()))
+            _check(post(plans[i], m, out.data_ptr(), slots))
             ctx.save_kv_layer(i)
             pending = mlp_ptr
         norm = self.final_norm
         if self.sandwich:
             return native.rms_norm(residual, norm._float_weight(), norm.eps)
         return native.add_rms_norm_(mlp_out, residual, norm._float_weight(), norm.eps)
+
+    def _token_slots(self, m: int) -> torch.Tensor | None:
+        """This step's LoRA token slots ([m] int64 on the CPU), None without LoRA rows."""
+        batch = self.lora_batch
+        slots = batch.token_slots if batch is not None else None
+        if slots is None:
+            return None
+        if not self.lora_ready:
+            raise RuntimeError("this fused stack cannot add LoRA deltas: run the step per op")
+        if slots.shape != (m,) or slots.dtype is not torch.int64 or slots.device.type != "cpu":
+            raise ValueError(
+                f"LoRA token_slots: expected [{m}] int64 on the CPU, got "
+                f"{tuple(slots.shape)} {slots.dtype} on {slots.device}"
+            )
+        return slots.contiguous()
 
 
 def _check(code: int) -> None:
@@ -364,22 +416,25 @@ class FusedLayers:
     def __init__(self) -> None:
         self._key: object = None
         self._stack: FusedDecoderStack | None = None
-        # True for a step the fused stack cannot run (it bypasses the modules'
-        # forwards, so a step with LoRA rows takes the per-op path); None: never.
-        self._per_op: Callable[[], bool] | None = None
+        # True while the step has LoRA rows (the LoRA manager's hook); None: never.
+        self._lora_active: Callable[[], bool] | None = None
 
-    def run_per_op_when(self, predicate: Callable[[], bool]) -> None:
-        """Steps for which `predicate()` is true skip the fused stack (the LoRA manager's hook)."""
-        self._per_op = predicate
+    def watch_lora(self, active: Callable[[], bool]) -> None:
+        """Give the stack the LoRA layers attached since it was built (it is rebuilt), and
+        send steps for which `active()` is true per op when the stack cannot add their
+        deltas (`FusedDecoderStack.lora_ready` false: a LoRA layer without a C plan)."""
+        self._lora_active = active
+        self._key = None
 
     def stack(
         self, first_kernel: object, build: Callable[[], FusedDecoderStack | None]
     ) -> FusedDecoderStack | None:
         if first_kernel is None:
             return None  # not quantised (or not loaded yet)
-        if self._per_op is not None and self._per_op():
-            return None
         if first_kernel is not self._key:
             self._stack = build()
             self._key = first_kernel
-        return self._stack
+        stack = self._stack
+        if stack is not None and not stack.lora_ready and self._lora_active is not None:
+            return None if self._lora_active() else stack
+        return stack

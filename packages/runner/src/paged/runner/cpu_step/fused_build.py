@@ -20,7 +20,7 @@ from paged.runner.cpu_step import build
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "PAGED_CPU_FUSED_LAYERS"
-_ABI = 2  # paged_fused_abi() of the source this module drives
+_ABI = 3  # paged_fused_abi() of the source this module drives
 _FLAGS = [
     "-O3", "-march=native", "-shared", "-fPIC", "-std=c11",
     "-Werror=implicit-function-declaration", "-Wl,--no-undefined",
@@ -60,8 +60,9 @@ def _build_and_load(cc: str) -> ctypes.CDLL | None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for name, argtypes in {
-        "paged_fused_pre_attention": [ptr, i64, ptr, ptr],  # plan, m, pending, positions
-        "paged_fused_post_attention": [ptr, i64, ptr],  # plan, m, attention output
+        # plan, m, pending, positions, token_slots (LoRA; None: no LoRA rows)
+        "paged_fused_pre_attention": [ptr, i64, ptr, ptr, ptr],
+        "paged_fused_post_attention": [ptr, i64, ptr, ptr],  # plan, m, attention output, slots
     }.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int

@@ -19,12 +19,18 @@
  * shapes, norm weights, scratch buffers sized for `capacity` rows) is in a
  * LayerPlan that Python fills once (cpu_step/fused.py mirrors these structs).
  *
- * Returns 0, or FUSED_E_* below; nothing is allocated here.
+ * LoRA: a plan may carry, per matmul, the LoRA stacks of that layer (lora_delta.c's
+ * LoraWeights, opaque here); when the step passes its token_slots, each such matmul is
+ * followed by paged_lora_delta on the same input and output (cpu_kernels/lora_delta.c,
+ * through a pointer), exactly the call the per-op path's LoRALinear.add_to makes.
+ *
+ * Returns 0, or FUSED_E_* below; nothing is allocated here (paged_lora_delta
+ * allocates and frees its own row scratch).
  */
 #include <stdint.h>
 #include <stddef.h>
 
-int paged_fused_abi(void) { return 2; }
+int paged_fused_abi(void) { return 3; }
 
 typedef int (*q4_fn)(const uint8_t *, int64_t, int64_t, int, float, const void *, int64_t,
                      int64_t, int, void *, int64_t, int);
@@ -40,17 +46,21 @@ typedef int (*gated_act_fn)(const uint16_t *, int64_t, uint16_t *, int64_t, int6
 typedef int (*rotary_fn)(const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t, int64_t,
                          const int64_t *, const float *, int64_t, int64_t, uint16_t *,
                          uint16_t *, int64_t);
+typedef int (*lora_fn)(const void *, const int64_t *, int64_t, const void *, int64_t, int, void *,
+                       int64_t, int);
 
 enum {
     FUSED_E_POSITION = -1, /* a position outside the rotary table */
     FUSED_E_GEMM = -2,     /* a matmul refused its arguments */
     FUSED_E_MEMORY = -3,   /* a matmul or norm ran out of memory */
     FUSED_E_ROWS = -4,     /* more rows than the scratch buffers hold */
+    FUSED_E_LORA = -5,     /* the LoRA delta failed (a token slot out of range, memory) */
 };
 
 typedef struct {
     void *qgemm_q4, *qgemm_q8, *rms_norm, *add_rms_norm, *gated_act, *rotary_neox;
     void *qgemm_native;
+    void *lora_delta; /* paged_lora_delta, or NULL when no plan carries LoRA */
 } Kernels;
 
 /* One quantised run of output rows: fmt 4 (paged_qgemm_q4), 8 (paged_qgemm_q8) or a
@@ -95,13 +105,16 @@ typedef struct {
      * the MLP's output before its add. q_norm/k_norm: per head, before rotary. */
     const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm, *q_norm, *k_norm;
     Proj qkv, o, gate_up, down;
+    /* Each matmul's LoRA stacks (a LoraWeights), NULL where the layer has none. */
+    const void *lora_qkv, *lora_o, *lora_gate_up, *lora_down;
 } LayerPlan;
 
 static int gemm_code(int rc) { return rc == -2 ? FUSED_E_MEMORY : FUSED_E_GEMM; }
 
-/* y[:, :proj.n] = x W^T for m rows (x bf16 rows of stride k, y bf16 rows of stride proj.n). */
-static int run_proj(const Kernels *kern, const Proj *proj, const uint16_t *x, int64_t m,
-                    uint16_t *y) {
+/* y[:, :proj.n] = x W^T for m rows (x bf16 rows of stride k, y bf16 rows of stride proj.n),
+ * then + the LoRA deltas of the rows that have an adapter (lora and slots both set). */
+static int run_proj(const Kernels *kern, const Proj *proj, const void *lora,
+                    const int64_t *slots, const uint16_t *x, int64_t m, uint16_t *y) {
     int64_t col = 0;
     for (int64_t i = 0; i < proj->num_parts; i++) {
         const Part *p = &proj->parts[i];
@@ -120,6 +133,9 @@ static int run_proj(const Kernels *kern, const Proj *proj, const uint16_t *x, in
         if (rc != 0) return gemm_code(rc);
         col += p->n;
     }
+    if (lora != NULL && slots != NULL &&
+        ((lora_fn)kern->lora_delta)(lora, slots, m, x, proj->parts[0].k, 1, y, proj->n, 1) != 0)
+        return FUSED_E_LORA;
     return 0;
 }
 
@@ -134,8 +150,9 @@ static void add_bf16_into(float *residual, const uint16_t *x, int64_t m, int64_t
     }
 }
 
+/* token_slots: this step's [m] adapter slots (-1: base row), or NULL: no LoRA rows. */
 int paged_fused_pre_attention(const LayerPlan *p, int64_t m, const uint16_t *pending,
-                              const int64_t *positions) {
+                              const int64_t *positions, const int64_t *token_slots) {
     const Kernels *kern = p->kernels;
     const Scratch *s = p->scratch;
     if (m > s->capacity) return FUSED_E_ROWS;
@@ -148,7 +165,8 @@ int paged_fused_pre_attention(const LayerPlan *p, int64_t m, const uint16_t *pen
                  : ((rms_norm_fn)kern->rms_norm)(s->residual, 0, h, p->input_norm, eps,
                                                  s->normed, m, h);
     if (rc != 0) return FUSED_E_MEMORY;
-    if ((rc = run_proj(kern, &p->qkv, s->normed, m, s->qkv)) != 0) return rc;
+    rc = run_proj(kern, &p->qkv, p->lora_qkv, token_slots, s->normed, m, s->qkv);
+    if (rc != 0) return rc;
     const uint16_t *q = s->qkv, *k = s->qkv + p->q_size;
     int64_t q_stride = nqkv, k_stride = nqkv;
     if (p->q_norm != NULL) {
@@ -169,7 +187,8 @@ int paged_fused_pre_attention(const LayerPlan *p, int64_t m, const uint16_t *pen
     return rc != 0 ? FUSED_E_POSITION : 0;
 }
 
-int paged_fused_post_attention(const LayerPlan *p, int64_t m, const uint16_t *attn_out) {
+int paged_fused_post_attention(const LayerPlan *p, int64_t m, const uint16_t *attn_out,
+                               const int64_t *token_slots) {
     const Kernels *kern = p->kernels;
     const Scratch *s = p->scratch;
     if (m > s->capacity) return FUSED_E_ROWS;
@@ -177,7 +196,7 @@ int paged_fused_post_attention(const LayerPlan *p, int64_t m, const uint16_t *at
     const int64_t h = p->hidden;
     const float eps = (float)p->eps;
     rms_norm_fn norm = (rms_norm_fn)kern->rms_norm;
-    int rc = run_proj(kern, &p->o, attn_out, m, s->o_out);
+    int rc = run_proj(kern, &p->o, p->lora_o, token_slots, attn_out, m, s->o_out);
     if (rc != 0) return rc;
     if (p->pre_ff_norm != NULL) {
         if (norm(s->o_out, 1, h, p->post_attn_norm, eps, s->normed, m, h)) return FUSED_E_MEMORY;
@@ -187,10 +206,12 @@ int paged_fused_post_attention(const LayerPlan *p, int64_t m, const uint16_t *at
         ((add_rms_norm_fn)kern->add_rms_norm)(s->o_out, h, s->residual, p->post_attn_norm, eps,
                                                s->normed, m, h);
     }
-    if ((rc = run_proj(kern, &p->gate_up, s->normed, m, s->gate_up)) != 0) return rc;
+    if ((rc = run_proj(kern, &p->gate_up, p->lora_gate_up, token_slots, s->normed, m,
+                       s->gate_up)) != 0) return rc;
     ((gated_act_fn)kern->gated_act)(s->gate_up, 2 * p->inter, s->act, m, p->inter,
                                      (int)p->act_kind);
-    if ((rc = run_proj(kern, &p->down, s->act, m, s->mlp_out)) != 0) return rc;
+    rc = run_proj(kern, &p->down, p->lora_down, token_slots, s->act, m, s->mlp_out);
+    if (rc != 0) return rc;
     if (p->post_ff_norm != NULL) {
         if (norm(s->mlp_out, 1, h, p->post_ff_norm, eps, s->normed, m, h)) return FUSED_E_MEMORY;
         add_bf16_into(s->residual, s->normed, m, h);

@@ -20,6 +20,14 @@ Two op calls a layer instead of 2n: a decode step of a 30-layer model makes
 (measured in benchmarks/lora_engine_bench.py). `LoRASlice` holds views of one
 slice's blocks; the manager writes adapters through them.
 
+On the CPU (bfloat16 or float32 stacks, the C kernel built) B_all is stored
+transposed, `Bt_all [S, n*R, out_local]` with B_all its view, and the whole
+delta is ONE C call (cpu_kernels/lora_delta.c through `native`, a
+`LoRADeltaPlan`): rows of one slot together, only each slice's own block of B,
+only each slot's adapter rank. The fused CPU decoder layers call the same C
+function with the same plan (cpu_step/fused.py), so both paths give the same bits.
+The torch/Triton ops serve every other case (CUDA, float16 stacks, no compiler).
+
 Tensor parallelism shards an adapter like its base layer:
     column-parallel (qkv, gate_up): B split on output rows as the base weight's
         rows (the same q/k/v head ranges), A whole;
@@ -34,8 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-from paged.kernels import ops
+from paged.kernels import ops, reference
 from paged.kernels.lora import LoRARowGroups
+from paged.runner.cpu_kernels.lora_delta import LoRADeltaPlan
 
 __all__ = ["LoRABatch", "LoRALinear", "LoRASlice"]
 
@@ -47,12 +56,14 @@ class LoRABatch:
     `token_slots` [T] int64 on the device: the device slot of each token's
     adapter, -1 for base-model rows; None for a step without any LoRA row (the
     layers then do nothing, and the fused CPU path and CUDA graphs stay usable).
-    `scaling` [S] float32: each slot's adapter scaling. `groups`: the rows
-    grouped by slot once per step (built from the host copy: no device sync),
-    shared by every shrink/expand call of the step.
+    `scaling` [S] float32: each slot's adapter scaling; `ranks` [S] int64: each
+    slot's adapter rank (0: empty; the C kernel skips the zero padding past it).
+    `groups`: the rows grouped by slot once per step (built from the host copy: no
+    device sync), shared by every shrink/expand call of the step.
     """
 
     scaling: torch.Tensor
+    ranks: torch.Tensor
     token_slots: torch.Tensor | None = None
     groups: LoRARowGroups | None = None
 
@@ -97,21 +108,35 @@ class LoRALinear:
     """The per-row LoRA delta of one base linear layer (see the module docstring)."""
 
     def __init__(
-        self, batch: LoRABatch, slices: list[LoRASlice], a_all: torch.Tensor, b_all: torch.Tensor
+        self,
+        batch: LoRABatch,
+        slices: list[LoRASlice],
+        a_all: torch.Tensor,
+        b_all: torch.Tensor,
+        native: LoRADeltaPlan | None = None,
     ) -> None:
         self.batch = batch
         self.slices = slices
         self.a_all = a_all  # [S, n*R, in_local]
-        self.b_all = b_all  # [S, out_local, n*R]
+        self.b_all = b_all  # [S, out_local, n*R] (a transposed view with `native`)
+        # The C kernel's plan over the same stacks (CPU only; see the module docstring).
+        self.native = native
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, out_local] += this step's deltas for x [T, in_local]; nothing without LoRA rows."""
         slots, groups = self.batch.token_slots, self.batch.groups
         if slots is None:
             return
+        native = self.native
+        if native is not None and ops.backend_for(x) is reference and y.stride(-1) == 1:
+            native.add_to(x if x.stride(-1) == 1 else x.contiguous(), y, slots)
+            return
+        b_all = self.b_all
+        if b_all.stride(-1) != 1 and ops.backend_for(x) is not reference:
+            b_all = b_all.contiguous()  # Triton wants contiguous rows (CPU tests, interpreter)
         dtype = self.a_all.dtype
         # The delta runs in lora_dtype (A @ x rounded to it); expand accumulates in
         # float32 and rounds once into y, whatever y's dtype (bf16 on the quantised path).
         xd = x if x.dtype == dtype else x.to(dtype)
         shrunk = ops.lora_shrink(xd, self.a_all, slots, groups=groups)
-        ops.lora_expand(shrunk, self.b_all, slots, y, 0, self.batch.scaling, groups=groups)
+        ops.lora_expand(shrunk, b_all, slots, y, 0, self.batch.scaling, groups=groups)

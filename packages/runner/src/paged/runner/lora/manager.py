@@ -57,7 +57,8 @@ class LoRAManager:
             model_dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
         )
         self.batch = LoRABatch(
-            scaling=torch.zeros(config.max_loras, dtype=torch.float32, device=device)
+            scaling=torch.zeros(config.max_loras, dtype=torch.float32, device=device),
+            ranks=torch.zeros(config.max_loras, dtype=torch.int64, device=device),
         )
         self.targets: dict[str, LoRASlice] = attach_lora_layers(
             model, self.batch, config.max_loras, config.max_lora_rank, self.dtype, device
@@ -65,7 +66,9 @@ class LoRAManager:
         for module in model.modules():
             fused = getattr(module, "cpu_fused", None)
             if isinstance(fused, FusedLayers):
-                fused.run_per_op_when(lambda: self.batch.active)
+                # Steps with LoRA rows run fused when the stack carries every layer's C
+                # plan, else (float16 stacks, no compiler) per op.
+                fused.watch_lora(lambda: self.batch.active)
         self._loader = loader
         self._host: OrderedDict[str, LoRAAdapterWeights] = OrderedDict()  # LRU order
         self._paths: dict[str, str] = {}
@@ -146,6 +149,7 @@ class LoRAManager:
                     None if pair is None else pair.lora_b,
                 )
             self.batch.scaling[slot] = weights.scaling
+            self.batch.ranks[slot] = weights.rank
             self._slot_names[slot] = name
         self._slot_used[slot] = self._step
         return slot

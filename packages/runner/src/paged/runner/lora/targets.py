@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paged.runner.cpu_kernels.lora_delta import LoRADeltaPlan, load_lora_delta
 from paged.runner.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -40,8 +41,12 @@ def attach_lora_layers(
 ) -> dict[str, LoRASlice]:
     """Attach LoRA holders to every target layer; returns HF module path -> its slice.
 
+    On the CPU with bfloat16 or float32 stacks each layer also gets the C kernel's
+    plan (B stored transposed, see layer.py), unless the kernel cannot be built.
     Raises ValueError when the model has no layer LoRA can target.
     """
+    native = device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+    lib = load_lora_delta() if native else None
     targets: dict[str, LoRASlice] = {}
     for path, module in model.named_modules():
         if not isinstance(module, ShardedLinear):
@@ -52,10 +57,16 @@ def attach_lora_layers(
             continue
         in_local, n = module.weight.shape[1], len(specs)
         # One stack for all slices: A rows and B columns per slice, B block diagonal.
+        out_local = module.weight.shape[0]
         a_all = torch.zeros(slots, n * rank, in_local, dtype=dtype, device=device)
-        b_all = torch.zeros(slots, module.weight.shape[0], n * rank, dtype=dtype, device=device)
+        bt_all: torch.Tensor | None = None
+        if lib is not None:  # B transposed in memory: the C kernel runs along output columns
+            bt_all = torch.zeros(slots, n * rank, out_local, dtype=dtype, device=device)
+            b_all = bt_all.transpose(1, 2)
+        else:
+            b_all = torch.zeros(slots, out_local, n * rank, dtype=dtype, device=device)
         layer_slices = []
-        for i, (name, full_in, full_out, in_start, out_start, offset, out_local) in enumerate(
+        for i, (name, full_in, full_out, in_start, out_start, offset, slice_out) in enumerate(
             specs
         ):
             hf_path = f"{parent}.{name}" if parent else name
@@ -68,11 +79,15 @@ def attach_lora_layers(
                 out_start=out_start,
                 out_offset=offset,
                 a=a_all[:, ranks],
-                b=b_all[:, offset : offset + out_local, ranks],
+                b=b_all[:, offset : offset + slice_out, ranks],
             )
             targets[hf_path] = lora_slice
             layer_slices.append(lora_slice)
-        module.lora = LoRALinear(batch, layer_slices, a_all, b_all)
+        plan = None
+        if lib is not None and bt_all is not None:
+            offsets = [s.out_offset for s in layer_slices] + [out_local]
+            plan = LoRADeltaPlan(lib, a_all, bt_all, batch.scaling, batch.ranks, offsets)
+        module.lora = LoRALinear(batch, layer_slices, a_all, b_all, plan)
     if not targets:
         raise ValueError(
             f"enable_lora: {type(model).__name__} has no layer LoRA can target "
