@@ -124,6 +124,8 @@ def run_server(
             ),
             max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
         )
+        # A cross-encoder's saved score template is read (and refused if bad) at start-up.
+        pooling = PoolingFrontend.from_model_config(mc, name, tokenizer, front.chat_template)
         llm = AsyncLLM(
             client,
             tokenizer,
@@ -136,7 +138,7 @@ def run_server(
             mm_frontend=mm_frontend,
             generation_defaults=generation_defaults,
             log_requests=front.enable_log_requests,
-            pooling=PoolingFrontend.from_model_config(mc, name),
+            pooling=pooling,
         )
         app = build_app(
             llm,
@@ -154,6 +156,7 @@ def run_server(
                 llm.supported_tasks,
                 None if mc.pooler_config is None else mc.pooler_config.task,
                 score_template=front.chat_template,
+                saved_score_template=pooling.saved_score_template,
             ),
             lora_modules=front.lora_modules,
         )

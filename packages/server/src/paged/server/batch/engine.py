@@ -88,6 +88,7 @@ def batch_serving(
         device=mc.device,
         world_size=engines_world_size(config),
     )
+    pooling = PoolingFrontend.from_model_config(mc, args.model_name(), tokenizer, chat_template)
     llm = AsyncLLM(
         client,
         tokenizer,
@@ -98,13 +99,14 @@ def batch_serving(
         grammar_compiler=compiler,
         mm_frontend=mm_frontend,
         generation_defaults=generation_defaults,
-        pooling=PoolingFrontend.from_model_config(mc, args.model_name()),
+        pooling=pooling,
     )
     tasks = ModelTasks.from_hf_config(
         mc.hf_config,
         llm.supported_tasks,
         None if mc.pooler_config is None else mc.pooler_config.task,
         score_template=chat_template,
+        saved_score_template=pooling.saved_score_template,
     )
     try:
         yield BatchServing(
