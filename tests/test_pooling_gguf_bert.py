@@ -62,7 +62,8 @@ def bert_dir(root: Path, model_cls: str = "BertModel") -> tuple[Path, Any, Any]:
     """A random BERT over a WordPiece vocabulary (continuation pieces included)."""
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "##s", "##ing", ".", ",", "!"]
     tok = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
-    cfg = transformers.BertConfig(vocab_size=len(vocab), pad_token_id=0, num_labels=1, **TINY)
+    config_cls: Any = transformers.BertConfig  # num_labels is a PretrainedConfig kwarg
+    cfg = config_cls(vocab_size=len(vocab), pad_token_id=0, num_labels=1, **TINY)
     return root, _save(root, model_cls, cfg, tok), tok
 
 
@@ -73,7 +74,8 @@ def xlmr_dir(root: Path, model_cls: str = "XLMRobertaModel") -> tuple[Path, Any,
     pieces += [("\u2581" + w, -1.0 - 0.1 * i) for i, w in enumerate(WORDS)]
     pieces += [("\u2581", -4.0)] + [(c, -5.0) for c in letters] + [("<mask>", 0.0)]
     tok = transformers.XLMRobertaTokenizer(vocab=pieces)
-    cfg = transformers.XLMRobertaConfig(
+    config_cls: Any = transformers.XLMRobertaConfig
+    cfg = config_cls(
         vocab_size=len(pieces), pad_token_id=1, type_vocab_size=1, num_labels=1, **TINY
     )
     return root, _save(root, model_cls, cfg, tok), tok

@@ -33,7 +33,8 @@ def _cross_encoder(root: Path) -> tuple[Any, Any]:
     tok = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
     tok.chat_template = SAVED
     tok.save_pretrained(root)
-    cfg = transformers.BertConfig(
+    config_cls: Any = transformers.BertConfig  # num_labels is a PretrainedConfig kwarg
+    cfg = config_cls(
         vocab_size=len(vocab),
         hidden_size=32,
         num_hidden_layers=2,
@@ -43,7 +44,8 @@ def _cross_encoder(root: Path) -> tuple[Any, Any]:
         num_labels=1,
     )
     torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(cfg).eval()
+    model_cls: Any = transformers.BertForSequenceClassification
+    model = model_cls(cfg).eval()
     model.save_pretrained(root)
     # What sentence-transformers 5+ saves for a CrossEncoder over `message` inputs.
     (root / "config_sentence_transformers.json").write_text(

@@ -117,7 +117,7 @@ def test_llama_cpp_rerank_prompt_renders_verbatim() -> None:
     (quotes, braces, Jinja-looking text, newlines that trim_blocks would eat after a tag)."""
     import transformers
 
-    bert: Any = transformers.BertTokenizer  # type: ignore[attr-defined]
+    bert: Any = transformers.BertTokenizer
     tok = bert(vocab={"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4})
     prompt = 'Judge "yes" or {no} {{ x }} {% raw %}\n<Query>: {query}\n<Document>: {document}\n'
     messages = [{"role": "query", "content": "q {x}"}, {"role": "document", "content": "d é"}]
