@@ -142,6 +142,18 @@ def test_gguf_pooling_type_and_rank_head_resolve_from_the_file(tmp_path: Path) -
     )
 
 
+def test_encoder_gets_its_virtual_kv_cache_not_the_cpu_default_budget(tmp_path: Path) -> None:
+    """Before: the CPU default KV budget (a quarter of memory) became ~45M virtual blocks
+    for a BERT server (a minute of start-up); the encoder's runner sizes its own."""
+    from paged.server.engine_args import EngineArgs
+
+    root, _, _ = bert_dir(tmp_path / "hf")
+    path = str(write_bert_gguf(root, tmp_path / "e.gguf"))
+    assert EngineArgs(model=path).create_engine_config().cache_config.kv_cache_memory_bytes is None
+    asked = EngineArgs(model=path, kv_cache_memory_bytes=1 << 20).create_engine_config()
+    assert asked.cache_config.kv_cache_memory_bytes == 1 << 20
+
+
 @pytest.mark.parametrize("keep_pooler", [False, True])
 def test_gguf_bert_rank_head_is_llama_cpp_s(tmp_path: Path, keep_pooler: bool) -> None:
     """llama.cpp's converter drops BERT's pooler.dense: the score is sigmoid(cls.output(CLS));
