@@ -2,7 +2,10 @@
 
 Builds a random MiniLM-L6-shaped BERT (hidden 384, 6 layers, 12 heads, vocab
 30522; `--shape bert-base` for hidden 768 / 12 layers) as a sentence-transformers
-directory (mean pooling + Normalize), and `--num-inputs` texts of 16-512
+directory (mean pooling + Normalize), or with `--shape qwen3-small` a decoder
+embedder as Qwen3-Embedding is built (a random Qwen3ForCausalLM of the same width
+and depth, last-token pooling + Normalize: paged runs it on its decoder runner with
+the KV cache and chunked prefill), and `--num-inputs` texts of 16-512
 tokens (uniform lengths, fixed seed). Both sides run in this process with the
 same torch thread count (`--threads`), alternated round by round so drift in
 machine load hits both alike; the median of `--runs` rounds is reported, with
@@ -46,18 +49,23 @@ SHAPES: dict[str, dict[str, int]] = {
     "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                   "intermediate_size": 3072},
 }  # fmt: skip
+# Decoder embedders (Qwen3-Embedding style: a causal LM, last-token pooling + Normalize),
+# sized like MiniLM so the two kinds compare: hidden 384, 6 layers, GQA 6/2 heads.
+DECODER_SHAPES: dict[str, dict[str, int]] = {
+    "qwen3-small": {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6,
+                    "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 1536},
+}  # fmt: skip
 VOCAB = 30522
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def build_checkpoint(path: Path, shape: str) -> None:
-    """A random BERT with a word-piece vocabulary and sentence-transformers files."""
+    """A random BERT (mean pooling), or a random Qwen3 causal LM (last-token pooling), with
+    a word-piece vocabulary and sentence-transformers files."""
     import transformers
     from transformers import AutoTokenizer
 
     auto_tok: Any = AutoTokenizer
-    config_cls: Any = transformers.BertConfig
-    model_cls: Any = transformers.BertModel
 
     vocab = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
@@ -66,9 +74,21 @@ def build_checkpoint(path: Path, shape: str) -> None:
     )
     tok = auto_tok.from_pretrained(str(path))
     tok.save_pretrained(str(path))
-    config = config_cls(vocab_size=VOCAB, max_position_embeddings=512, **SHAPES[shape])
     torch.manual_seed(0)
-    model_cls(config, add_pooling_layer=False).eval().save_pretrained(str(path))
+    decoder = shape in DECODER_SHAPES
+    if decoder:
+        qwen3_config: Any = transformers.Qwen3Config
+        qwen3_cls: Any = transformers.Qwen3ForCausalLM
+        config = qwen3_config(
+            vocab_size=VOCAB, max_position_embeddings=512, pad_token_id=0,
+            tie_word_embeddings=True, **DECODER_SHAPES[shape],
+        )  # fmt: skip
+        qwen3_cls(config).eval().save_pretrained(str(path))
+    else:
+        config_cls: Any = transformers.BertConfig
+        model_cls: Any = transformers.BertModel
+        config = config_cls(vocab_size=VOCAB, max_position_embeddings=512, **SHAPES[shape])
+        model_cls(config, add_pooling_layer=False).eval().save_pretrained(str(path))
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling",
@@ -78,8 +98,9 @@ def build_checkpoint(path: Path, shape: str) -> None:
     ]  # fmt: skip
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir()
-    pooling = {"word_embedding_dimension": SHAPES[shape]["hidden_size"],
-               "pooling_mode_mean_tokens": True}  # fmt: skip
+    hidden = (DECODER_SHAPES if decoder else SHAPES)[shape]["hidden_size"]
+    mode = "pooling_mode_lasttoken" if decoder else "pooling_mode_mean_tokens"
+    pooling = {"word_embedding_dimension": hidden, mode: True}
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     (path / "2_Normalize").mkdir()
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
@@ -102,7 +123,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="minilm")
+    ap.add_argument("--shape", choices=sorted([*SHAPES, *DECODER_SHAPES]), default="minilm")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--st-batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)

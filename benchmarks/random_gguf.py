@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -289,10 +290,15 @@ def _encode(values: np.ndarray[Any, Any], qtype: Q) -> np.ndarray[Any, Any]:
 def write_random_gguf(
     path: Path, shape: Shape, type_name: str = "F16", *, tokenizer: Path | None = None,
     seed: int = 0, name: str = "random", pooling_type: gguf.PoolingType | None = None,
+    extra_tensors: Mapping[str, np.ndarray[Any, Any]] | None = None,
+    extra_strings: Mapping[str, str] | None = None,
 ) -> Path:  # fmt: skip
     """Write a random-weight GGUF of `shape` in a gguf-native type (see GGUF_NATIVE).
 
     `pooling_type`: llama.cpp's `{arch}.pooling_type` key, as an embedding model's file has.
+    `extra_tensors` (written F32 after the model's, which keep their random values for a
+    seed) and `extra_strings` (metadata): e.g. a reranker's `cls.output.weight` and
+    `tokenizer.chat_template.rerank`.
     """
     if type_name not in GGUF_NATIVE:
         raise ValueError(f"type: {type_name!r} is not one of {sorted(GGUF_NATIVE)}")
@@ -318,6 +324,11 @@ def write_random_gguf(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab = _copy_tokenizer(writer, tokenizer or default_tokenizer(shape), shape.vocab)
     writer.add_vocab_size(vocab)
+    for key, text in (extra_strings or {}).items():
+        writer.add_string(key, text)
+    extras = {
+        k: np.ascontiguousarray(v, dtype=np.float32) for k, v in (extra_tensors or {}).items()
+    }
     specs = _tensors(shape, vocab)
     for tname, tshape, std in specs:
         if std == 0.0 or len(tshape) == 1:
@@ -330,6 +341,8 @@ def write_random_gguf(
             row_bytes = tshape[1] // block * nbytes
             writer.add_tensor_info(tname, (tshape[0], row_bytes), np.dtype(np.uint8),
                                    tshape[0] * row_bytes, raw_dtype=qtype)  # fmt: skip
+    for tname, array in extras.items():
+        writer.add_tensor_info(tname, array.shape, array.dtype, array.nbytes)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -342,6 +355,8 @@ def write_random_gguf(
             writer.write_tensor_data(rand.normal(n, std))
         else:
             writer.write_tensor_data(_encode(rand.normal(n, std).reshape(tshape), qtype))
+    for array in extras.values():
+        writer.write_tensor_data(array)
     writer.close()
     return path
 

@@ -1,7 +1,7 @@
 """Embeddings from a GGUF decoder: llama.cpp's `{arch}.pooling_type` key makes the file a
 pooling model with that pooling (as a sentence-transformers directory does), the user's
---pooler-config wins, a llama.cpp reranker (RANK) is refused before loading; the pooled
-vector equals transformers' on the same GGUF (fp32, 1e-5)."""
+--pooler-config wins, a llama.cpp reranker (RANK) without its head is refused before
+loading; the pooled vector equals transformers' on the same GGUF (fp32, 1e-5)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,9 @@ def test_gguf_pooling_type_picks_the_runner_and_the_pooling(tmp_path: Path) -> N
 
 def test_gguf_reranker_is_refused_before_loading(tmp_path: Path) -> None:
     rank = _gguf(tmp_path, gguf.PoolingType.RANK, "rank.gguf")
-    with pytest.raises(ValueError, match=r"llama\.cpp reranker \(pooling_type RANK"):
+    # RANK without the cls.output head llama.cpp's converter writes (a file with it is a
+    # reranker: tests/test_pooling_gguf_rank.py).
+    with pytest.raises(ValueError, match=r"RANK\) without its classifier: it has no cls\.output"):
         ModelConfig.from_pretrained(str(rank), runner="pooling")
 
 

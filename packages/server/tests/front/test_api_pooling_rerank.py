@@ -14,6 +14,7 @@ import pytest
 from paged.server.async_llm import AsyncLLM
 from paged.server.openai.api_server import build_app
 from paged.server.openai.pooling_tasks import ModelTasks
+from paged.server.st_score_template import SavedScoreTemplate
 
 from .pooling_fakes import FakePoolingEngine, fake_embedding
 
@@ -91,6 +92,35 @@ async def test_rerank_renders_pairs_through_the_score_template(
     # No token types for a rendered prompt: nothing but the task goes to the engine.
     assert all(params.extra_kwargs is None for _, params, _ in engine.calls)
     assert told.json()["usage"]["prompt_tokens"] == len(sent[2]) + len(sent[3])
+
+
+async def test_cross_encoder_saved_template_is_used_and_overridden(
+    tmp_path: Any, gen_llm: AsyncLLM
+) -> None:
+    """A CrossEncoder's saved template (with its saved kwargs) renders pairs when no
+    --chat-template is given; the request's kwargs win over the saved ones; an explicit
+    template wins over the saved one and its kwargs (vLLM io_processor.py:720-724)."""
+    tok = _bert_tokenizer(tmp_path)
+    saved = SavedScoreTemplate(TEMPLATE, {"instruction": "find pets"})
+    with_saved = ModelTasks(("classify",), num_labels=1, saved_score_template=saved)
+    explicit = ModelTasks(
+        ("classify",), num_labels=1, score_template=TEMPLATE, saved_score_template=saved
+    )
+    engine = FakePoolingEngine(tok, num_labels=1)
+    async with _http(_app(gen_llm, engine, with_saved)) as http:
+        a = await http.post("/score", json={"queries": "cat", "documents": "dog"})
+        b = await http.post(
+            "/score", json={"queries": "cat", "documents": "dog", "instruction": "pet"}
+        )
+    async with _http(_app(gen_llm, engine, explicit)) as http:
+        c = await http.post("/score", json={"queries": "cat", "documents": "dog"})
+    assert a.status_code == b.status_code == c.status_code == 200
+    sent = [ids for ids, _, _ in engine.calls]
+    assert sent == [
+        _rendered(tok, "cat", "dog", "find pets"),
+        _rendered(tok, "cat", "dog", "pet"),
+        _rendered(tok, "cat", "dog"),
+    ]
 
 
 async def test_llm_reranker_without_template_concatenates(tmp_path: Any, gen_llm: AsyncLLM) -> None:

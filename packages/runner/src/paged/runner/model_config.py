@@ -402,16 +402,33 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 def _gguf_fields(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     from paged.runner.hf_overrides import apply_hf_overrides
-    from paged.runner.loader.gguf_config import gguf_pooling_type, gguf_to_hf_config, open_gguf
+    from paged.runner.loader.gguf_bert import bert_hf_config
+    from paged.runner.loader.gguf_config import (
+        ENCODER_GGUF_ARCHITECTURE,
+        field_value,
+        gguf_pooling_type,
+        gguf_to_hf_config,
+        open_gguf,
+    )
+    from paged.runner.loader.gguf_rank import apply_decoder_rank, is_decoder_rank
     from paged.runner.loader.gguf_weights import is_quantized_type
 
     reader = open_gguf(path)
-    hf_config = gguf_to_hf_config(reader, path)
+    encoder = field_value(reader, "general.architecture") == ENCODER_GGUF_ARCHITECTURE
+    hf_config = bert_hf_config(reader, path) if encoder else gguf_to_hf_config(reader, path)
     pooling_type = gguf_pooling_type(reader, path)
+    rank = not encoder and is_decoder_rank(reader)
+    if rank:  # llama.cpp's decoder reranker: a *ForSequenceClassification (gguf_rank.py)
+        apply_decoder_rank(reader, path, hf_config)
     apply_hf_overrides(hf_config, overrides)
     architecture = hf_config.architectures[0]
-    # A GGUF holds an LM's tensors only: no score head to classify with.
-    check_architecture(architecture)
+    # A decoder GGUF holds an LM's tensors only, no score head to classify with, unless
+    # it is a llama.cpp reranker. A `bert` file is an encoder (BertModel), or a
+    # reranker when it has a rank head.
+    if encoder or rank:
+        _check_architecture(architecture)
+    else:
+        check_architecture(architecture)
     return {
         "model": str(path),
         "hf_config": hf_config,
@@ -422,7 +439,9 @@ def _gguf_fields(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, A
         "tokenizer": str(path.parent),
         "gguf_file": path.name,
         "weights_format": "gguf",
-        "quantized_gguf": any(is_quantized_type(t.tensor_type) for t in reader.tensors),
+        # The BERT encoder has no quantised kernels: a `bert` file is always dequantised.
+        "quantized_gguf": not encoder
+        and any(is_quantized_type(t.tensor_type) for t in reader.tensors),
         "gguf_pooling_type": pooling_type,
     }
 

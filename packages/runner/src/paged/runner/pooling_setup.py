@@ -3,8 +3,10 @@
 The head tensors (a classifier's `score.weight` / `classifier.*`, a
 sentence-transformers directory's Dense modules) are read straight from the
 checkpoint files: the model class loads the body only. A GGUF has no
-sentence-transformers files and no head, so its pooler pools the body's
-hidden states (LAST unless `--pooler-config` says otherwise). An LM served as
+sentence-transformers files; an embedder's has no head, so its pooler pools the
+body's hidden states (LAST for a decoder unless `--pooler-config` says otherwise),
+and a llama.cpp reranker's head comes from its `cls` / `cls.output` tensors
+(loader/gguf_rank.py). An LM served as
 a reranker (`classifier_from_token` + `method`, pooling/seq_cls.py) gets a
 `score` head built from its LM head rows.
 """
@@ -23,6 +25,7 @@ from paged.runner.pooling import (
     load_head_state_dict,
     load_st_dense_layers,
 )
+from paged.runner.pooling.heads import is_seq_cls_architecture
 from paged.runner.pooling.seq_cls import conversion_tokens, token_ids_for
 
 
@@ -53,6 +56,11 @@ def build_model_pooler(model_config: ModelConfig) -> Pooler:
             head = load_converted_score_head(model_dir, hf_dict, token_ids)
         else:
             head = load_head_state_dict(model_dir, model_config.architecture)
+    elif is_seq_cls_architecture(model_config.architecture):
+        # A llama.cpp reranker GGUF: its rank head (loader/gguf_rank.py).
+        from paged.runner.loader.gguf_rank import read_gguf_rank_head
+
+        head = read_gguf_rank_head(model_config.weights_path)
     elif tokens is not None:
         raise ValueError(
             "classifier_from_token: deriving a score head from the LM head needs a "

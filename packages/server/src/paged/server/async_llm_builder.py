@@ -128,8 +128,13 @@ def build_async_llm(
     *,
     stat_loggers: Sequence[StatLogger] = (),
     log_requests: bool = False,
+    chat_template: str | None = None,
 ) -> AsyncLLM:
-    """The `AsyncLLM` over a started engine, with the model's limits and defaults."""
+    """The `AsyncLLM` over a started engine, with the model's limits and defaults.
+
+    `chat_template`: --chat-template's text; without it a cross-encoder's saved score
+    template is read (and refused if bad) here, at start-up.
+    """
     from paged.server.async_llm import AsyncLLM
     from paged.server.pooling_frontend import PoolingFrontend
 
@@ -146,7 +151,9 @@ def build_async_llm(
         mm_frontend=parts.mm_frontend,
         generation_defaults=parts.generation_defaults,
         log_requests=log_requests,
-        pooling=PoolingFrontend.from_model_config(mc, args.model_name()),
+        pooling=PoolingFrontend.from_model_config(
+            mc, args.model_name(), parts.tokenizer, chat_template
+        ),
     )
 
 
@@ -165,4 +172,5 @@ def pooling_tasks_for(
         llm.supported_tasks,
         None if mc.pooler_config is None else mc.pooler_config.task,
         score_template=score_template,
+        saved_score_template=None if llm.pooling is None else llm.pooling.saved_score_template,
     )

@@ -267,5 +267,5 @@ def open_async_llm(
         eos_token_ids=mc.eos_token_ids,
         max_logprobs=config.scheduler_limits.max_logprobs,
         stat_loggers=stat_loggers,
-        pooling=PoolingFrontend.from_model_config(mc, args.model_name()),
+        pooling=PoolingFrontend.from_model_config(mc, args.model_name(), tokenizer),
     )

@@ -340,6 +340,12 @@ class EngineArgs:
         if ec_connector is not None:
             _check_ec_model(model_config)
         kv_bytes = self._kv_cache_bytes(device)
+        if model_config.is_encoder_only and self.kv_cache_memory_bytes is None:
+            # No KV cache: the encoder's runner sizes a virtual one for the scheduler's
+            # block accounting (encode_only.virtual_kv_bytes). The CPU default budget (a
+            # quarter of memory) would make that tens of millions of blocks, a minute of
+            # start-up and gigabytes of block objects.
+            kv_bytes = None
         utilization = self.gpu_memory_utilization
         config = EngineConfig(
             model_config=model_config,

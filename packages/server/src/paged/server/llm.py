@@ -105,7 +105,7 @@ class LLM:
             config.scheduler_limits.max_logprobs,
             None if backend is None else backend.compiler,
             mm_frontend,
-            PoolingFrontend.from_model_config(mc, args.model_name()),
+            PoolingFrontend.from_model_config(mc, args.model_name(), tokenizer),
         )
         self.generation_defaults = generation_defaults
 

@@ -25,6 +25,8 @@ from paged.server.input_processor import InputProcessor, ProcessedPrompt, Prompt
 
 if TYPE_CHECKING:
     from paged.runner.config import ModelConfig
+    from paged.server.st_score_template import SavedScoreTemplate
+    from paged.server.tokenizer import TokenizerLike
 
 # vllm/config/model.py:1940-1947 (without the plugin/compound tasks paged lacks).
 _TASK_PRIORITY = ("embed", "classify", "token_embed", "token_classify")
@@ -48,6 +50,15 @@ def _use_sep_token(hf_config: object) -> bool:
     return bool(getattr(hf_config, "use_sep_token", True) if use_pad is None else use_pad)
 
 
+def _gguf_rerank_template(model_config: ModelConfig) -> SavedScoreTemplate | None:
+    """A llama.cpp reranker GGUF's rerank prompt (loader/gguf_rank.py) as a score template."""
+    from paged.runner.loader.gguf_rank import llama_cpp_rerank_prompt
+    from paged.server.st_score_template import SavedScoreTemplate, llama_cpp_rerank_template
+
+    prompt = llama_cpp_rerank_prompt(model_config.weights_path)
+    return None if prompt is None else SavedScoreTemplate(llama_cpp_rerank_template(prompt))
+
+
 def generate_unsupported_message(api: str = "LLM.generate()") -> str:
     """vLLM's message for generation on a pooling model (llm.py:461-467)."""
     return (
@@ -69,18 +80,35 @@ class PoolingFrontend:
     # vLLM's ModelConfig.use_sep_token (config/model.py:2094-2105): False for an LLM
     # used as a reranker, whose query and document are concatenated.
     use_sep_token: bool = True
+    # The score template the model brings (st_score_template.py: a sentence-transformers
+    # CrossEncoder's saved one, a GGUF reranker's rerank prompt), used when no template
+    # is given explicitly.
+    saved_score_template: SavedScoreTemplate | None = None
 
     @classmethod
     def from_model_config(
-        cls, model_config: ModelConfig, served_model_name: str
+        cls,
+        model_config: ModelConfig,
+        served_model_name: str,
+        tokenizer: TokenizerLike | None = None,
+        chat_template: str | None = None,
     ) -> PoolingFrontend:
+        """`tokenizer`: read a cross-encoder's own score template with it (a ValueError
+        when a saved one is bad, unless `chat_template`, the explicit one, is given)."""
         from paged.server.pooling_config import pooling_model_info
+        from paged.server.st_score_template import saved_score_template
 
         tasks = model_config.supported_tasks
         pooler = model_config.pooler_config
         pooling_tasks = [t for t in tasks if t != "generate"]
         task = default_pooling_task(pooling_tasks, None if pooler is None else pooler.task)
         hf = model_config.hf_config
+        saved = None
+        if tokenizer is not None and "classify" in tasks:
+            if model_config.weights_format == "gguf":
+                saved = _gguf_rerank_template(model_config)
+            else:  # vLLM's CrossEncoderIOProcessor (scoring/io_processor.py:463-475)
+                saved = saved_score_template(model_config.model, tokenizer, explicit=chat_template)
         return cls(
             supported_tasks=tasks,
             runner_type=model_config.runner_type,
@@ -89,6 +117,7 @@ class PoolingFrontend:
             num_labels=int(getattr(hf, "num_labels", 0) or 0),
             is_cross_encoder="classify" in tasks,
             use_sep_token=_use_sep_token(hf),
+            saved_score_template=saved,
         )
 
     @property

@@ -17,6 +17,7 @@ from paged.server.input_processor import ProcessedPrompt, PromptType
 from paged.server.pooling_frontend import PoolingFrontend
 from paged.server.pooling_outputs import PoolingOutput, PoolingRequestOutput, ScoringRequestOutput
 from paged.server.pooling_score import cosine_score, cross_encoder_prompt, score_pairs
+from paged.server.st_score_template import score_template_for
 from paged.server.tokenizer import TokenizerLike
 
 
@@ -87,6 +88,8 @@ def _cross_encode(
     chat_template: str | None,
 ) -> list[ScoringRequestOutput]:
     params = pooling.resolve_params(pooling_params, "classify")
+    # An explicit template wins; else a CrossEncoder's saved one (st_score_template.py).
+    template, kwargs = score_template_for(chat_template, pooling.saved_score_template, None)
     ids: list[str] = []
     try:
         for text_1, text_2 in pairs:
@@ -95,7 +98,8 @@ def _cross_encode(
                 text_1,
                 text_2,
                 use_sep_token=pooling.use_sep_token,
-                chat_template=chat_template,
+                chat_template=template,
+                chat_template_kwargs=kwargs,
             )
             p = params
             if span is not None:

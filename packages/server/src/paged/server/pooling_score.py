@@ -9,7 +9,8 @@ vllm/entrypoints/pooling/offline.py:292-330, scoring/utils.py:265-300.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -59,11 +60,17 @@ def cross_encoder_prompt(
     *,
     use_sep_token: bool = True,
     chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[ProcessedPrompt, tuple[int, int] | None]:
     """The pair's prompt (paged.server.score_prompt) and its segment-1 range (None if the
     prompt has no token types)."""
     prompt = render_score_pair(
-        tokenizer, text_1, text_2, use_sep_token=use_sep_token, chat_template=chat_template
+        tokenizer,
+        text_1,
+        text_2,
+        use_sep_token=use_sep_token,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
     )
     types = prompt.token_types
     span = compress_token_type_ids(types) if types else None

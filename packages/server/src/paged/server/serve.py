@@ -122,6 +122,7 @@ def run_server(
             parts,
             stat_loggers=[] if args.disable_log_stats else [stats],
             log_requests=front.enable_log_requests,
+            chat_template=front.chat_template,
         )
         app = build_app(
             llm,

@@ -93,9 +93,7 @@ def load_tokenizer(
         except (OSError, ValueError) as e:  # a corrupt cache is rebuilt, never fatal
             logger.warning("ignoring unreadable tokenizer cache %s: %s", cache_dir, e)
     logger.info("building the tokenizer from %s (cached afterwards)", gguf_path)
-    tok = _with_default_chat_template(
-        AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file), gguf_path
-    )
+    tok = _with_default_chat_template(_from_gguf(directory, gguf_file), gguf_path)
     if cache_dir is not None:
         _save_cache(tok, cache_dir)
     return tok
@@ -121,6 +119,19 @@ def tokenizer_directory(
     if not (cache_dir / "tokenizer_config.json").is_file():
         raise ValueError(f"tokenizer: could not save the GGUF's tokenizer in {cache_dir}")
     return cache_dir
+
+
+def _from_gguf(directory: Path, gguf_file: str) -> Any:
+    """transformers' tokenizer of a GGUF, or paged's for the `bert` files it cannot build."""
+    from transformers import AutoTokenizer
+
+    from paged.runner.loader.gguf_config import open_gguf
+    from paged.server.gguf_bert_tokenizer import build_bert_gguf_tokenizer, is_bert_gguf_tokenizer
+
+    reader = open_gguf(directory / gguf_file)
+    if is_bert_gguf_tokenizer(reader):
+        return build_bert_gguf_tokenizer(reader)
+    return AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
 
 
 def _with_default_chat_template(tok: Any, gguf_path: Path) -> Any:

@@ -24,6 +24,14 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # separate mmproj file), hence the text-only model.
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+# llama.cpp's BERT-family encoders (BertModel, RoBERTa, XLM-R and their rerankers), read
+# by loader/gguf_bert.py into paged's BERT encoder; not a decoder, so not listed above.
+ENCODER_GGUF_ARCHITECTURE = "bert"
+# llama.cpp's rank head (llama-arch.cpp: LLM_TENSOR_CLS "cls", LLM_TENSOR_CLS_OUT
+# "cls.output"): read by the pooler, never by a model body.
+LLAMA_CPP_RANK_TENSORS = frozenset(
+    {"cls.weight", "cls.bias", "cls.output.weight", "cls.output.bias"}
+)
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -57,19 +65,16 @@ def gguf_pooling_type(reader: gguf.GGUFReader, path: Path) -> str | None:
     """The sequence pooling a GGUF embedding model declares (MEAN, CLS, LAST), else None.
 
     llama.cpp pools `--embedding` requests with `{arch}.pooling_type`; NONE (0) is
-    per-token output (no sequence default). RANK (4) is llama.cpp's reranker, whose
-    `cls.output` head paged does not read: a ValueError, before any weight loads.
+    per-token output (no sequence default). RANK (4) is llama.cpp's reranker, served as
+    a classifier (loader/gguf_rank.py: its architecture says classify, with CLS pooling
+    for `bert`, LAST for a decoder), so None here.
     """
     arch = field_value(reader, "general.architecture")
     value = field_value(reader, f"{arch}.pooling_type")
     if value is None or int(value) == _GGUF_POOLING_NONE:
         return None
     if int(value) == _GGUF_POOLING_RANK:
-        raise ValueError(
-            f"model: GGUF file {str(path)!r} is a llama.cpp reranker (pooling_type RANK, a "
-            "cls.output head), which paged does not load; serve the Hugging Face checkpoint "
-            "(a *ForSequenceClassification directory, or --hf-overrides for an LM reranker)"
-        )
+        return None
     if int(value) not in _GGUF_POOLING_TYPES:
         raise ValueError(
             f"model: GGUF file {str(path)!r} has an unknown {arch}.pooling_type {value!r}"
@@ -81,7 +86,7 @@ def gguf_architecture(reader: gguf.GGUFReader, path: Path) -> str:
     """The HF architecture name for the file (ValueError naming the supported ones)."""
     arch = field_value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        supported = ", ".join(sorted(GGUF_ARCHITECTURES))
+        supported = ", ".join(sorted([*GGUF_ARCHITECTURES, ENCODER_GGUF_ARCHITECTURE]))
         raise ValueError(
             f"model: GGUF file {str(path)!r} has architecture {arch!r}, which paged does not "
             f"support; supported GGUF architectures: {supported}"

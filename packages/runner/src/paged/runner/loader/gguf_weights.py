@@ -37,7 +37,7 @@ import gguf
 import numpy as np
 import torch
 
-from paged.runner.loader.gguf_config import field_value, open_gguf
+from paged.runner.loader.gguf_config import LLAMA_CPP_RANK_TENSORS, field_value, open_gguf
 from paged.runner.loader.gguf_quant import GGUFQuantizedTensor
 
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -129,6 +129,8 @@ def iterate_gguf(
     num_heads = field_value(reader, f"{arch}.attention.head_count")
     num_kv_heads = field_value(reader, f"{arch}.attention.head_count_kv") or num_heads
     for tensor in reader.tensors:
+        if tensor.name in LLAMA_CPP_RANK_TENSORS:
+            continue  # a reranker's head: the pooler reads it (loader/gguf_rank.py)
         hf_name = gguf_to_hf_name(tensor.name, str(arch))
         weight: torch.Tensor | GGUFQuantizedTensor
         try:

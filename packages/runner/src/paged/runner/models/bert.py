@@ -434,7 +434,10 @@ def load_bert_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> BertModel:
-    """Build the encoder of a HF safetensors directory and load its body weights."""
+    """Build the encoder of a HF safetensors directory, or of a llama.cpp `bert` GGUF file
+    (loader/gguf_bert.py), and load its body weights."""
+    if Path(model_dir).suffix == ".gguf":
+        return _load_bert_gguf(Path(model_dir), dtype, device)
     cfg = read_hf_config(model_dir)
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
@@ -445,4 +448,14 @@ def load_bert_model(
         )
     model = BertModel(BertArchConfig.from_hf(cfg))
     model.load_hf_weights(list(iterate_safetensors(Path(model_dir))))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _load_bert_gguf(path: Path, dtype: torch.dtype, device: str | torch.device) -> BertModel:
+    from paged.runner.loader.gguf_bert import bert_hf_config, iterate_bert_gguf
+    from paged.runner.loader.gguf_config import open_gguf
+
+    reader = open_gguf(path)
+    model = BertModel(BertArchConfig.from_hf(bert_hf_config(reader, path).to_dict()))
+    model.load_hf_weights(iterate_bert_gguf(reader, path))
     return model.to(device=device, dtype=dtype).eval()

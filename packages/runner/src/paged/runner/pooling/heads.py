@@ -3,6 +3,7 @@
     decoder *ForSequenceClassification     pooled -> score  (score.weight [L, H], bias optional)
     BertForSequenceClassification          pooled -> tanh(pooler.dense) -> classifier
     (XLM)RobertaForSequenceClassification  pooled -> tanh(classifier.dense) -> classifier.out_proj
+    a llama.cpp `bert` GGUF reranker       pooled -> [tanh(cls)] -> [cls.output]
 
 Per token (token_classify) vLLM applies the classifier alone: BERT's
 `classifier` without the pooler dense, RoBERTa's whole classification head.
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from paged.runner.loader.gguf_config import LLAMA_CPP_RANK_TENSORS
 from paged.runner.loader.safetensors_weights import safetensors_files
 from paged.runner.models.architectures import DECODER_SEQ_CLS_ARCHITECTURES
 
@@ -139,10 +141,33 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Classifier:
     return lambda x: F.linear(x.float(), weight, bias)
 
 
+def _llama_cpp_rank_head(architecture: str, head: Mapping[str, torch.Tensor]) -> ClassifierHead:
+    """llama.cpp's rank head (llama-graph.cpp, build_pooling, RANK): the pooled state,
+    then `cls` + tanh if present, then `cls.output` if present. Per token the same."""
+    dense = out = None
+    if "cls.weight" in head:
+        dense = _linear(head["cls.weight"].float(), head.get("cls.bias"))
+    if "cls.output.weight" in head:
+        out = _linear(head["cls.output.weight"].float(), head.get("cls.output.bias"))
+    last = head.get("cls.output.weight", head.get("cls.weight"))
+    if last is None or last.dim() != 2:
+        raise ValueError(f"{architecture}: the GGUF rank head has no 2-D cls / cls.output weight")
+
+    def rank(x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        if dense is not None:
+            y = torch.tanh(dense(y))
+        return y if out is None else out(y)
+
+    return ClassifierHead(seq=rank, token=rank, num_labels=int(last.shape[0]))
+
+
 def build_classifier_head(
     architecture: str, hidden_size: int, head: Mapping[str, torch.Tensor]
 ) -> ClassifierHead:
     """The classifier for `architecture` from its head tensors (checkpoint names)."""
+    if LLAMA_CPP_RANK_TENSORS & set(head):
+        return _llama_cpp_rank_head(architecture, head)
     # "pooler.dense.*" without the "bert." prefix is accepted too.
     head = {k.removeprefix("bert."): v for k, v in head.items()}
     if architecture in BERT_SEQ_CLS_ARCHITECTURES:

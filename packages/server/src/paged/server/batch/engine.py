@@ -82,7 +82,7 @@ def batch_serving(
     factory, compiler = engine_core_factory_for(args, config, tokenizer, core_options)
     parts = FrontendParts(tokenizer, generation_defaults, mm_frontend, compiler)
     client = start_engine_client(factory, config, DataParallelOptions())
-    llm = build_async_llm(args, config, client, parts)
+    llm = build_async_llm(args, config, client, parts, chat_template=chat_template)
     tasks = pooling_tasks_for(llm, config, chat_template)
     try:
         yield BatchServing(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged.server.errors import InvalidRequestError
+from paged.server.st_score_template import SavedScoreTemplate, score_template_for
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ class ModelTasks:
     separator (False for an LLM used as a reranker, vLLM's hf_config flag);
     `score_template`: the server's `--chat-template`, which cross-encoder pairs are
     rendered through (vLLM uses only an explicit template for scoring, never the
-    tokenizer's own).
+    tokenizer's own); `saved_score_template`: the one the model brings (a
+    sentence-transformers CrossEncoder's, a GGUF reranker's rerank prompt), used when
+    there is no explicit one.
     """
 
     supported_tasks: tuple[str, ...] = (GENERATE,)
@@ -46,6 +49,8 @@ class ModelTasks:
     num_labels: int = 0
     use_sep_token: bool = True
     score_template: str | None = None
+    # The model's own score template (st_score_template.py), used when score_template is None.
+    saved_score_template: SavedScoreTemplate | None = None
 
     @classmethod
     def from_hf_config(
@@ -54,6 +59,7 @@ class ModelTasks:
         supported_tasks: tuple[str, ...],
         pooler_task: str | None = None,
         score_template: str | None = None,
+        saved_score_template: SavedScoreTemplate | None = None,
     ) -> ModelTasks:
         raw = getattr(hf_config, "id2label", None) or {}
         id2label = {int(k): str(v) for k, v in dict(raw).items()}
@@ -63,6 +69,7 @@ class ModelTasks:
         if (
             getattr(hf_config, "is_original_qwen3_reranker", False)
             and score_template is None
+            and saved_score_template is None
             and "classify" in supported_tasks
         ):
             # vllm/entrypoints/pooling/scoring/io_processor.py:477-493
@@ -73,8 +80,20 @@ class ModelTasks:
                 "qwen3_reranker.jinja` (vLLM's examples/pooling/score/template/)."
             )
         return cls(
-            supported_tasks, pooler_task, id2label, num_labels, bool(use_sep), score_template
+            supported_tasks,
+            pooler_task,
+            id2label,
+            num_labels,
+            bool(use_sep),
+            score_template,
+            saved_score_template,
         )
+
+    def score_template_for(
+        self, request_kwargs: Mapping[str, Any] | None
+    ) -> tuple[str | None, Mapping[str, Any] | None]:
+        """The template a score request renders with and its kwargs (st_score_template.py)."""
+        return score_template_for(self.score_template, self.saved_score_template, request_kwargs)
 
     @property
     def pooling_task(self) -> str | None:

@@ -273,7 +273,7 @@ class PoolingServing:
             return await self._bi_encoder(req, left, right, base_id, limits, size)
         pairs = left * len(right) if len(left) == 1 else left
         template = inputs.ScoreTemplate(
-            self.tasks.use_sep_token, self.tasks.score_template, req.chat_template_kwargs
+            self.tasks.use_sep_token, *self.tasks.score_template_for(req.chat_template_kwargs)
         )
         pair_tokens = await self.engine.offload.run(
             size, _encode_pairs, tok, pairs, right, req, template, limits
