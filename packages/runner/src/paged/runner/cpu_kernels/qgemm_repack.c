@@ -91,6 +91,24 @@ static void six_bit_planes(const uint8_t v[8][TILE], uint8_t *lo, uint8_t *hi) {
         }
 }
 
+QG_INLINE uint32_t ld32u(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* One row's 32 four-bit values (bits `shift`.. of src[0..31]) as the code block's four
+ * chunks: byte (c * 64 + b) of out = value 4c + b | value 16 + 4c + b << 4, four bytes a
+ * step (the nibbles never cross a byte). */
+QG_INLINE void nibble_chunks(const uint8_t *src, int shift, uint8_t *out) {
+    for (int c = 0; c < 4; c++) {
+        const uint32_t lo = (ld32u(src + 4 * c) >> shift) & 0x0F0F0F0Fu;
+        const uint32_t hi = (ld32u(src + 16 + 4 * c) >> shift) & 0x0F0F0F0Fu;
+        const uint32_t word = lo | hi << 4;
+        memcpy(out + c * 64, &word, 4);
+    }
+}
+
 typedef struct {
     int gtype, fmt;
     const uint8_t *const *rows;
@@ -162,14 +180,7 @@ static int repack_tile_k4(const RepackCall *c, int64_t t, uint8_t *out) {
                 /* the loader's float32 scale and offset (loader/gguf_quant.py) */
                 if (-8.0f * (d * (float)s8[j]) != -(dmin * (float)m8[j])) flags |= RP_NOT_Q40;
                 uint8_t *blk = o + j * gbytes;
-                const uint8_t *src = qs + (j / 2) * 32;
-                const int shift = 4 * (j & 1);
-                for (int cc = 0; cc < 4; cc++)
-                    for (int bi = 0; bi < 4; bi++) {
-                        const int i = 4 * cc + bi;
-                        blk[cc * 64 + l * 4 + bi] =
-                            (uint8_t)(((src[i] >> shift) & 15) | ((src[i + 16] >> shift) & 15) << 4);
-                    }
+                nibble_chunks(qs + (j / 2) * 32, 4 * (j & 1), blk + l * 4);
                 if (five) {
                     for (int i = 0; i < 32; i++) {
                         const int bit = (qh[i] >> j) & 1;
@@ -185,7 +196,9 @@ static int repack_tile_k4(const RepackCall *c, int64_t t, uint8_t *out) {
     return flags;
 }
 
-/* Tile t of Q6_K. */
+/* Tile t of Q6_K: group j of a super-block is quarter j % 4 of half j / 4 of ggml's
+ * block: its weight i has 4 low bits at ql[64 half + 32 (j & 1) + i] >> 4 (j % 4 / 2)
+ * and 2 high bits at qh[32 half + i] >> 2 (j % 4). */
 static int repack_tile_q6k(const RepackCall *c, int64_t t, uint8_t *out) {
     int flags = 0;
     for (int64_t s = 0; s < c->groups / SB_GROUPS; s++) {
@@ -195,23 +208,20 @@ static int repack_tile_q6k(const RepackCall *c, int64_t t, uint8_t *out) {
         memset(o, 0, (size_t)Q6K_SB); /* padding rows: all bits 0, as pack_q6k pads */
         for (int l = 0; l < TILE && t * TILE + l < c->n; l++) {
             const uint8_t *b = c->rows[t * TILE + l] + s * 210;
-            const uint8_t *ql = b, *qh = b + 128;
             if (!f16_finite(b + 208)) flags |= RP_NONFINITE;
             memcpy(dh + 2 * l, b + 208, 2);
             for (int e = 0; e < 16; e++) sc[e * TILE + l] = (int8_t)b[192 + e];
             for (int j = 0; j < SB_GROUPS; j++) {
                 uint8_t *blk = o + j * Q6K_GROUP;
-                for (int i = 0; i < 32; i++) {
-                    /* weight w = 32 j + i of the super-block: half, quarter, position */
-                    const int w = 32 * j + i, half = w / 128, q4 = (w % 128) / 32, p = w % 32;
-                    const int low = (ql[half * 64 + (q4 & 1) * 32 + p] >> (4 * (q4 >> 1))) & 15;
-                    const int high = (qh[half * 32 + p] >> (2 * q4)) & 3;
-                    const int cc = i / 4, bi = i % 4, at = l * 4 + bi;
-                    if (cc < 4) blk[cc * 64 + at] = (uint8_t)((blk[cc * 64 + at] & 0xF0) | low);
-                    else blk[(cc - 4) * 64 + at] = (uint8_t)((blk[(cc - 4) * 64 + at] & 15) | low << 4);
-                    uint8_t *hb = blk + 256 + (cc >> 2) * 64 + at;
-                    const int sh = 2 * (cc & 3);
-                    *hb = (uint8_t)((*hb & ~(3 << sh)) | high << sh);
+                const int half = j / 4, quarter = j % 4;
+                const uint8_t *ql = b + 64 * half + 32 * (quarter & 1), *qh = b + 128 + 32 * half;
+                const int shh = 2 * quarter;
+                nibble_chunks(ql, 4 * (quarter >> 1), blk + l * 4);
+                for (int v = 0; v < 2; v++) { /* byte b of chunk 4v + ii: bits 2 ii */
+                    uint32_t word = 0;
+                    for (int ii = 0; ii < 4; ii++)
+                        word |= ((ld32u(qh + 4 * (4 * v + ii)) >> shh) & 0x03030303u) << (2 * ii);
+                    memcpy(blk + 256 + v * 64 + l * 4, &word, 4);
                 }
             }
         }
