@@ -10,7 +10,8 @@
 
 --baseline-src is the root of another checkout (e.g. `git archive <commit> | tar -x -C
 DIR`): its packages/*/src go first on PYTHONPATH, so the same environment runs the
-older code. Each line printed is JSON; the load average is taken before each run.
+older code. Each line printed is JSON: the wall time, the CPU time of paged's processes
+(start-up and shutdown) and the load average taken before the run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import io
 import json
 import os
 import pstats
+import resource
 import signal
 import socket
 import subprocess
@@ -54,8 +56,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_once(gguf: str, threads: int, src: Path | None, log: Path, args: list[str]) -> float:
-    """Seconds from launching `paged serve` until /health answers 200."""
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def serve_once(
+    gguf: str, threads: int, src: Path | None, log: Path, args: list[str]
+) -> tuple[float, float]:
+    """Seconds from launching `paged serve` until /health answers 200, and the CPU seconds
+    its processes used (until they exited after SIGINT: start-up and shutdown; less
+    sensitive than the wall time to other processes on the machine)."""
+    cpu0 = _children_cpu()
     port = _free_port()
     paged = str(Path(sys.executable).parent / "paged")
     cmd = [paged, "serve", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "32",
@@ -70,19 +82,25 @@ def serve_once(gguf: str, threads: int, src: Path | None, log: Path, args: list[
         while proc.poll() is None:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - t
+                    wall = time.perf_counter() - t
+                    _stop(proc)
+                    return wall, _children_cpu() - cpu0
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"paged serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
@@ -90,17 +108,25 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     if ns.baseline_src is not None:
         sides.append(("baseline", ns.baseline_src))
     times: dict[str, list[float]] = {name: [] for name, _ in sides}
+    cpus: dict[str, list[float]] = {name: [] for name, _ in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(ns.runs):
             for name, src in sides if run % 2 == 0 else list(reversed(sides)):
                 load = os.getloadavg()[0]
-                s = serve_once(ns.gguf, ns.threads, src, Path(tmp) / f"{name}.log", ns.paged_args)
+                log = Path(tmp) / f"{name}.log"
+                s, cpu = serve_once(ns.gguf, ns.threads, src, log, ns.paged_args)
                 times[name].append(s)
+                cpus[name].append(cpu)
                 print(json.dumps({"run": run, "side": name, "gguf": Path(ns.gguf).name,
                                   "threads": ns.threads, "startup_s": round(s, 2),
-                                  "load_avg_1m": round(load, 2)}), flush=True)  # fmt: skip
-    summary = {name: round(sorted(v)[len(v) // 2], 2) for name, v in times.items()}
-    print(json.dumps({"median_startup_s": summary, "gguf": Path(ns.gguf).name}), flush=True)
+                                  "cpu_s": round(cpu, 2), "load_avg_1m": round(load, 2)}),
+                      flush=True)  # fmt: skip
+    print(json.dumps({"gguf": Path(ns.gguf).name, "median_startup_s": _medians(times),
+                      "median_cpu_s": _medians(cpus)}), flush=True)  # fmt: skip
+
+
+def _medians(values: dict[str, list[float]]) -> dict[str, float]:
+    return {name: round(sorted(v)[len(v) // 2], 2) for name, v in values.items()}
 
 
 def cmd_profile(ns: argparse.Namespace) -> None:

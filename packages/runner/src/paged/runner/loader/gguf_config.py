@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
+
 from paged.runner.loader.gguf_file import GGUFFile, field_length, read_gguf
 
 # GGUF `general.architecture` -> (HF architecture name, HF model_type).
@@ -40,8 +42,9 @@ def open_gguf(path: Path) -> GGUFFile:
         ) from exc
 
 
-def field_value(reader: GGUFFile, key: str) -> Any:
-    """The value of metadata `key` (scalars as Python numbers/strings), or None if absent."""
+def field_value(reader: GGUFFile | gguf.GGUFReader, key: str) -> Any:
+    """The value of metadata `key` (scalars as Python numbers/strings), or None if absent
+    (also of gguf-py's reader, which LoRA adapters are read with)."""
     field = reader.fields.get(key)
     if field is None:
         return None
