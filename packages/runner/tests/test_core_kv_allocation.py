@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -72,3 +73,25 @@ def test_a_rank_with_fewer_kv_heads_views_its_own_head_count() -> None:
     assert [c.shape[3] for c in allocate_kv_caches(config, more, CPU)] == [2, 2]
     other = {name: FullAttentionSpec(4, 1, 16, "float32") for name in ("a", "b")}
     assert [c.shape[3:] for c in allocate_kv_caches(config, other, CPU)] == [(2, 8)] * 2
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="no procfs")
+def test_a_cpu_cache_is_zero_without_writing_its_memory_up_front() -> None:
+    """A GiB-sized cache: zeros, 64-byte aligned views, and no memory taken until written
+    (torch.zeros wrote all of it: the default ~5 GiB CPU cache cost seconds of start-up)."""
+    specs = {name: FullAttentionSpec(16, 8, 64, "bfloat16") for name in ("a", "b")}
+    config = get_kv_cache_config(specs, 1 << 30)
+    before = _rss_bytes()
+    caches = allocate_kv_caches(config, specs, CPU)
+    assert _rss_bytes() - before < 64 << 20
+    for cache in caches:
+        assert cache.data_ptr() % 64 == 0
+        assert cache.numel() * 2 == config.kv_cache_tensors[0].size
+        assert not bool(cache[:, :8].any()) and not bool(cache[:, -8:].any())
+    caches[0][1, 3] = 1.5  # written: the layers' views stay apart
+    assert not bool(caches[1].any()) and float(caches[0][1, 3].float().mean()) == 1.5

@@ -250,7 +250,8 @@ def test_a_failed_build_falls_back_to_torch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No compiler (or one that fails): one warning, and the layers take torch's kernels."""
-    from paged.runner.layers.quantized_linear import Int4GroupMatmul, QuantStaging
+    from paged.runner.layers.quant_staging import QuantStaging
+    from paged.runner.layers.quantized_linear import Int4GroupMatmul
 
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(build, "_LOADED", {})

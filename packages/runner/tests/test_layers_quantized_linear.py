@@ -11,6 +11,7 @@ from paged.runner.cpu_kernels.build import ISA_ENV
 from paged.runner.cpu_kernels.packing_native import FMT_Q5K
 from paged.runner.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from paged.runner.layers.parallel import TPGroup
+from paged.runner.layers.quant_staging import QuantStaging
 from paged.runner.layers.quantized_linear import (
     DenseMatmul,
     Int4GroupMatmul,
@@ -19,7 +20,6 @@ from paged.runner.layers.quantized_linear import (
     QGemmInt4Table,
     QGemmMatmul,
     QGemmTable,
-    QuantStaging,
     RowSplitMatmul,
     requantize_int8_groups,
 )

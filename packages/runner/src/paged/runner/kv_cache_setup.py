@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from paged.kernels.layout import kv_cache_shape
@@ -72,7 +73,7 @@ def allocate_kv_caches(
     layer_order: Mapping[str, Any],
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer, in `layer_order`'s order.
+    """One zeroed cache tensor per layer, in `layer_order`'s order (zeroed_bytes).
 
     Each `KVCacheTensor` is one buffer; the layers in its `shared_by` (one per
     KV cache group in hybrid models, e.g. a full-attention and a sliding-window
@@ -93,7 +94,7 @@ def allocate_kv_caches(
         raise ValueError(f"kv_cache_config: layers {missing} have no KV cache group")
     caches: dict[str, torch.Tensor] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
-        buffer = torch.zeros(tensor.size, dtype=torch.uint8, device=device)
+        buffer = zeroed_bytes(tensor.size, device)
         for name in tensor.shared_by:
             if name not in spec_of:
                 raise ValueError(f"kv_cache_config: tensor shared by unknown layer {name!r}")
@@ -103,6 +104,21 @@ def allocate_kv_caches(
     if without:
         raise ValueError(f"kv_cache_config: layers {without} have no KV cache tensor")
     return [caches[name] for name in layer_order]
+
+
+def zeroed_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed uint8 [nbytes] buffer, 64-byte aligned.
+
+    On CPU from calloc (numpy's zeros): the kernel maps zero pages on first touch,
+    so the cache is not written twice (torch.zeros memsets it, then the steps write
+    it) and takes memory as blocks fill. torch.zeros of the default ~5 GiB CPU cache
+    took 3-10 s of a start-up on this 2-core machine (docs/cpu-startup.md).
+    """
+    if device.type != "cpu":
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
+    skip = -raw.data_ptr() % 64  # calloc aligns to 16; the kernels' loads like 64
+    return raw[skip : skip + nbytes]
 
 
 def _this_rank_spec(local: Any, group_spec: AttentionSpec) -> AttentionSpec:

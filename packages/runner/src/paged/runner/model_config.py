@@ -453,11 +453,14 @@ def _gguf_extra_eos(reader: Any) -> tuple[int, ...]:
     in every gemma-3 generation_config.json; llama.cpp keeps only <eos>.
     """
     from paged.runner.loader.gguf_config import field_value
+    from paged.runner.loader.gguf_file import field_length
 
     if field_value(reader, "general.architecture") != "gemma3":
         return ()
-    tokens = field_value(reader, "tokenizer.ggml.tokens") or []
-    return (106,) if len(tokens) > 106 and tokens[106] == "<end_of_turn>" else ()
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # one string read, not 262,144
+    if tokens is None or field_length(tokens) <= 106:
+        return ()
+    return (106,) if tokens.contents(106) == "<end_of_turn>" else ()
 
 
 def _hf_dir_fields(path: Path, overrides: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 ISA_ENV = "PAGED_QGEMM_ISA"
 ISAS = ("native", "avx2", "scalar")
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
-_ABI = 7  # paged_qgemm_abi() of the source this module drives
+_ABI = 8  # paged_qgemm_abi() of the source this module drives
 _FORCE = {
     "native": [],
     "avx2": ["-DPAGED_QGEMM_FORCE_AVX2"],
@@ -83,6 +83,15 @@ class QGemmLibrary:
         """paged_qgemm_expand(fmt, w, n, k, out): a native weight as qgemm.c's float32-scale
         blocks (4-bit, or 8-bit with two scales per 32), for tests and reports."""
         return int(self.lib.paged_qgemm_expand(*args))
+
+    def repack(self, *args: float) -> int:
+        """paged_qgemm_repack(gguf_type, row_pointers, n, k, out): GGUF blocks as a native
+        weight's tiles; the RP_* flags (>= 0) or a negative error (qgemm_repack.c)."""
+        return int(self.lib.paged_qgemm_repack(*args))
+
+    def rows(self, *args: float) -> int:
+        """paged_qgemm_rows(fmt, w, n, k, sub, ids, m, out): float32 rows of a packed weight."""
+        return int(self.lib.paged_qgemm_rows(*args))
 
     def quantize(self, *args: float) -> int:
         """paged_qgemm_quantize(x, x_bf16, m, k, levels, ratio, flip, scalar, q, xs, xsum,
@@ -152,6 +161,7 @@ def _build_and_load(isa: str, cc: str) -> QGemmLibrary | None:
         lib = open_checked(path, "paged_qgemm_abi", _ABI)
         _declare(lib)
         _declare_test_hooks(lib)
+        _declare_repack(lib)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         logger.warning(
             "qgemm C kernel unavailable (%s); using torch's int4/int8 kernels", first_line(exc)
@@ -213,3 +223,12 @@ def _declare_test_hooks(lib: ctypes.CDLL) -> None:
     lib.paged_qgemm_native.argtypes = native
     lib.paged_qgemm_expand.restype = c_int
     lib.paged_qgemm_expand.argtypes = [c_int, ptr, i64, i64, ptr]
+
+
+def _declare_repack(lib: ctypes.CDLL) -> None:
+    """paged_qgemm_repack and paged_qgemm_rows (ABI 8 on, qgemm_repack.c)."""
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.paged_qgemm_repack.restype = c_int
+    lib.paged_qgemm_repack.argtypes = [c_int, ptr, i64, i64, ptr]
+    lib.paged_qgemm_rows.restype = c_int
+    lib.paged_qgemm_rows.argtypes = [c_int, ptr, i64, i64, c_int, ptr, i64, ptr]

@@ -86,7 +86,7 @@ int paged_qgemm_isa(void) {
 #endif
 }
 
-int paged_qgemm_abi(void) { return 7; }
+int paged_qgemm_abi(void) { return 8; }
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -767,3 +767,5 @@ int paged_qgemm_native(int fmt, const uint8_t *w, int64_t n, int64_t k, int leve
     if (!native_fmt(fmt)) return -1;
     return qgemm(fmt, w, n, k, 1, levels, ratio, x, m, x_stride, x_bf16, y, y_stride, y_bf16);
 }
+
+#include "qgemm_repack.c" /* GGUF blocks -> native tiles, rows back out (build.py inlines it) */

@@ -31,11 +31,11 @@ from torch import nn
 from paged.runner.layers.cpu_panels import make_panels, panel_matmul, use_panels
 from paged.runner.layers.head_partition import head_shard
 from paged.runner.layers.parallel import TPGroup
+from paged.runner.layers.quant_staging import QuantStaging
 from paged.runner.layers.quantized_linear import (
     QuantizedCheckpointTensor,
     QuantizedMatmul,
     QuantReport,
-    QuantStaging,
     linear_forward,
 )
 

@@ -1,8 +1,9 @@
 """Weight-only quantised matmuls for CPU: the checkpoint's quantised weights kept quantised.
 
-    load time   layer.quant_staging (QuantStaging)  <- load_weight copies row ranges into it,
-                                                       from quantised blocks or plain tensors
-    finalize    staging -> one kernel:
+    load time   layer.quant_staging (QuantStaging, layers/quant_staging.py)  <- load_weight
+                copies row ranges into it, from quantised blocks or plain tensors
+    finalize    staging -> one kernel (GGUF rows of the C kernel's own formats are packed
+                straight from the file's bytes, layers/quant_repack.py, into the same one):
                   every row 4-bit with 32-weight groups (GGUF Q4_0/Q4_1/Q4_K; Q5_K's
                   5-bit codes too when the C kernel loaded: its FMT_Q5K, 5.5 bits a weight)
                       -> QGemmMatmul       paged's C kernel (cpu_kernels/qgemm.c) when it
@@ -47,8 +48,9 @@ from typing import Protocol
 
 import torch
 
-from paged.runner.cpu_kernels import QGemm, load_qgemm
+from paged.runner.cpu_kernels import QGemm, QGemmLibrary, load_qgemm
 from paged.runner.cpu_kernels.packing_native import FMT_Q5K
+from paged.runner.cpu_kernels.repack import lookup_rows
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +166,7 @@ class EmbeddingMatmul(QuantizedMatmul, Protocol):
         """x [N, in] -> x W^T [N, out] float32."""
 
 
-def qgemm_available(dtype: torch.dtype) -> object | None:
+def qgemm_available(dtype: torch.dtype) -> QGemmLibrary | None:
     """paged's C kernel library if it loaded and takes `dtype` activations, else None."""
     if dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -182,7 +184,10 @@ class QGemmMatmul:
     One kernel for every batch size: no bf16 copy of the weight.
     """
 
-    def __init__(self, gemm: QGemm, exact: torch.Tensor, source: str, kind: str) -> None:
+    def __init__(self, gemm: QGemm, exact: torch.Tensor | None, source: str, kind: str) -> None:
+        """exact: the checkpoint's float32 weight, for the logged error; None when `gemm`
+        was packed from the checkpoint's own blocks (layers/quant_repack.py): exact by
+        construction, error 0, and no float32 copy of the weight to compare."""
         self.gemm = gemm
         self.outlier_ratio = OUTLIER_RATIO
         levels = (
@@ -193,7 +198,7 @@ class QGemmMatmul:
         self.out_features, self.in_features = gemm.out_features, gemm.in_features
         self.report = QuantReport(
             source, f"qgemm {kind} ({gemm.lib.isa}; int8 activations per 32, {levels})",
-            _rel_error(gemm.dequantized(), exact), gemm.nbytes,
+            0.0 if exact is None else _rel_error(gemm.dequantized(), exact), gemm.nbytes,
         )  # fmt: skip
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,20 +211,32 @@ class QGemmMatmul:
 class QGemmTable(QGemmMatmul):
     """An 8-bit group table (Q8_0 embedding / tied LM head) on the C kernel.
 
-    The codes are kept as well, [R, C] int8: an embedding looks its rows up
-    exactly; logits come out of the kernel in float32 (never rounded to bf16).
+    Built from codes and scales (`QGemmTable(lib, codes, scale, ...)`), the codes are
+    kept as well, [R, C] int8, for exact row lookups; packed from the file's blocks
+    (`QGemmTable.packed`), the rows are read out of the packed weight (the same
+    float32 values, cpu_kernels/repack.lookup_rows). Logits come out of the kernel in
+    float32 (never rounded to bf16).
     """
 
     def __init__(
         self, lib: object, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
         source: str,
     ) -> None:  # fmt: skip
-        self.codes = codes  # int8 [R, C]
-        self.scale = scale  # float32 [R, C/group]
+        self.codes: torch.Tensor | None = codes  # int8 [R, C]
+        self.scale: torch.Tensor | None = scale  # float32 [R, C/group]
         self.group = codes.shape[1] // scale.shape[1]
         self.dtype = dtype
         gemm = QGemm.int8(lib, codes, scale)  # type: ignore[arg-type]
         super().__init__(gemm, _int8_exact(codes, scale), source, f"int8 groups of {self.group}")
+
+    @classmethod
+    def packed(cls, gemm: QGemm, dtype: torch.dtype, source: str) -> QGemmTable:
+        """A table around a weight packed from the checkpoint's blocks (exact, no codes)."""
+        table = cls.__new__(cls)
+        table.codes = table.scale = None
+        table.group, table.dtype = GROUP // gemm.sub, dtype
+        QGemmMatmul.__init__(table, gemm, None, source, f"int8 groups of {table.group}")
+        return table
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T in float32."""
@@ -227,6 +244,8 @@ class QGemmTable(QGemmMatmul):
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids`, exactly as the checkpoint stores them, in the activation dtype."""
+        if self.codes is None or self.scale is None:
+            return lookup_rows(self.gemm, ids).to(self.dtype)
         rows = self.codes[ids].float() * self.scale[ids].repeat_interleave(self.group, -1)
         return rows.to(self.dtype)
 
@@ -245,12 +264,18 @@ class QGemmInt4Table(QGemmMatmul):
     def __init__(
         self, lib: object, groups: Int4GroupsLike, dtype: torch.dtype, source: str
     ) -> None:
-        self.codes = groups.codes  # uint8 [R, C] 0..15
-        self.scale = groups.scale  # float32 [R, C/32]
-        self.offset = groups.offset  # float32 [R, C/32]
+        self.groups: Int4GroupsLike | None = groups  # codes uint8 [R, C] 0..15, scales
         self.dtype = dtype
         gemm = QGemm.int4(lib, groups.codes, groups.scale, groups.offset)  # type: ignore[arg-type]
         super().__init__(gemm, _int4_exact(groups), source, "int4 groups of 32")
+
+    @classmethod
+    def packed(cls, gemm: QGemm, dtype: torch.dtype, source: str) -> QGemmInt4Table:
+        """A table around a weight packed from the checkpoint's blocks (as QGemmTable's)."""
+        table = cls.__new__(cls)
+        table.groups, table.dtype = None, dtype
+        QGemmMatmul.__init__(table, gemm, None, source, "int4 groups of 32")
+        return table
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T in float32."""
@@ -258,8 +283,11 @@ class QGemmInt4Table(QGemmMatmul):
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids`, exactly as the checkpoint stores them, in the activation dtype."""
-        rows = self.codes[ids].float() * self.scale[ids].repeat_interleave(GROUP, -1)
-        rows += self.offset[ids].repeat_interleave(GROUP, -1)
+        if self.groups is None:
+            return lookup_rows(self.gemm, ids).to(self.dtype)
+        g = self.groups
+        rows = g.codes[ids].float() * g.scale[ids].repeat_interleave(GROUP, -1)
+        rows += g.offset[ids].repeat_interleave(GROUP, -1)
         return rows.to(self.dtype)
 
 
@@ -282,7 +310,7 @@ def int4_kernel(groups: Int4GroupsLike, dtype: torch.dtype, source: str) -> Quan
     try:
         if lib is None:
             raise ValueError("no C kernel for this dtype")
-        gemm = QGemm.int4(lib, groups.codes, groups.scale, groups.offset)  # type: ignore[arg-type]
+        gemm = QGemm.int4(lib, groups.codes, groups.scale, groups.offset)
     except ValueError:
         # Q5_K staged for the C kernel but finalised for a dtype it does not take, or
         # sharing a run of rows with 4-bit rows whose scales have no Q5_K form
@@ -489,173 +517,6 @@ def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(approx - exact)) / norm if norm > 0 else 0.0
 
 
-_UNSET, _INT4, _DENSE, _INT8 = 0, 1, 2, 3
-
-
-class QuantStaging:
-    """Load-time destination of a linear weight [rows, cols] that may arrive quantised.
-
-    `narrow(0, start, n).copy_(src)` takes a row range from a quantised
-    checkpoint tensor (int4-group formats keep their codes, others are
-    dequantised to float32) or from a plain tensor, the way load_weight copies
-    into a parameter; `finalize(dtype)` picks the kernel (module docstring).
-    Rows are tracked so that a weight with unfilled rows is never finalised.
-    """
-
-    def __init__(self, rows: int, cols: int) -> None:
-        self.shape = (rows, cols)
-        self.row_kind = torch.zeros(rows, dtype=torch.int8)
-        self.sources: set[str] = set()
-        self.codes: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None
-        self.offset: torch.Tensor | None = None
-        self.dense: torch.Tensor | None = None
-        self.codes8: torch.Tensor | None = None
-        self.scale8: torch.Tensor | None = None
-        # _INT8 rows whose codes were re-quantised (no exact form): their checkpoint
-        # values are kept in `dense`, the reference of the error report.
-        self.requantized = torch.zeros(rows, dtype=torch.bool)
-        self.requantized_sources: set[str] = set()
-
-    @property
-    def data(self) -> QuantStaging:
-        return self  # load_weight writes `param.data.narrow(...)`
-
-    def narrow(self, dim: int, start: int, length: int) -> StagingRows:
-        if dim != 0:
-            raise ValueError("quantised weights are staged by whole rows (dim 0) only")
-        if not 0 <= start <= start + length <= self.shape[0]:
-            raise ValueError(f"rows [{start}, {start + length}) outside {self.shape[0]} rows")
-        return StagingRows(self, start, length)
-
-    def copy_(self, src: torch.Tensor | QuantizedCheckpointTensor) -> None:
-        StagingRows(self, 0, self.shape[0]).copy_(src)
-
-    def _int4_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.codes is None or self.scale is None or self.offset is None:
-            rows, cols = self.shape
-            self.codes = torch.zeros(rows, cols, dtype=torch.uint8)
-            self.scale = torch.zeros(rows, cols // GROUP)
-            self.offset = torch.zeros(rows, cols // GROUP)
-        return self.codes, self.scale, self.offset
-
-    def _int8_buffers(self, scales_per_row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Codes and scales (one per 32 or per 16 columns); None if staged rows use the other."""
-        if self.codes8 is None or self.scale8 is None:
-            rows, cols = self.shape
-            self.codes8 = torch.zeros(rows, cols, dtype=torch.int8)
-            self.scale8 = torch.zeros(rows, scales_per_row)
-        if self.scale8.shape[1] != scales_per_row:
-            return None
-        return self.codes8, self.scale8
-
-    def _dense_buffer(self) -> torch.Tensor:
-        if self.dense is None:
-            self.dense = torch.zeros(self.shape)
-        return self.dense
-
-    def finalize(self, dtype: torch.dtype, *, allow_int4: bool = True) -> QuantizedMatmul:
-        """The kernel for the staged weight (ValueError if any row was never written).
-
-        allow_int4=False (an embedding table, whose rows are also looked up): int4
-        rows take QGemmInt4Table on the C kernel, else are re-quantised to int8 per row.
-        """
-        if bool((self.row_kind == _UNSET).any()):
-            raise ValueError("a quantised weight was finalised with rows the checkpoint never set")
-        kernel = self._pick_kernel(dtype, allow_int4)
-        per_channel = isinstance(kernel, (Int8ChannelMatmul, DenseMatmul))  # own error is right
-        if bool(self.requantized.any()) and not per_channel:
-            # The kernel's own report compares it with the re-quantised codes; the
-            # log must compare it with the checkpoint. dequantized() gives the codes the
-            # kernel holds; its own error (torch's bf16 scales) adds at most its report's.
-            sources = "+".join(sorted(self.requantized_sources))
-            error = _rel_error(kernel.dequantized(), self.dequantized())
-            kernel.report = replace(
-                kernel.report,
-                kernel=f"{kernel.report.kernel}; {sources} re-quantised to int8 groups of 32",
-                rel_error=error + kernel.report.rel_error,
-            )
-        return kernel
-
-    def _pick_kernel(self, dtype: torch.dtype, allow_int4: bool) -> QuantizedMatmul:
-        source = "+".join(sorted(self.sources))
-        all_int4 = bool((self.row_kind == _INT4).all())
-        if allow_int4 and all_int4 and self.shape[1] % GROUP == 0 and self.codes is not None:
-            assert self.scale is not None and self.offset is not None
-            groups = _Groups(self.codes, self.scale, self.offset)
-            return int4_kernel(groups, dtype, source)
-        if all_int4 and self.shape[1] % GROUP == 0 and self.codes is not None:
-            lib = qgemm_available(dtype)  # a table: exact on the C kernel, with its lookup
-            if lib is not None:
-                assert self.scale is not None and self.offset is not None
-                try:
-                    return QGemmInt4Table(
-                        lib, _Groups(self.codes, self.scale, self.offset), dtype, source
-                    )
-                except ValueError:  # Q5_K rows beside 4-bit rows of no Q5_K form
-                    pass
-        if bool((self.row_kind == _INT8).all()) and self.codes8 is not None:
-            assert self.scale8 is not None
-            table = int8_table_kernel(self.codes8, self.scale8, dtype, source)
-            if table is not None:
-                return table
-        split = self._row_split(dtype, source) if allow_int4 else None
-        if split is not None:
-            return split
-        weight = self.dequantized()
-        quantised_source = any(not s.startswith(("F", "BF")) for s in self.sources)
-        if quantised_source:
-            return Int8ChannelMatmul(weight, dtype, source)
-        return DenseMatmul(weight, dtype, source)
-
-    def _row_split(self, dtype: torch.dtype, source: str) -> RowSplitMatmul | None:
-        """Runs of 4-bit and 8-bit rows (Q4_K_M's qkv: Q4_K q/k, Q6_K v), each exact on the
-        C kernel; None when a row is dense or the C kernel did not load."""
-        kinds = self.row_kind.tolist()
-        if _DENSE in kinds or _UNSET in kinds or qgemm_available(dtype) is None:
-            return None
-        parts: list[QuantizedMatmul] = []
-        start = 0
-        for end in range(1, len(kinds) + 1):
-            if end < len(kinds) and kinds[end] == kinds[start]:
-                continue
-            rows = slice(start, end)
-            if kinds[start] == _INT4:
-                assert self.codes is not None and self.scale is not None
-                assert self.offset is not None
-                groups = _Groups(self.codes[rows], self.scale[rows], self.offset[rows])
-                parts.append(int4_kernel(groups, dtype, source))
-            else:
-                assert self.codes8 is not None and self.scale8 is not None
-                table = int8_table_kernel(self.codes8[rows], self.scale8[rows], dtype, source)
-                assert table is not None  # the C kernel loaded
-                parts.append(table)
-            start = end
-        return RowSplitMatmul(parts, source)
-
-    def finalize_embedding(self, dtype: torch.dtype) -> EmbeddingMatmul:
-        """finalize() for a table whose rows are looked up too: int8 per row or dense."""
-        kernel = self.finalize(dtype, allow_int4=False)
-        assert isinstance(
-            kernel, (QGemmTable, QGemmInt4Table, Int8GroupMatmul, Int8ChannelMatmul, DenseMatmul)
-        )
-        return kernel
-
-    def dequantized(self) -> torch.Tensor:
-        """float32 [rows, cols] of what the checkpoint stored (the reference for errors)."""
-        out = self.dense.clone() if self.dense is not None else torch.zeros(self.shape)
-        if self.codes is not None:
-            assert self.scale is not None and self.offset is not None
-            rows = self.row_kind == _INT4
-            exact = self.codes[rows].float() * self.scale[rows].repeat_interleave(GROUP, 1)
-            out[rows] = exact + self.offset[rows].repeat_interleave(GROUP, 1)
-        if self.codes8 is not None:
-            assert self.scale8 is not None
-            rows = (self.row_kind == _INT8) & ~self.requantized
-            out[rows] = _int8_exact(self.codes8[rows], self.scale8[rows])
-        return out
-
-
 def requantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 [R, C] (C % 32 == 0) -> symmetric int8 codes [R, C] and scales [R, C/32].
 
@@ -677,80 +538,6 @@ class _Groups:
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
-
-
-class StagingRows:
-    """Rows [start, start + length) of a QuantStaging (what `narrow(0, ...)` returns)."""
-
-    def __init__(self, staging: QuantStaging, start: int, length: int) -> None:
-        self.staging = staging
-        self.start = start
-        self.length = length
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.length, self.staging.shape[1])
-
-    def copy_(self, src: torch.Tensor | QuantizedCheckpointTensor) -> None:
-        if tuple(src.shape) != self.shape:
-            raise ValueError(f"copying a {tuple(src.shape)} tensor into rows of shape {self.shape}")
-        st, rows = self.staging, slice(self.start, self.start + self.length)
-        if isinstance(src, torch.Tensor):
-            st._dense_buffer()[rows].copy_(src)
-            st.row_kind[rows] = _DENSE
-            st.sources.add(str(src.dtype).removeprefix("torch.").upper().replace("FLOAT", "F"))
-            return
-        st.sources.add(src.type_name)
-        groups = src.int4_groups() if st.shape[1] % GROUP == 0 else None
-        if groups is not None and not _int4_codes_fit(groups):
-            groups = None  # Q5_K without the C kernel's FMT_Q5K: re-quantised below
-        groups8 = src.int8_groups() if groups is None and st.shape[1] % GROUP == 0 else None
-        # A row range whose 8-bit grouping differs from the rows staged before it is
-        # dequantised (the layer then takes the re-quantising kernel).
-        buffers8 = st._int8_buffers(groups8.scale.shape[1]) if groups8 is not None else None
-        if groups8 is not None and buffers8 is not None:
-            codes8, scale8 = buffers8
-            codes8[rows].copy_(groups8.codes)
-            scale8[rows].copy_(groups8.scale)
-            st.row_kind[rows] = _INT8
-            return
-        if groups is None:
-            self._copy_requantized(src)
-            return
-        codes, scale, offset = st._int4_buffers()
-        codes[rows].copy_(groups.codes)
-        scale[rows].copy_(groups.scale)
-        offset[rows].copy_(groups.offset)
-        st.row_kind[rows] = _INT4
-
-    def _copy_requantized(self, src: QuantizedCheckpointTensor) -> None:
-        """A format with no exact kernel form: int8 groups of 32 where the rows allow it
-        (the checkpoint values stay in `dense` for the error report), else dense rows."""
-        st, rows = self.staging, slice(self.start, self.start + self.length)
-        weight = src.dequantize()
-        st._dense_buffer()[rows].copy_(weight)
-        cols = st.shape[1]
-        buffers = st._int8_buffers(cols // GROUP) if cols % GROUP == 0 else None
-        if buffers is None:  # or 8-bit rows with 16-weight groups were staged before
-            st.row_kind[rows] = _DENSE
-            return
-        codes8, scale8 = buffers
-        codes, scale = requantize_int8_groups(weight)
-        codes8[rows].copy_(codes)
-        scale8[rows].copy_(scale)
-        st.row_kind[rows] = _INT8
-        st.requantized[rows] = True
-        st.requantized_sources.add(src.type_name)
-
-
-def _int4_codes_fit(groups: Int4GroupsLike) -> bool:
-    """Whether a kernel takes these codes exactly: 0..15 always; Q5_K's 0..31 only on the
-    C kernel (FMT_Q5K; torch's int4 kernel stops at 15), with K whole super-blocks.
-    Q5_K rows from a file always have FMT_Q5K's scale form (d, dmin f16 x 6 bits)."""
-    codes = groups.codes
-    if codes.numel() == 0 or int(codes.max()) <= 15:
-        return True
-    return codes.shape[1] % 256 == 0 and load_qgemm() is not None
 
 
 def linear_forward(kernel: QuantizedMatmul, x: torch.Tensor) -> torch.Tensor:

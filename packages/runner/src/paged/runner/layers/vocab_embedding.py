@@ -17,11 +17,8 @@ from torch import nn
 from paged.runner.layers.cpu_panels import make_panels, panel_matmul, use_panels
 from paged.runner.layers.linear import CheckpointTensor, check_shape
 from paged.runner.layers.parallel import TPGroup
-from paged.runner.layers.quantized_linear import (
-    EmbeddingMatmul,
-    QuantReport,
-    QuantStaging,
-)
+from paged.runner.layers.quant_staging import QuantStaging
+from paged.runner.layers.quantized_linear import EmbeddingMatmul, QuantReport
 
 
 def _vocab_weight(

@@ -1,8 +1,8 @@
 """GGUF metadata -> Hugging Face config.
 
 A GGUF file carries its hyper-parameters as `<arch>.<key>` metadata
-(llama.cpp naming). This module opens the file with the `gguf` package,
-turning every parse failure into one ValueError that names the file, and maps
+(llama.cpp naming). This module opens the file (loader/gguf_file.py), turning
+every parse failure into one ValueError that names the file, and maps
 the metadata of the supported architectures onto the matching transformers
 config class so that the rest of paged sees one kind of config.
 """
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+
+from paged.runner.loader.gguf_file import GGUFFile, field_length, read_gguf
 
 # GGUF `general.architecture` -> (HF architecture name, HF model_type).
 # llama.cpp writes Mistral and SmolLM checkpoints as "llama".
@@ -34,12 +36,13 @@ LLAMA_CPP_RANK_TENSORS = frozenset(
 )
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    """Parse a GGUF file; a missing, truncated or foreign file raises a ValueError."""
+def open_gguf(path: Path) -> GGUFFile:
+    """Parse a GGUF file (loader/gguf_file.py); a missing, truncated or foreign file raises
+    a ValueError."""
     if not path.is_file():
         raise ValueError(f"model: GGUF file {str(path)!r} does not exist")
     try:
-        return gguf.GGUFReader(str(path))
+        return read_gguf(path)
     except Exception as exc:  # the gguf package raises assorted errors on bad files
         raise ValueError(
             f"model: {str(path)!r} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
@@ -47,8 +50,9 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
         ) from exc
 
 
-def field_value(reader: gguf.GGUFReader, key: str) -> Any:
-    """The value of metadata `key` (scalars as Python numbers/strings), or None if absent."""
+def field_value(reader: GGUFFile | gguf.GGUFReader, key: str) -> Any:
+    """The value of metadata `key` (scalars as Python numbers/strings), or None if absent
+    (also of gguf-py's reader, which LoRA adapters are read with)."""
     field = reader.fields.get(key)
     if field is None:
         return None
@@ -61,7 +65,7 @@ _GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
 _GGUF_POOLING_NONE, _GGUF_POOLING_RANK = 0, 4
 
 
-def gguf_pooling_type(reader: gguf.GGUFReader, path: Path) -> str | None:
+def gguf_pooling_type(reader: GGUFFile, path: Path) -> str | None:
     """The sequence pooling a GGUF embedding model declares (MEAN, CLS, LAST), else None.
 
     llama.cpp pools `--embedding` requests with `{arch}.pooling_type`; NONE (0) is
@@ -82,7 +86,7 @@ def gguf_pooling_type(reader: gguf.GGUFReader, path: Path) -> str | None:
     return _GGUF_POOLING_TYPES[int(value)]
 
 
-def gguf_architecture(reader: gguf.GGUFReader, path: Path) -> str:
+def gguf_architecture(reader: GGUFFile, path: Path) -> str:
     """The HF architecture name for the file (ValueError naming the supported ones)."""
     arch = field_value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -94,14 +98,14 @@ def gguf_architecture(reader: gguf.GGUFReader, path: Path) -> str:
     return GGUF_ARCHITECTURES[arch][0]
 
 
-def _require(reader: gguf.GGUFReader, key: str, path: Path) -> Any:
+def _require(reader: GGUFFile, key: str, path: Path) -> Any:
     value = field_value(reader, key)
     if value is None:
         raise ValueError(f"model: GGUF file {str(path)!r} lacks metadata key {key!r}")
     return value
 
 
-def gguf_to_hf_config(reader: gguf.GGUFReader, path: Path) -> Any:
+def gguf_to_hf_config(reader: GGUFFile, path: Path) -> Any:
     """Build the transformers config (LlamaConfig, Qwen2Config, ...) the file describes."""
     from transformers import AutoConfig
 
@@ -117,12 +121,12 @@ def gguf_to_hf_config(reader: gguf.GGUFReader, path: Path) -> Any:
 
     hidden = int(req("embedding_length"))
     num_heads = int(req("attention.head_count"))
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab_size = opt("vocab_size")
     if vocab_size is None:
         if tokens is None:
             raise ValueError(f"model: GGUF file {str(path)!r} has neither vocab_size nor tokens")
-        vocab_size = len(tokens)
+        vocab_size = field_length(tokens)  # not decoded: Gemma 3's are 262,144 strings
     head_dim = opt("attention.key_length") or hidden // num_heads
     rope_parameters: dict[str, Any] = {
         "rope_type": "default",

@@ -61,16 +61,28 @@ class Int4Groups:
 class GGUFQuantizedTensor:
     """One quantised GGUF tensor in Hugging Face layout ([out, in]), still as blocks."""
 
-    def __init__(self, data: np.ndarray, qtype: gguf.GGMLQuantizationType, cols: int) -> None:
+    def __init__(
+        self, data: np.ndarray, qtype: gguf.GGMLQuantizationType, cols: int, *,
+        rows: int | None = None, name: str = "",
+    ) -> None:  # fmt: skip
+        """data: the blocks, row after row; rows: how many the tensor's shape says (checked:
+        a truncated file's tensor comes out short); name: the file's, for error messages."""
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         if cols % block != 0:
             raise ValueError(f"{qtype.name} tensor with {cols} columns is not whole blocks")
-        rows_data = np.asarray(data, dtype=np.uint8).reshape(-1, cols // block * type_size)
-        self.data = rows_data
+        flat = np.asarray(data, dtype=np.uint8)
+        row_bytes = cols // block * type_size
+        if rows is not None and flat.size != rows * row_bytes:
+            raise ValueError(
+                f"GGUF tensor {name!r}: {rows} rows of {cols} {qtype.name} weights take "
+                f"{rows * row_bytes} bytes, the file holds {flat.size}: it is truncated or corrupt"
+            )
+        self.data = flat.reshape(-1, row_bytes)
         self.qtype = qtype
         self.cols = cols
         self.block = block
         self.type_size = type_size
+        self.name = name
 
     @property
     def type_name(self) -> str:
@@ -83,7 +95,7 @@ class GGUFQuantizedTensor:
     def narrow(self, dim: int, start: int, length: int) -> GGUFQuantizedTensor:
         """Rows (dim 0) or whole blocks of columns (dim 1) [start, start + length)."""
         if dim == 0:
-            return GGUFQuantizedTensor(self.data[start : start + length], self.qtype, self.cols)
+            return self._like(self.data[start : start + length], self.cols)
         if dim != 1:
             raise ValueError(f"dim: a 2-D tensor has dims 0 and 1, got {dim}")
         if start == 0 and length == self.cols:
@@ -94,11 +106,19 @@ class GGUFQuantizedTensor:
                 f"{self.block}-weight blocks; this tensor-parallel split needs dequantised weights"
             )
         b0, b1 = start // self.block * self.type_size, (start + length) // self.block
-        return GGUFQuantizedTensor(self.data[:, b0 : b1 * self.type_size], self.qtype, length)
+        return self._like(self.data[:, b0 : b1 * self.type_size], length)
 
     def permute_rows(self, index: torch.Tensor) -> GGUFQuantizedTensor:
         """Row i of the result is row index[i] of this tensor."""
-        return GGUFQuantizedTensor(self.data[index.numpy()], self.qtype, self.cols)
+        return self._like(self.data[index.numpy()], self.cols)
+
+    def _like(self, data: np.ndarray, cols: int) -> GGUFQuantizedTensor:
+        return GGUFQuantizedTensor(data, self.qtype, cols, name=self.name)
+
+    def block_rows(self) -> tuple[str, np.ndarray]:
+        """(the tensor's name, its blocks as uint8 [rows, bytes a row]): what
+        cpu_kernels/repack.py packs straight into the kernels' tiles."""
+        return self.name, self.data
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], the gguf package's reference decoding of the blocks."""

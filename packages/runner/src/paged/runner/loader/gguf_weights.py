@@ -135,8 +135,9 @@ def iterate_gguf(
         weight: torch.Tensor | GGUFQuantizedTensor
         try:
             if keep_quantized and is_quantized_type(tensor.tensor_type) and len(tensor.shape) == 2:
+                cols, rows = (int(d) for d in tensor.shape.tolist())
                 weight = GGUFQuantizedTensor(
-                    tensor.data, tensor.tensor_type, int(tensor.shape.tolist()[0])
+                    tensor.data, tensor.tensor_type, cols, rows=rows, name=tensor.name
                 )
             else:
                 weight = dequantize(tensor)
