@@ -28,6 +28,7 @@ from typing import Any
 import gguf
 
 from paged.runner.loader.gguf_config import field_value as _value
+from paged.runner.loader.gguf_file import GGUFFile
 
 _CONTROL = int(gguf.TokenType.CONTROL)
 _XLMR_UNK_ID = 3
@@ -43,7 +44,7 @@ _WPM_SPECIALS = {
 }
 
 
-def _token(tokens: list[str], reader: gguf.GGUFReader, key: str, default: int) -> str:
+def _token(tokens: list[str], reader: GGUFFile | gguf.GGUFReader, key: str, default: int) -> str:
     value = _value(reader, f"tokenizer.ggml.{key}")
     index = default if value is None else int(value)
     if not 0 <= index < len(tokens):
@@ -51,14 +52,14 @@ def _token(tokens: list[str], reader: gguf.GGUFReader, key: str, default: int) -
     return tokens[index]
 
 
-def is_bert_gguf_tokenizer(reader: gguf.GGUFReader) -> bool:
+def is_bert_gguf_tokenizer(reader: GGUFFile | gguf.GGUFReader) -> bool:
     """Whether the file's tokenizer is one of the two this module builds."""
     return _value(reader, "general.architecture") == "bert" and _value(
         reader, "tokenizer.ggml.model"
     ) in ("bert", "t5")
 
 
-def build_bert_gguf_tokenizer(reader: gguf.GGUFReader) -> Any:
+def build_bert_gguf_tokenizer(reader: GGUFFile | gguf.GGUFReader) -> Any:
     """A transformers fast tokenizer for a `bert` GGUF (see the module docstring)."""
     model = _value(reader, "tokenizer.ggml.model")
     tokens = [str(t) for t in _value(reader, "tokenizer.ggml.tokens") or []]
@@ -71,7 +72,7 @@ def build_bert_gguf_tokenizer(reader: gguf.GGUFReader) -> Any:
     raise ValueError(f"model: a `bert` GGUF with tokenizer {model!r} is not supported (bert, t5)")
 
 
-def _wordpiece(reader: gguf.GGUFReader, tokens: list[str]) -> Any:
+def _wordpiece(reader: GGUFFile | gguf.GGUFReader, tokens: list[str]) -> Any:
     from transformers import BertTokenizer
 
     types = _value(reader, "tokenizer.ggml.token_type")
@@ -116,7 +117,7 @@ def _wordpiece(reader: gguf.GGUFReader, tokens: list[str]) -> Any:
     )
 
 
-def _unigram(reader: gguf.GGUFReader, tokens: list[str]) -> Any:
+def _unigram(reader: GGUFFile | gguf.GGUFReader, tokens: list[str]) -> Any:
     from transformers import XLMRobertaTokenizer
 
     scores = _value(reader, "tokenizer.ggml.scores")

@@ -45,6 +45,7 @@ from paged.runner.loader.gguf_config import (
     LLAMA_CPP_RANK_TENSORS,
     field_value,
 )
+from paged.runner.loader.gguf_file import GGUFFile
 from paged.runner.loader.gguf_weights import dequantize
 
 _POOLING_RANK = 4
@@ -85,7 +86,7 @@ def bert_gguf_to_hf_name(name: str) -> str | None:
     )
 
 
-def is_rank_gguf(reader: gguf.GGUFReader) -> bool:
+def is_rank_gguf(reader: GGUFFile | gguf.GGUFReader) -> bool:
     """A `bert` file that carries a rank head or declares pooling_type RANK."""
     names = {t.name for t in reader.tensors}
     pooling = field_value(reader, f"{ENCODER_GGUF_ARCHITECTURE}.pooling_type")
@@ -94,7 +95,7 @@ def is_rank_gguf(reader: gguf.GGUFReader) -> bool:
     )
 
 
-def bert_hf_config(reader: gguf.GGUFReader, path: Path) -> Any:
+def bert_hf_config(reader: GGUFFile | gguf.GGUFReader, path: Path) -> Any:
     """A transformers BertConfig for a `bert` GGUF (positions 0-based: model_type bert)."""
     from transformers import AutoConfig
 
@@ -157,7 +158,9 @@ def bert_hf_config(reader: gguf.GGUFReader, path: Path) -> Any:
     return AutoConfig.for_model("bert", **kwargs)
 
 
-def iterate_bert_gguf(reader: gguf.GGUFReader, path: Path) -> list[tuple[str, torch.Tensor]]:
+def iterate_bert_gguf(
+    reader: GGUFFile | gguf.GGUFReader, path: Path
+) -> list[tuple[str, torch.Tensor]]:
     """The body tensors of a `bert` GGUF under HF BertModel names, float32.
 
     A file without `token_types` (optional in llama.cpp, which then adds nothing)

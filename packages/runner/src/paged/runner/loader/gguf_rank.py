@@ -33,6 +33,7 @@ from paged.runner.loader.gguf_config import (
     field_value,
     open_gguf,
 )
+from paged.runner.loader.gguf_file import GGUFFile
 from paged.runner.loader.gguf_weights import dequantize
 
 _POOLING_RANK = 4
@@ -46,11 +47,11 @@ DECODER_RANK_ARCHITECTURES = {
 _SOFTMAX_RANK_ARCHITECTURES = frozenset({"qwen3"})
 
 
-def _tensors(reader: gguf.GGUFReader) -> dict[str, Any]:
+def _tensors(reader: GGUFFile | gguf.GGUFReader) -> dict[str, Any]:
     return {t.name: t for t in reader.tensors}
 
 
-def is_decoder_rank(reader: gguf.GGUFReader) -> bool:
+def is_decoder_rank(reader: GGUFFile | gguf.GGUFReader) -> bool:
     """A decoder file declaring pooling_type RANK."""
     arch = field_value(reader, "general.architecture")
     value = field_value(reader, f"{arch}.pooling_type")
@@ -61,7 +62,7 @@ def _two_way(arch: str, rows: int) -> bool:
     return arch in _SOFTMAX_RANK_ARCHITECTURES and rows == 2
 
 
-def apply_decoder_rank(reader: gguf.GGUFReader, path: Path, hf_config: Any) -> None:
+def apply_decoder_rank(reader: GGUFFile | gguf.GGUFReader, path: Path, hf_config: Any) -> None:
     """Make `hf_config` the decoder classifier a RANK file is (ValueError naming what is
     missing, before any weight loads)."""
     arch = str(field_value(reader, "general.architecture"))
